@@ -1,0 +1,202 @@
+"""The explicit per-micro-batch attention context.
+
+The engine builds one :class:`SkrullAttentionContext` per micro-batch from this rank's
+:class:`~lightning_skrull.attention.layout.RankLayout` and sets it around the model's forward
+(and backward, which needs nothing from it) with :func:`attention_context`. The registered
+attention function reads it with :func:`current_attention_context`. A context variable is the
+only per-batch state; nothing else is global.
+
+Example::
+
+    layout = build_rank_layout(mb.sequence_ids, mb.placement, lengths, cp_rank=r, cp_size=n)
+    ctx = SkrullAttentionContext.build(layout, group=cp_group, backend="auto", device=device)
+    with attention_context(ctx):
+        loss = model(**batch).loss
+    loss.backward()
+"""
+
+from __future__ import annotations
+
+import contextvars
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from lightning_skrull.attention.layout import RankLayout
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+BACKENDS = ("sdpa", "flash")
+"""Attention backends a context can name (``"auto"`` resolves to one of them at build)."""
+
+
+@dataclass(frozen=True)
+class SkrullAttentionContext:
+    """This rank's layout of one micro-batch as device tensors, its CP group and its backend.
+
+    Build it with :meth:`build`. Attributes:
+        layout: the rank's :class:`RankLayout` (plain data).
+        group: the CP process group, ``None`` when ``cp_size == 1``.
+        backend: ``"sdpa"`` or ``"flash"``.
+        device: device of the index tensors (that of the activations).
+        local_cu_seqlens: int32 ``[num_local + 1]`` offsets of the local sequences.
+        gather_index: int64 rows of the all-gathered buffer that give the whole distributed
+            sequences laid end to end (empty without distributed sequences).
+        chunk_cu_seqlens_q: int32 offsets of this rank's distributed chunks inside the
+            distributed part of the packed buffer (``[num_chunks + 1]``).
+        chunk_cu_seqlens_k: int32 offsets of each chunk's key prefix (``[0, chunk.end)`` of its
+            sequence) laid end to end, for varlen kernels.
+        chunk_key_index: int64 rows of the whole distributed sequences that form those key
+            prefixes; built only for the ``flash`` backend (empty otherwise).
+    """
+
+    layout: RankLayout
+    group: ProcessGroup | None
+    backend: str
+    device: torch.device
+    local_cu_seqlens: torch.Tensor
+    gather_index: torch.Tensor
+    chunk_cu_seqlens_q: torch.Tensor
+    chunk_cu_seqlens_k: torch.Tensor
+    chunk_key_index: torch.Tensor
+
+    @classmethod
+    def build(
+        cls,
+        layout: RankLayout,
+        *,
+        group: ProcessGroup | None = None,
+        backend: str = "sdpa",
+        device: torch.device | str = "cpu",
+    ) -> SkrullAttentionContext:
+        """Make the context of one micro-batch.
+
+        Args:
+            layout: this rank's layout.
+            group: the CP process group (its size must be ``layout.cp_size`` and this process's
+                rank in it ``layout.cp_rank``); ``None`` only when ``cp_size == 1``.
+            backend: ``"sdpa"``, ``"flash"``, or ``"auto"`` (flash on CUDA when flash-attn is
+                installed, else sdpa).
+            device: where the activations live.
+
+        Raises:
+            ValueError: unknown backend, or a group that does not match the layout.
+            TypeError: ``layout`` is not a :class:`RankLayout`.
+        """
+        if not isinstance(layout, RankLayout):
+            raise TypeError(
+                f"layout must be a RankLayout, got {type(layout).__name__}; build it with "
+                "build_rank_layout(...)."
+            )
+        device = torch.device(device)
+        if backend == "auto" or backend not in BACKENDS:
+            from lightning_skrull.attention.flash import resolve_backend
+
+            backend = resolve_backend(backend, device)
+        _check_group(layout, group)
+
+        def ints(values: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device)
+
+        chunks = layout.distributed_chunks
+        start = layout.num_local_tokens
+        q_cu = [0] + [c.packed_start - start + c.end - c.start for c in chunks]
+        k_cu = [0]
+        for c in chunks:
+            k_cu.append(k_cu[-1] + c.end)
+        key_index: list[int] = []
+        if backend == "flash":
+            for c in chunks:
+                first = layout.distributed_cu_seqlens[c.index]
+                key_index.extend(range(first, first + c.end))
+        return cls(
+            layout=layout,
+            group=group,
+            backend=backend,
+            device=device,
+            local_cu_seqlens=ints(layout.local_cu_seqlens, torch.int32),
+            gather_index=ints(layout.gather_index, torch.int64),
+            chunk_cu_seqlens_q=ints(q_cu, torch.int32),
+            chunk_cu_seqlens_k=ints(k_cu, torch.int32),
+            chunk_key_index=ints(key_index, torch.int64),
+        )
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks in the CP group."""
+        return self.layout.cp_size
+
+    @property
+    def cp_rank(self) -> int:
+        """This rank's index in the CP group."""
+        return self.layout.cp_rank
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens packed on this rank."""
+        return self.layout.num_tokens
+
+
+def _check_group(layout: RankLayout, group: ProcessGroup | None) -> None:
+    if group is None:
+        if layout.cp_size > 1:
+            raise ValueError(
+                f"the layout is for cp_size {layout.cp_size} but group is None; pass the CP "
+                "process group (torch.distributed.new_group over the CP ranks)."
+            )
+        return
+    import torch.distributed as dist
+
+    size = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    if size != layout.cp_size or rank != layout.cp_rank:
+        raise ValueError(
+            f"the CP group has size {size} and this process is its rank {rank}, but the layout is "
+            f"for cp_rank {layout.cp_rank} of cp_size {layout.cp_size}; build the layout with this "
+            "process's rank in the group it is given."
+        )
+
+
+_CURRENT: contextvars.ContextVar[SkrullAttentionContext | None] = contextvars.ContextVar(
+    "skrull_attention_context", default=None
+)
+
+
+@contextmanager
+def attention_context(ctx: SkrullAttentionContext) -> Iterator[SkrullAttentionContext]:
+    """Make ``ctx`` the current attention context inside the ``with`` block (nestable).
+
+    Raises:
+        TypeError: ``ctx`` is not a :class:`SkrullAttentionContext`.
+    """
+    if not isinstance(ctx, SkrullAttentionContext):
+        raise TypeError(
+            f"attention_context expects a SkrullAttentionContext, got {type(ctx).__name__}; "
+            "build one with SkrullAttentionContext.build(layout, ...)."
+        )
+    token = _CURRENT.set(ctx)
+    try:
+        yield ctx
+    finally:
+        _CURRENT.reset(token)
+
+
+def current_attention_context() -> SkrullAttentionContext:
+    """The context set by the innermost :func:`attention_context`.
+
+    Raises:
+        RuntimeError: called outside ``attention_context`` (the model ran the ``"skrull"``
+            attention without the engine setting this micro-batch's layout).
+    """
+    ctx = _CURRENT.get()
+    if ctx is None:
+        raise RuntimeError(
+            "the 'skrull' attention ran outside attention_context(...): no micro-batch layout is "
+            "set. Run the forward inside `with attention_context(SkrullAttentionContext.build("
+            "layout, group=..., device=...)):` (the Skrull engine/strategy does this for you)."
+        )
+    return ctx
