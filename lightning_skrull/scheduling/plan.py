@@ -47,7 +47,7 @@ class MicroBatchPlan:
     def tokens_per_cp_rank(self, lengths: Sequence[int], cp_size: int) -> list[int]:
         """Tokens each CP rank holds (the planner's budget accounting, ceil for shards)."""
         tokens = [0] * cp_size
-        for sid, where in zip(self.sequence_ids, self.placement):
+        for sid, where in zip(self.sequence_ids, self.placement, strict=True):
             if where == DISTRIBUTED:
                 share = shard_tokens(lengths[sid], cp_size)
                 for j in range(cp_size):
@@ -59,7 +59,9 @@ class MicroBatchPlan:
     @property
     def distributed_ids(self) -> tuple[int, ...]:
         """Sequence ids sharded over the CP group, in plan order."""
-        return tuple(s for s, p in zip(self.sequence_ids, self.placement) if p == DISTRIBUTED)
+        return tuple(
+            s for s, p in zip(self.sequence_ids, self.placement, strict=True) if p == DISTRIBUTED
+        )
 
 
 @dataclass(frozen=True)
@@ -92,7 +94,9 @@ class GlobalBatchPlan:
 
     def digest(self) -> str:
         """A stable hash of the plan, used to check that every rank planned the same."""
-        h = hashlib.sha256(repr((self.dp_size, self.cp_size, self.bucket_size, self.policy)).encode())
+        h = hashlib.sha256(
+            repr((self.dp_size, self.cp_size, self.bucket_size, self.policy)).encode()
+        )
         for dp_rank, mbs in enumerate(self.micro_batches):
             for mb in mbs:
                 h.update(repr((dp_rank, mb.sequence_ids, mb.placement)).encode())

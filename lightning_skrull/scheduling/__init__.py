@@ -1,0 +1,33 @@
+"""Pure planning of Skrull's data scheduling (no torch, no torch.distributed).
+
+``plan_global_batch`` turns the sequence lengths of one global batch into a
+:class:`GlobalBatchPlan`: micro-batches per DP rank (GDS) and, inside each, which sequences are
+kept whole on one CP rank and which are sharded over the CP group (DACP). ``simulate`` and
+``lower_bound`` judge a plan with a :class:`CostModel`.
+"""
+
+from lightning_skrull.scheduling.cost_model import CostModel, FitSample, ModelShape
+from lightning_skrull.scheduling.plan import (
+    DISTRIBUTED,
+    GlobalBatchPlan,
+    MicroBatchPlan,
+    shard_tokens,
+)
+from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, POLICIES, plan_global_batch
+from lightning_skrull.scheduling.simulate import dp_rank_seconds, lower_bound, simulate
+
+__all__ = [
+    "DEFAULT_COST_MODEL",
+    "DISTRIBUTED",
+    "POLICIES",
+    "CostModel",
+    "FitSample",
+    "GlobalBatchPlan",
+    "MicroBatchPlan",
+    "ModelShape",
+    "dp_rank_seconds",
+    "lower_bound",
+    "plan_global_batch",
+    "shard_tokens",
+    "simulate",
+]

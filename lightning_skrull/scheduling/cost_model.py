@@ -1,0 +1,359 @@
+"""Estimated time of a micro-batch on one CP group, from the model's shape and a few constants.
+
+The model is deliberately simple and explicit, so that every number can be checked by hand:
+
+* **Compute.** Forward FLOPs of a Qwen2-style decoder (GQA projections, SwiGLU MLP, causal
+  attention, LM head); training costs ``train_flops_factor`` (3) times the forward; time is FLOPs
+  divided by ``achieved_flops``.
+* **Tiles.** Attention kernels work on ``tile_size`` x ``tile_size`` blocks of (query, key)
+  pairs and compute every block that holds at least one unmasked pair. A short sequence, and
+  even more a short sequence cut into ``2 * cp_size`` zigzag chunks, pays for padded blocks.
+* **Communication.** A distributed sequence's K/V are all-gathered over the CP group in the
+  forward and their gradients reduce-scattered in the backward: one collective per layer and
+  direction, each ``comm_latency_s`` plus bytes over ``comm_bandwidth``.
+* **Overhead.** A fixed ``micro_batch_overhead_s`` per micro-batch (launches, accumulation
+  bookkeeping, data movement that does not scale with tokens).
+
+The time of CP rank ``j`` in a micro-batch is::
+
+    overhead + linear(all tokens on j) + max(comm, local_attention(j)) + distributed_attention
+
+Only the attention of the local sequences overlaps the K/V communication (the paper's Eq. 2):
+the projections run before the all-gather can start and the MLP after the attention ends.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    """Shape of a Qwen2-style decoder (what the FLOP count needs).
+
+    Attributes:
+        hidden_size: model width ``h``.
+        num_layers: decoder layers.
+        num_attention_heads: query heads.
+        num_key_value_heads: key/value heads (GQA); equal to the query heads without GQA.
+        head_dim: width of one head.
+        intermediate_size: width of the SwiGLU MLP.
+        vocab_size: rows of the LM head.
+    """
+
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(
+                    f"ModelShape.{f.name}={value!r} is invalid; give a positive int "
+                    "(read it from the model's config)."
+                )
+
+    @property
+    def q_dim(self) -> int:
+        """Width of all query heads together."""
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of all key (or value) heads together."""
+        return self.num_key_value_heads * self.head_dim
+
+    def linear_flops_per_token(self) -> int:
+        """Forward FLOPs per token of every matmul that is not attention, all layers + LM head.
+
+        Per layer: q and o projections ``2*h*q_dim`` each, k and v ``2*h*kv_dim`` each, SwiGLU
+        MLP three matmuls ``2*h*ffn`` each. Once: LM head ``2*h*vocab``. Biases, norms,
+        rotary embedding and the activation are ignored (well under 1% of the FLOPs).
+        """
+        h = self.hidden_size
+        per_layer = (
+            2 * h * self.q_dim * 2 + 2 * h * self.kv_dim * 2 + 3 * 2 * h * self.intermediate_size
+        )
+        return self.num_layers * per_layer + 2 * h * self.vocab_size
+
+    def attention_flops_per_pair(self) -> int:
+        """Forward FLOPs of one (query, key) pair, all heads, all layers.
+
+        ``Q K^T`` and ``P V`` cost ``2 * head_dim`` each per head.
+        """
+        return self.num_layers * 4 * self.q_dim
+
+    def forward_flops(self, length: int) -> int:
+        """Exact forward FLOPs of one sequence of ``length`` tokens run whole (causal, no tiles).
+
+        Causal attention computes ``length * (length + 1) / 2`` pairs (the diagonal included).
+        """
+        pairs = length * (length + 1) // 2
+        return length * self.linear_flops_per_token() + pairs * self.attention_flops_per_pair()
+
+
+QWEN2_5_0_5B = ModelShape(
+    hidden_size=896,
+    num_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=4864,
+    vocab_size=151936,
+)
+"""Shape of Qwen2.5-0.5B, the shape of the default cost model."""
+
+
+def causal_tiles(start: int, end: int, tile: int) -> int:
+    """Blocks a tiled causal kernel computes for queries ``[start, end)`` of a sequence.
+
+    Keys run from position 0. Query block ``u`` (``tile`` rows, the last one padded) covers
+    positions up to ``min(start + (u + 1) * tile, end)`` and needs that many keys rounded up to
+    whole key blocks. With ``tile == 1`` the result is the exact number of causal pairs.
+
+    Args:
+        start: first query position.
+        end: one past the last query position (``end > start``).
+        tile: block size of the kernel, in tokens.
+
+    Returns:
+        The number of ``tile x tile`` blocks computed.
+    """
+    nq = -(-(end - start) // tile)
+    # Blocks u < nq - 1 end at start + (u + 1) * tile: ceil(start / tile) + u + 1 key blocks.
+    return (nq - 1) * (-(-start // tile)) + (nq - 1) * nq // 2 + (-(-end // tile))
+
+
+def zigzag_bounds(length: int, cp_size: int) -> list[int]:
+    """Boundaries of the ``2 * cp_size`` zigzag chunks of a sequence (floor split, no padding).
+
+    Chunk ``i`` is ``[b[i], b[i + 1])``; CP rank ``r`` holds chunks ``r`` and ``2N - 1 - r``.
+    """
+    n = 2 * cp_size
+    return [i * length // n for i in range(n + 1)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class CostModel:
+    """Estimated seconds of micro-batches on one CP group. Every constant can be set or fitted.
+
+    Attributes:
+        shape: the decoder's shape (see :meth:`from_hf_config`).
+        achieved_flops: FLOP/s one GPU achieves on this model's training kernels. Default: 40%
+            of an H100 SXM's dense bf16 peak (989 TFLOP/s).
+        micro_batch_overhead_s: fixed seconds per micro-batch, independent of its tokens.
+        comm_latency_s: fixed seconds of one collective (one per layer and direction).
+        comm_bandwidth: bytes per second one rank receives in a CP all-gather. Default: an
+            NVLink-class intra-node figure (100 GB/s achieved).
+        bytes_per_element: bytes of one K/V element (2 for bf16).
+        tile_size: block size of the attention kernel, in tokens (128 for flash-attention on
+            H100); 1 means exact pair counts.
+        train_flops_factor: training FLOPs over forward FLOPs (forward + backward = 3x).
+    """
+
+    shape: ModelShape = QWEN2_5_0_5B
+    achieved_flops: float = 0.4 * 989e12
+    micro_batch_overhead_s: float = 2e-3
+    comm_latency_s: float = 20e-6
+    comm_bandwidth: float = 100e9
+    bytes_per_element: int = 2
+    tile_size: int = 128
+    train_flops_factor: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.shape, ModelShape):
+            raise TypeError(
+                f"CostModel.shape must be a ModelShape, got {type(self.shape).__name__}; "
+                "build it with CostModel.from_hf_config(config)."
+            )
+        positive = ("achieved_flops", "comm_bandwidth", "train_flops_factor")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
+                raise ValueError(
+                    f"CostModel.{name}={value!r} is invalid; give a finite number > 0."
+                )
+        for name in ("micro_batch_overhead_s", "comm_latency_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+                raise ValueError(
+                    f"CostModel.{name}={value!r} is invalid; give a finite number >= 0."
+                )
+        for name in ("bytes_per_element", "tile_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"CostModel.{name}={value!r} is invalid; give an int >= 1.")
+
+    @classmethod
+    def from_hf_config(cls, config: Any, **constants: Any) -> CostModel:
+        """Cost model of a Hugging Face decoder config (Qwen2, Llama, Mistral, Qwen3 shape).
+
+        Args:
+            config: a ``transformers`` config (or any object) with ``hidden_size``,
+                ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size`` and
+                ``vocab_size``; ``num_key_value_heads`` and ``head_dim`` are optional
+                (defaults: no GQA, ``hidden_size // num_attention_heads``).
+            **constants: any other :class:`CostModel` field (``achieved_flops=...``).
+
+        Returns:
+            The cost model.
+
+        Raises:
+            ValueError: when the config lacks a needed field.
+        """
+        needed = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        missing = [n for n in needed if getattr(config, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"{type(config).__name__} lacks {missing}; CostModel.from_hf_config needs a "
+                "decoder config of Qwen2/Llama shape (or build ModelShape yourself)."
+            )
+        heads = int(config.num_attention_heads)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        shape = ModelShape(
+            hidden_size=int(config.hidden_size),
+            num_layers=int(config.num_hidden_layers),
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(config.intermediate_size),
+            vocab_size=int(config.vocab_size),
+        )
+        return cls(shape=shape, **constants)
+
+    def with_constants(self, **constants: Any) -> CostModel:
+        """A copy with some constants changed."""
+        return replace(self, **constants)
+
+    # ----------------------------------------------------------------- per-sequence terms
+    def _seconds(self, forward_flops: float) -> float:
+        return self.train_flops_factor * forward_flops / self.achieved_flops
+
+    def linear_seconds(self, tokens: float) -> float:
+        """Training seconds of the non-attention matmuls (and LM head) of ``tokens`` tokens."""
+        return self._seconds(tokens * self.shape.linear_flops_per_token())
+
+    def local_attention_seconds(self, length: int) -> float:
+        """Training seconds of the attention of a sequence kept whole on one rank (tiled)."""
+        t = self.tile_size
+        return self._seconds(
+            causal_tiles(0, length, t) * t * t * self.shape.attention_flops_per_pair()
+        )
+
+    def distributed_attention_seconds(self, length: int, cp_size: int) -> float:
+        """Training seconds of a distributed sequence's attention on one CP rank (tiled).
+
+        Each of the ``2 * cp_size`` zigzag chunks is a block of queries against the whole
+        prefix of keys; its query rows are padded up to ``tile_size``. The work is the mean
+        over CP ranks (the zigzag layout balances it to within one block per chunk).
+        """
+        t = self.tile_size
+        b = zigzag_bounds(length, cp_size)
+        tiles = sum(causal_tiles(b[i], b[i + 1], t) for i in range(2 * cp_size) if b[i + 1] > b[i])
+        return self._seconds(tiles * t * t * self.shape.attention_flops_per_pair() / cp_size)
+
+    def local_seconds(self, length: int) -> float:
+        """Training seconds of a sequence kept whole on one rank (no communication)."""
+        return self.linear_seconds(length) + self.local_attention_seconds(length)
+
+    def distributed_seconds(self, length: int, cp_size: int) -> float:
+        """Training compute seconds of a distributed sequence on each CP rank."""
+        return self.linear_seconds(length / cp_size) + self.distributed_attention_seconds(
+            length, cp_size
+        )
+
+    def comm_bytes(self, distributed_tokens: int, cp_size: int) -> float:
+        """Bytes one rank receives per micro-batch for distributed sequences of that many tokens.
+
+        All layers, forward all-gather of K and V plus backward reduce-scatter of their
+        gradients; each rank receives the ``(N - 1) / N`` it does not hold.
+        """
+        if cp_size == 1:
+            return 0.0
+        per_token = 2 * self.shape.kv_dim * self.bytes_per_element  # K and V
+        directions = 2 * self.shape.num_layers
+        return directions * per_token * distributed_tokens * (cp_size - 1) / cp_size
+
+    def num_collectives(self, cp_size: int) -> int:
+        """Collectives per micro-batch with at least one distributed sequence."""
+        return 0 if cp_size == 1 else 2 * self.shape.num_layers
+
+    def comm_seconds(self, distributed_tokens: int, cp_size: int) -> float:
+        """Seconds of the K/V communication of a micro-batch (0 with nothing distributed)."""
+        if distributed_tokens == 0 or cp_size == 1:
+            return 0.0
+        return (
+            self.num_collectives(cp_size) * self.comm_latency_s
+            + self.comm_bytes(distributed_tokens, cp_size) / self.comm_bandwidth
+        )
+
+    # ----------------------------------------------------------------- micro-batch time
+    def rank_seconds(self, mb: MicroBatchPlan, lengths: Sequence[int], cp_size: int) -> list[float]:
+        """Estimated seconds of every CP rank of one micro-batch (overhead included)."""
+        linear = [0.0] * cp_size
+        attn = [0.0] * cp_size
+        dist_tokens = 0
+        dist_attn = 0.0
+        for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
+            s = lengths[sid]
+            if where == DISTRIBUTED:
+                dist_tokens += s
+                dist_attn += self.distributed_attention_seconds(s, cp_size)
+            else:
+                linear[where] += self.linear_seconds(s)
+                attn[where] += self.local_attention_seconds(s)
+        comm = self.comm_seconds(dist_tokens, cp_size)
+        dist_linear = self.linear_seconds(dist_tokens / cp_size)
+        base = self.micro_batch_overhead_s + dist_linear + dist_attn
+        return [base + linear[j] + max(comm, attn[j]) for j in range(cp_size)]
+
+    def micro_batch_seconds(
+        self, mb: MicroBatchPlan, lengths: Sequence[int], cp_size: int
+    ) -> float:
+        """Estimated seconds of one micro-batch: its slowest CP rank."""
+        return max(self.rank_seconds(mb, lengths, cp_size))
+
+    # ----------------------------------------------------------------- fitting
+    def fit(
+        self, samples: Iterable[FitSample | tuple[GlobalBatchPlan, Sequence[int], float]]
+    ) -> CostModel:
+        """Fit the constants to measured iteration times by least squares.
+
+        See :func:`lightning_skrull.scheduling.fit.fit_cost_model` (this is a shortcut).
+        """
+        from lightning_skrull.scheduling.fit import fit_cost_model
+
+        return fit_cost_model(self, samples)
+
+
+@dataclass(frozen=True)
+class FitSample:
+    """One measured optimizer step: its plan, the lengths it planned, and its seconds.
+
+    Attributes:
+        plan: the plan that ran.
+        lengths: the global batch's sequence lengths.
+        seconds: measured wall-clock seconds of the step's forward/backward work (the slowest
+            DP rank, i.e. what the gradient all-reduce waits for), without the optimizer step.
+    """
+
+    plan: GlobalBatchPlan
+    lengths: Sequence[int]
+    seconds: float
