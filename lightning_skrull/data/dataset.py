@@ -1,0 +1,314 @@
+"""Tokenised SFT samples: storage, validation and truncation.
+
+An :class:`SFTDataset` holds every sample of a fine-tuning set as two flat ``int32`` arrays
+(token ids and labels) plus offsets, so that the lengths the planner needs are free, memory stays
+at 8 bytes per token, and validation of millions of tokens is a handful of vectorised passes.
+:func:`~lightning_skrull.data.sources.load_sft_data` builds one from any supported input.
+
+Rules checked when a dataset is built (they hold for every model):
+    at least one sample; no sample without tokens; as many labels as tokens; token ids are
+    non-negative integers; labels are ``-100`` or non-negative integers; at least one supervised
+    token in the whole dataset.
+
+Rules checked by :meth:`SFTDataset.validate`, once the model and the parallel layout are known:
+    ids and labels below ``vocab_size``; no sample longer than ``max_tokens``
+    (``cp_size * bucket_size``), or truncation to it when asked for.
+"""
+
+from __future__ import annotations
+
+import bisect
+import operator
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch.utils.data
+
+IGNORE_INDEX = -100
+"""Label of a token that is not supervised (the convention of HF causal-LM losses)."""
+
+_INT32_MAX = int(np.iinfo(np.int32).max)
+
+
+class TruncationWarning(UserWarning):
+    """Warned once per :meth:`SFTDataset.validate` call that truncated over-long samples."""
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a run of consecutive samples came from, for error messages.
+
+    Attributes:
+        start: index of the first sample of the run in the dataset.
+        source: a file name, ``"datasets.Dataset"``, or ``""`` for in-memory samples.
+        line_numbers: 1-based line of each sample in ``source`` (JSON Lines files); ``None``
+            when samples are rows counted from 0.
+    """
+
+    start: int
+    source: str
+    line_numbers: Sequence[int] | None = None
+
+
+def describe_sample(index: int, origins: Sequence[Origin]) -> str:
+    """``"sample 7 (train.jsonl line 9)"``: a sample index with its file and line or row."""
+    if not origins:
+        return f"sample {index}"
+    pos = bisect.bisect_right([o.start for o in origins], index) - 1
+    if pos < 0:
+        return f"sample {index}"
+    origin = origins[pos]
+    if not origin.source:
+        return f"sample {index}"
+    local = index - origin.start
+    if origin.line_numbers is not None:
+        return f"sample {index} ({origin.source} line {origin.line_numbers[local]})"
+    return f"sample {index} ({origin.source} row {local})"
+
+
+def _check_positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__}).")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1, got {value}; pass a positive number of tokens.")
+    return int(value)
+
+
+class SFTDataset(torch.utils.data.Dataset):
+    """Map-style dataset of tokenised SFT samples.
+
+    ``dataset[i]`` is ``{"input_ids": list[int], "labels": list[int]}``; a label of ``-100``
+    marks a token that is not supervised. Build one with
+    :func:`~lightning_skrull.data.load_sft_data`; the constructor takes the flat storage directly.
+
+    Args:
+        input_ids: every sample's token ids, concatenated (1-D integer array).
+        offsets: ``num_samples + 1`` non-decreasing positions into ``input_ids``; sample ``i`` is
+            ``input_ids[offsets[i]:offsets[i + 1]]``.
+        labels: same shape as ``input_ids``, or ``None`` when every token is supervised.
+        origins: where the samples came from, used only to name files and lines in errors.
+
+    Raises:
+        ValueError: when a rule listed in the module docstring is broken; the message names the
+            sample (and file and line when known), the value, the rule and the fix.
+    """
+
+    def __init__(
+        self,
+        input_ids: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray | None = None,
+        *,
+        origins: Sequence[Origin] = (),
+    ) -> None:
+        self._origins = tuple(origins)
+        offsets = np.asarray(offsets, dtype=np.int64)
+        input_ids = np.asarray(input_ids)
+        if offsets.ndim != 1 or len(offsets) < 1 or offsets[0] != 0:
+            raise ValueError(
+                "offsets must be a 1-D array starting at 0 with one entry per sample + 1."
+            )
+        if len(offsets) == 1:
+            sources = sorted({o.source for o in self._origins if o.source})
+            where = f" (read from {', '.join(sources)})" if sources else ""
+            raise ValueError(
+                f"The training data is empty: 0 samples{where}. Give at least one sample "
+                '{"input_ids": [...], "labels": [...]}.'
+            )
+        if input_ids.ndim != 1 or offsets[-1] != len(input_ids):
+            raise ValueError(
+                f"offsets end at {int(offsets[-1])} but input_ids holds {input_ids.size} tokens; "
+                "they must describe the same flat array."
+            )
+        self._offsets = offsets
+        lengths = np.diff(offsets)
+        if (lengths < 0).any():
+            raise ValueError("offsets must be non-decreasing.")
+        empty = np.flatnonzero(lengths == 0)
+        if len(empty):
+            raise ValueError(
+                f"{self.describe(int(empty[0]))} has empty input_ids ({len(empty)} such sample(s)); "
+                "every sample needs at least one token. Remove empty samples from the data."
+            )
+        self._input_ids = self._as_int32("input_ids", input_ids, allow_ignore=False)
+        if labels is not None:
+            labels = np.asarray(labels)
+            if labels.shape != input_ids.shape:
+                raise ValueError(
+                    f"labels hold {labels.size} values but input_ids {input_ids.size}; give one label "
+                    "per token."
+                )
+            self._labels: np.ndarray | None = self._as_int32("labels", labels, allow_ignore=True)
+            if (self._labels == IGNORE_INDEX).all():
+                raise ValueError(
+                    f"No sample has a supervised token: all {labels.size} labels are {IGNORE_INDEX}, "
+                    "so training would learn nothing. Keep the labels of the tokens to learn (for "
+                    "chat data, the assistant turns) and set only the prompt tokens to -100."
+                )
+        else:
+            self._labels = None
+        self._lengths: list[int] = lengths.tolist()
+
+    # ------------------------------------------------------------------ checks
+    def _sample_of_token(self, flat_position: int) -> tuple[int, int]:
+        index = int(np.searchsorted(self._offsets, flat_position, side="right")) - 1
+        return index, flat_position - int(self._offsets[index])
+
+    def _as_int32(self, name: str, values: np.ndarray, *, allow_ignore: bool) -> np.ndarray:
+        """Checks integer type and range of a flat column and returns it as ``int32``."""
+        if values.size and values.dtype.kind not in "iu":
+            raise ValueError(
+                f"{name} must hold integers, got dtype {values.dtype}; convert the token ids to int "
+                "(for a datasets.Dataset: dataset.cast_column(...) to a list of int64)."
+            )
+        if allow_ignore:
+            bad = np.flatnonzero((values < 0) & (values != IGNORE_INDEX))
+            rule = f"labels must be {IGNORE_INDEX} (not supervised) or a token id >= 0"
+            fix = f"use {IGNORE_INDEX} for every token that is not supervised"
+        else:
+            bad = np.flatnonzero(values < 0)
+            rule = "token ids must be >= 0"
+            fix = "fix the tokenisation; padding or masking belongs in labels (-100), not input_ids"
+        if len(bad):
+            index, position = self._sample_of_token(int(bad[0]))
+            raise ValueError(
+                f"{self.describe(index)}: {name}[{position}] = {int(values[bad[0]])}; {rule}. "
+                f"Fix: {fix}. ({len(bad)} such value(s) in the dataset.)"
+            )
+        if values.size and int(values.max()) > _INT32_MAX:
+            flat = int(np.argmax(values))
+            index, position = self._sample_of_token(flat)
+            raise ValueError(
+                f"{self.describe(index)}: {name}[{position}] = {int(values[flat])} is beyond any "
+                f"vocabulary (token ids must be < 2**31); check the tokenisation of this sample."
+            )
+        return values.astype(np.int32, copy=False)
+
+    def describe(self, index: int) -> str:
+        """Names sample ``index`` with its file and line (or row) when known."""
+        return describe_sample(index, self._origins)
+
+    def validate(
+        self,
+        *,
+        max_tokens: int | None = None,
+        vocab_size: int | None = None,
+        truncate: bool = False,
+    ) -> SFTDataset:
+        """Checks the samples against the model and the parallel layout; linear in tokens.
+
+        Args:
+            max_tokens: longest sequence that can be trained, ``cp_size * bucket_size`` (one
+                sequence sharded over the whole CP group fills every rank's bucket).
+            vocab_size: the model's vocabulary size; every token id and every supervised label
+                must be below it.
+            truncate: cut samples longer than ``max_tokens`` to their first ``max_tokens`` tokens,
+                in place, with one :class:`TruncationWarning` that counts them. Off by default:
+                an over-long sample is an error.
+
+        Returns:
+            ``self`` (truncated in place when ``truncate`` and some sample was too long).
+
+        Raises:
+            ValueError: an id or label ``>= vocab_size``, or a sample longer than ``max_tokens``
+                without ``truncate``.
+        """
+        if vocab_size is not None:
+            vocab_size = _check_positive_int("vocab_size", vocab_size)
+            self._check_vocab("input_ids", self._input_ids, vocab_size)
+            if self._labels is not None:
+                self._check_vocab("labels", self._labels, vocab_size)
+        if max_tokens is not None:
+            max_tokens = _check_positive_int("max_tokens", max_tokens)
+            lengths = np.diff(self._offsets)
+            too_long = np.flatnonzero(lengths > max_tokens)
+            if len(too_long):
+                if not truncate:
+                    first = int(too_long[0])
+                    longest = int(np.argmax(lengths))
+                    raise ValueError(
+                        f"{self.describe(first)} has {int(lengths[first])} tokens, more than "
+                        f"max_tokens = {max_tokens} (cp_size * bucket_size: the most one sequence "
+                        f"sharded over the whole CP group can hold). {len(too_long)} sample(s) are "
+                        f"too long, the longest is {self.describe(longest)} with "
+                        f"{int(lengths[longest])} tokens. Fix: raise bucket_size or cp_size so that "
+                        f"cp_size * bucket_size >= {int(lengths[longest])}, or pass truncate=True "
+                        f"to keep the first {max_tokens} tokens of each over-long sample."
+                    )
+                self._truncate(max_tokens, too_long)
+        return self
+
+    def _check_vocab(self, name: str, values: np.ndarray, vocab_size: int) -> None:
+        bad = np.flatnonzero(values >= vocab_size)
+        if len(bad):
+            index, position = self._sample_of_token(int(bad[0]))
+            raise ValueError(
+                f"{self.describe(index)}: {name}[{position}] = {int(values[bad[0]])} is not below "
+                f"the model's vocab_size = {vocab_size} ({len(bad)} such value(s), largest "
+                f"{int(values.max())}). Fix: tokenise with the model's own tokenizer, or resize the "
+                "model's embeddings (model.resize_token_embeddings) to cover the added tokens."
+            )
+
+    def _truncate(self, max_tokens: int, too_long: np.ndarray) -> None:
+        lengths = np.diff(self._offsets)
+        starts = self._offsets[:-1]
+        position_in_sample = np.arange(len(self._input_ids)) - np.repeat(starts, lengths)
+        keep = position_in_sample < max_tokens
+        new_lengths = np.minimum(lengths, max_tokens)
+        labels = self._labels[keep] if self._labels is not None else None
+        lost_all = 0
+        if labels is not None:
+            new_offsets = np.concatenate(([0], np.cumsum(new_lengths)))
+            supervised = np.add.reduceat(labels != IGNORE_INDEX, new_offsets[:-1])
+            lost_all = int((supervised[too_long] == 0).sum())
+        self._input_ids = self._input_ids[keep]
+        self._labels = labels
+        self._offsets = np.concatenate(([0], np.cumsum(new_lengths))).astype(np.int64)
+        self._lengths = new_lengths.tolist()
+        lost = f"; {lost_all} of them kept no supervised token" if lost_all else ""
+        warnings.warn(
+            f"Truncated {len(too_long)} of {len(self)} samples to max_tokens = {max_tokens} "
+            f"(longest was {int(lengths.max())} tokens){lost}. Raise bucket_size or cp_size to "
+            "train on whole samples.",
+            TruncationWarning,
+            stacklevel=3,
+        )
+
+    # --------------------------------------------------------------- accessors
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every sample, in dataset order (all the planner needs)."""
+        return self._lengths
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens over all samples."""
+        return int(self._offsets[-1])
+
+    def __len__(self) -> int:
+        return len(self._offsets) - 1
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        try:
+            i = operator.index(index)
+        except TypeError:
+            raise TypeError(
+                f"SFTDataset indices are ints, got {type(index).__name__}; index one sample at a time."
+            ) from None
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample index {index} out of range for a dataset of {n} samples")
+        start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        ids = self._input_ids[start:end].tolist()
+        labels = self._labels[start:end].tolist() if self._labels is not None else list(ids)
+        return {"input_ids": ids, "labels": labels}
+
+    def __repr__(self) -> str:
+        return (
+            f"SFTDataset(num_samples={len(self)}, num_tokens={self.num_tokens}, "
+            f"max_length={max(self._lengths)})"
+        )

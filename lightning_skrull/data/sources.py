@@ -1,0 +1,328 @@
+"""Reading SFT samples from every supported input into an :class:`SFTDataset`.
+
+Supported ``train_data``:
+- a sequence of dicts ``{"input_ids": [...], "labels": [...]}`` (``labels`` optional);
+- a sequence of chat dicts ``{"messages": [{"role": ..., "content": ...}, ...]}`` (needs
+  ``tokenizer``); a sample holding both keys is read from ``input_ids``;
+- a ``datasets.Dataset`` with an ``input_ids`` (and optional ``labels``) or a ``messages`` column;
+- a path, or a list of paths, to JSON Lines (``.jsonl``, ``.json``) or Parquet (``.parquet``)
+  files, concatenated in the order given;
+- an :class:`SFTDataset`, returned as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from lightning_skrull.data.chat import check_chat_tokenizer, tokenize_chat
+from lightning_skrull.data.dataset import Origin, SFTDataset, describe_sample
+
+JSONL_SUFFIXES = (".jsonl", ".json")
+PARQUET_SUFFIXES = (".parquet",)
+
+SFTData = Any
+"""Anything :func:`load_sft_data` accepts (see the module docstring)."""
+
+
+def _to_ids(value: object, name: str, where: str) -> np.ndarray:
+    """One sample's ids or labels as a 1-D integer array, with a clear error otherwise."""
+    try:
+        array = np.asarray(value)
+    except (TypeError, ValueError) as err:  # ragged nesting and the like
+        raise ValueError(f"{where}: {name} is not a flat list of ints ({err}).") from None
+    if array.ndim != 1:
+        raise ValueError(
+            f"{where}: {name} must be a flat list of ints, got {value!r:.80}; give one list per "
+            "sample (no nesting, no batch dimension)."
+        )
+    if array.size and array.dtype.kind not in "iu":
+        items = value if isinstance(value, (list, tuple)) else array.ravel().tolist()
+        bad = [v for v in items if not isinstance(v, int) or isinstance(v, bool)]
+        found = f"{bad[0]!r} ({type(bad[0]).__name__})" if bad else "ints beyond 64 bits"
+        raise ValueError(
+            f"{where}: {name} holds {found}; token ids must be integers. "
+            "Fix: convert the ids to int when writing the data."
+        )
+    return array
+
+
+class _Builder:
+    """Accumulates per-sample arrays, then builds one :class:`SFTDataset`."""
+
+    def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
+        self.ids: list[np.ndarray] = []
+        self.labels: list[np.ndarray | None] = []
+        self.origins: list[Origin] = []
+        self._tokenizer_checked = False
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def add_sample(self, sample: object, where: str) -> None:
+        if not isinstance(sample, Mapping):
+            raise TypeError(
+                f"{where} is a {type(sample).__name__}; each sample must be a dict with "
+                "'input_ids' (and optional 'labels') or 'messages'."
+            )
+        if "input_ids" in sample:
+            ids = _to_ids(sample["input_ids"], "input_ids", where)
+            raw_labels = sample.get("labels")
+            labels = None if raw_labels is None else _to_ids(raw_labels, "labels", where)
+            if ids.size == 0:
+                raise ValueError(
+                    f"{where} has empty input_ids; every sample needs at least one token. Remove "
+                    "the sample from the data."
+                )
+            if labels is not None and labels.shape != ids.shape:
+                raise ValueError(
+                    f"{where} has {labels.size} labels for {ids.size} input_ids; give exactly one "
+                    "label per token (-100 where the token is not supervised), or omit 'labels' "
+                    "to supervise every token."
+                )
+        elif "messages" in sample:
+            if self.tokenizer is None:
+                raise ValueError(
+                    f"{where} is a chat sample ('messages') but no tokenizer was given; pass "
+                    "tokenizer=AutoTokenizer.from_pretrained(<model>) to tokenise it with the "
+                    "model's chat template."
+                )
+            if not self._tokenizer_checked:
+                check_chat_tokenizer(self.tokenizer)
+                self._tokenizer_checked = True
+            raw_ids, raw_labels = tokenize_chat(
+                sample["messages"],
+                self.tokenizer,
+                where=where,
+                chat_template_kwargs=self.chat_template_kwargs,
+            )
+            ids, labels = np.asarray(raw_ids, dtype=np.int64), np.asarray(raw_labels, np.int64)
+        else:
+            raise ValueError(
+                f"{where} has keys {sorted(map(str, sample))}; expected 'input_ids' (with optional "
+                "'labels') or 'messages'. Rename the columns of the data."
+            )
+        self.ids.append(ids)
+        self.labels.append(labels)
+
+    def add_table(self, table: Any, source: str) -> None:
+        """Adds every row of a ``pyarrow.Table`` (parquet file or ``datasets.Dataset``)."""
+        start = len(self)
+        self.origins.append(Origin(start=start, source=source))
+        names = table.column_names
+        if "input_ids" in names:
+            ids_column = _arrow_lists(table, "input_ids", source, start)
+            labels_column = (
+                _arrow_lists(table, "labels", source, start, nullable=True)
+                if "labels" in names
+                else [None] * len(ids_column)
+            )
+            for i, (ids, labels) in enumerate(zip(ids_column, labels_column, strict=True)):
+                where = describe_sample(start + i, self.origins)
+                if ids.size == 0:
+                    raise ValueError(
+                        f"{where} has empty input_ids; every sample needs at least one token. "
+                        "Remove the sample from the data."
+                    )
+                if labels is not None and labels.shape != ids.shape:
+                    raise ValueError(
+                        f"{where} has {labels.size} labels for {ids.size} input_ids; give exactly "
+                        "one label per token (-100 where the token is not supervised)."
+                    )
+                self.ids.append(ids)
+                self.labels.append(labels)
+        elif "messages" in names:
+            for i, messages in enumerate(table.column("messages").to_pylist()):
+                self.add_sample({"messages": messages}, describe_sample(start + i, self.origins))
+        else:
+            raise ValueError(
+                f"{source} has columns {names}; expected 'input_ids' (with optional 'labels') or "
+                "'messages'. Rename the columns of the data."
+            )
+
+    def build(self) -> SFTDataset:
+        offsets = np.zeros(len(self.ids) + 1, dtype=np.int64)
+        np.cumsum([a.size for a in self.ids], out=offsets[1:])
+        ids = np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
+        labels = None
+        if any(lab is not None for lab in self.labels):
+            labels = np.concatenate(
+                [
+                    ids_i if lab is None else lab
+                    for ids_i, lab in zip(self.ids, self.labels, strict=True)
+                ]
+            )
+        return SFTDataset(ids, offsets, labels, origins=self.origins)
+
+
+def _arrow_lists(
+    table: Any, name: str, source: str, start: int, *, nullable: bool = False
+) -> list[np.ndarray | None]:
+    """A list-of-int column as one array per row, checked for type and nulls column-wide."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    column = table.column(name).combine_chunks()
+    kind = column.type
+    if nullable and pa.types.is_null(kind):  # a column of missing values only
+        return [None] * len(column)
+    if not (
+        pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    ) or not pa.types.is_integer(kind.value_type):
+        raise ValueError(
+            f"{source}: column '{name}' has type {kind}; it must be a list of integers. Fix: write "
+            "the ids as integers (a datasets.Dataset: dataset.cast_column"
+            f"('{name}', datasets.Sequence(datasets.Value('int64'))))."
+        )
+    if column.null_count and not nullable:
+        row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
+        raise ValueError(
+            f"sample {start + row} ({source} row {row}): {name} is null; every sample needs a list "
+            "of token ids."
+        )
+    values = column.flatten()
+    if values.null_count:
+        raise ValueError(
+            f"{source}: column '{name}' contains null token ids; every id must be an integer."
+        )
+    flat = values.to_numpy(zero_copy_only=False)
+    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+    nulls = column.is_null().to_numpy(zero_copy_only=False) if column.null_count else None
+    splits = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
+    if nulls is None:
+        return list(splits)
+    return [None if is_null else part for part, is_null in zip(splits, nulls, strict=True)]
+
+
+def _read_jsonl(path: Path, builder: _Builder) -> None:
+    start = len(builder)
+    line_numbers: list[int] = []
+    builder.origins.append(Origin(start=start, source=str(path), line_numbers=line_numbers))
+    with path.open(encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                sample = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise ValueError(
+                    f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno}). "
+                    "JSON Lines needs one complete JSON object per line; fix or remove that line."
+                ) from None
+            line_numbers.append(number)
+            where = describe_sample(start + len(line_numbers) - 1, builder.origins)
+            if not isinstance(sample, dict):
+                raise ValueError(
+                    f"{where}: expected a JSON object per line, got {type(sample).__name__}."
+                )
+            builder.add_sample(sample, where)
+
+
+def _read_parquet(path: Path, builder: _Builder) -> None:
+    import pyarrow.parquet as pq
+
+    builder.add_table(pq.read_table(path), str(path))
+
+
+def _as_paths(train_data: object) -> list[Path] | None:
+    if isinstance(train_data, (str, os.PathLike)):
+        return [Path(train_data)]
+    if isinstance(train_data, (list, tuple)) and train_data:
+        is_path = [isinstance(p, (str, os.PathLike)) for p in train_data]
+        if all(is_path):
+            return [Path(p) for p in train_data]
+        if any(is_path):
+            raise TypeError(
+                "train_data mixes file paths and other items; give either a list of paths or a "
+                "list of sample dicts."
+            )
+    return None
+
+
+def _is_hf_dataset(train_data: object) -> bool:
+    module = sys.modules.get("datasets")  # a datasets.Dataset implies the module is imported
+    if module is None:
+        return False
+    if isinstance(train_data, (module.DatasetDict, module.IterableDataset)):
+        raise TypeError(
+            f"train_data is a datasets.{type(train_data).__name__}; pass one split as a "
+            "map-style datasets.Dataset (e.g. dataset['train'], or load it without streaming)."
+        )
+    return isinstance(train_data, module.Dataset)
+
+
+def load_sft_data(
+    train_data: SFTData,
+    *,
+    tokenizer: Any = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    max_tokens: int | None = None,
+    vocab_size: int | None = None,
+    truncate: bool = False,
+) -> SFTDataset:
+    """Reads and validates SFT samples from any supported input (see the module docstring).
+
+    Args:
+        train_data: samples in memory, a ``datasets.Dataset``, file path(s), or an
+            :class:`SFTDataset`.
+        tokenizer: a fast Hugging Face tokenizer with a chat template; needed only for chat
+            samples (``"messages"``), whose non-assistant tokens get label ``-100``.
+        chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``.
+        max_tokens, vocab_size, truncate: when given, :meth:`SFTDataset.validate` runs with them.
+
+    Returns:
+        The dataset, in input order (files in the order given, lines in file order).
+
+    Raises:
+        ValueError: bad data; the message names the sample, file and line, the rule and the fix.
+        TypeError: an unsupported ``train_data`` type.
+        FileNotFoundError: a path that does not exist.
+    """
+    if isinstance(train_data, SFTDataset):
+        dataset = train_data
+    else:
+        builder = _Builder(tokenizer, chat_template_kwargs)
+        paths = _as_paths(train_data)
+        if paths is not None:
+            for path in paths:
+                _read_file(path, builder)
+        elif _is_hf_dataset(train_data):
+            table = train_data.with_format("arrow")[0 : len(train_data)]
+            builder.add_table(table, "datasets.Dataset")
+        elif isinstance(train_data, Mapping) or not isinstance(train_data, Iterable):
+            raise TypeError(
+                f"train_data is a {type(train_data).__name__}; give a list of sample dicts, a "
+                "datasets.Dataset, or path(s) to .jsonl / .parquet files."
+            )
+        else:
+            for i, sample in enumerate(train_data):
+                builder.add_sample(sample, f"sample {i}")
+        dataset = builder.build()
+    if max_tokens is not None or vocab_size is not None:
+        dataset.validate(max_tokens=max_tokens, vocab_size=vocab_size, truncate=truncate)
+    return dataset
+
+
+def _read_file(path: Path, builder: _Builder) -> None:
+    if path.is_dir():
+        raise ValueError(f"{path} is a directory; pass the .jsonl or .parquet files in it.")
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist; check the train_data path.")
+    suffix = path.suffix.lower()
+    if suffix in JSONL_SUFFIXES:
+        _read_jsonl(path, builder)
+    elif suffix in PARQUET_SUFFIXES:
+        _read_parquet(path, builder)
+    else:
+        raise ValueError(
+            f"{path} has suffix {path.suffix!r}; supported files are JSON Lines "
+            f"({', '.join(JSONL_SUFFIXES)}) and Parquet ({', '.join(PARQUET_SUFFIXES)})."
+        )
