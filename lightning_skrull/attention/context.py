@@ -93,36 +93,16 @@ class SkrullAttentionContext:
                 "build_rank_layout(...)."
             )
         device = torch.device(device)
-        if backend == "auto" or backend not in BACKENDS:
-            from lightning_skrull.attention.flash import resolve_backend
+        from lightning_skrull.attention.flash import resolve_backend
 
-            backend = resolve_backend(backend, device)
+        backend = resolve_backend(backend, device)
         _check_group(layout, group)
-
-        def ints(values: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype).to(device)
-
-        chunks = layout.distributed_chunks
-        start = layout.num_local_tokens
-        q_cu = [0] + [c.packed_start - start + c.end - c.start for c in chunks]
-        k_cu = [0]
-        for c in chunks:
-            k_cu.append(k_cu[-1] + c.end)
-        key_index: list[int] = []
-        if backend == "flash":
-            for c in chunks:
-                first = layout.distributed_cu_seqlens[c.index]
-                key_index.extend(range(first, first + c.end))
         return cls(
             layout=layout,
             group=group,
             backend=backend,
             device=device,
-            local_cu_seqlens=ints(layout.local_cu_seqlens, torch.int32),
-            gather_index=ints(layout.gather_index, torch.int64),
-            chunk_cu_seqlens_q=ints(q_cu, torch.int32),
-            chunk_cu_seqlens_k=ints(k_cu, torch.int32),
-            chunk_key_index=ints(key_index, torch.int64),
+            **_index_tensors(layout, backend, device),
         )
 
     @property
@@ -139,6 +119,34 @@ class SkrullAttentionContext:
     def num_tokens(self) -> int:
         """Tokens packed on this rank."""
         return self.layout.num_tokens
+
+
+def _index_tensors(
+    layout: RankLayout, backend: str, device: torch.device
+) -> dict[str, torch.Tensor]:
+    """The device tensors of a context (no process group involved)."""
+
+    def ints(values: list[int] | tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.tensor(values, dtype=dtype).to(device)
+
+    chunks = layout.distributed_chunks
+    start = layout.num_local_tokens
+    q_cu = [0] + [c.packed_start - start + c.end - c.start for c in chunks]
+    k_cu = [0]
+    for c in chunks:
+        k_cu.append(k_cu[-1] + c.end)
+    key_index: list[int] = []
+    if backend == "flash":
+        for c in chunks:
+            first = layout.distributed_cu_seqlens[c.index]
+            key_index.extend(range(first, first + c.end))
+    return {
+        "local_cu_seqlens": ints(layout.local_cu_seqlens, torch.int32),
+        "gather_index": ints(layout.gather_index, torch.int64),
+        "chunk_cu_seqlens_q": ints(q_cu, torch.int32),
+        "chunk_cu_seqlens_k": ints(k_cu, torch.int32),
+        "chunk_key_index": ints(key_index, torch.int64),
+    }
 
 
 def _check_group(layout: RankLayout, group: ProcessGroup | None) -> None:

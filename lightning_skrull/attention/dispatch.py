@@ -1,0 +1,147 @@
+"""The ``"skrull"`` attention function for transformers' ``AttentionInterface``.
+
+A model whose ``config._attn_implementation`` is ``"skrull"`` calls
+:func:`skrull_attention_forward` in every decoder layer. transformers 5 builds no mask for an
+attention name it has no mask function for, so ``attention_mask`` arrives as ``None`` and the
+per-sequence causal structure comes from the micro-batch's
+:class:`~lightning_skrull.attention.context.SkrullAttentionContext` instead (no dense mask over
+the packed buffer is ever built). No mask function is registered on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from lightning_skrull.attention.context import current_attention_context
+from lightning_skrull.attention.flash import flash_attention
+from lightning_skrull.attention.sdpa import sdpa_attention
+
+ATTENTION_NAME = "skrull"
+"""Name under which :func:`register_skrull_attention` registers the attention function."""
+
+_BACKENDS = {"sdpa": sdpa_attention, "flash": flash_attention}
+
+
+def skrull_attention_forward(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Context-parallel causal attention with transformers' attention-function signature.
+
+    Args:
+        module: the calling attention module (its ``training`` flag and ``is_causal`` are read).
+        query: ``[1, Hq, T, D]`` with RoPE applied, ``T`` = this rank's packed tokens.
+        key: ``[1, Hkv, T, D]`` (GQA not repeated).
+        value: ``[1, Hkv, T, D]``.
+        attention_mask: must be ``None`` (what transformers passes for this attention name);
+            the layout in the current attention context defines which tokens attend which.
+        scaling: softmax scale; ``None`` = ``D ** -0.5``.
+        dropout: attention dropout; only ``0`` is supported in training.
+        **kwargs: other attention kwargs (``position_ids``, ``cu_seq_lens_q``... are ignored in
+            favour of the context; ``sliding_window``, ``softcap`` and ``position_bias`` must be
+            ``None``, ``is_causal`` must not be ``False``).
+
+    Returns:
+        ``(out [1, T, Hq, D], None)``.
+
+    Raises:
+        RuntimeError: called outside :func:`~lightning_skrull.attention.attention_context`.
+        ValueError: unsupported input (batch size, mask, dropout, sliding window, softcap,
+            position bias, non-causal) or ``T`` not matching the context's layout.
+    """
+    ctx = current_attention_context()
+    _check_inputs(module, query, key, value, attention_mask, dropout, kwargs)
+    if query.shape[2] != ctx.num_tokens:
+        raise ValueError(
+            f"the 'skrull' attention got {query.shape[2]} tokens but CP rank {ctx.cp_rank}'s "
+            f"layout holds {ctx.num_tokens}; feed the model the micro-batch the attention context "
+            "was built for."
+        )
+    q = query[0].transpose(0, 1)
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    out = _BACKENDS[ctx.backend](q, k, v, ctx, scale=scaling)
+    return out.unsqueeze(0), None
+
+
+def _check_inputs(
+    module: torch.nn.Module | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    kwargs: dict[str, Any],
+) -> None:
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise ValueError(
+            f"the 'skrull' attention expects 4-D query/key/value [batch, heads, tokens, dim], got "
+            f"shapes {tuple(query.shape)}, {tuple(key.shape)}, {tuple(value.shape)}."
+        )
+    if query.shape[0] != 1 or key.shape[0] != 1 or value.shape[0] != 1:
+        raise ValueError(
+            f"the 'skrull' attention needs batch size 1 (one packed micro-batch per rank), got "
+            f"query batch {query.shape[0]}; pack the micro-batch's sequences along the token dim."
+        )
+    if key.shape != value.shape or key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query "
+            f"{tuple(query.shape)} in tokens; the 'skrull' attention runs without a KV cache "
+            "(set use_cache=False)."
+        )
+    if query.shape[1] % key.shape[1] != 0:
+        raise ValueError(
+            f"query heads {query.shape[1]} are not a multiple of key/value heads {key.shape[1]}."
+        )
+    if attention_mask is not None:
+        raise ValueError(
+            "the 'skrull' attention got an attention_mask, but it derives the causal per-sequence "
+            "structure from the attention context; pass no attention_mask (or a 2-D one, which "
+            "transformers drops for this attention), not a prepared 4-D mask."
+        )
+    training = module is None or module.training
+    if dropout and dropout > 0 and training:
+        raise ValueError(
+            f"the 'skrull' attention does not implement attention dropout, got dropout={dropout} "
+            "in training; set the model config's attention_dropout to 0."
+        )
+    if kwargs.get("sliding_window") is not None:
+        raise ValueError(
+            f"the 'skrull' attention has no sliding window, got sliding_window="
+            f"{kwargs['sliding_window']}; disable it in the model config (use_sliding_window=False"
+            " / sliding_window=None) or use a model without one."
+        )
+    for name in ("softcap", "position_bias"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"the 'skrull' attention does not support {name}; got one.")
+    is_causal = kwargs.get("is_causal")
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    if not is_causal:
+        raise ValueError(
+            "the 'skrull' attention is causal only; the calling module asked for non-causal "
+            "attention (encoders / bidirectional layers are not supported)."
+        )
+
+
+def register_skrull_attention() -> str:
+    """Register :func:`skrull_attention_forward` with transformers under ``"skrull"``.
+
+    Idempotent. Afterwards ``model.set_attn_implementation("skrull")`` (or
+    ``attn_implementation="skrull"`` at load) selects it.
+
+    Returns:
+        The registered name, ``"skrull"``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION_NAME, skrull_attention_forward)
+    return ATTENTION_NAME

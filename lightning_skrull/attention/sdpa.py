@@ -1,0 +1,187 @@
+"""The ``sdpa`` backend: pure PyTorch, any device and dtype (float64 included).
+
+Local sequences: one ``scaled_dot_product_attention(..., is_causal=True)`` per sequence, so a
+sequence of ``s`` tokens costs what SDPA costs on it alone (no mask over the packed buffer).
+
+Distributed chunks: a chunk holding tokens ``[start, end)`` of a sequence attends keys
+``[0, end)`` of the whole (all-gathered) sequence with lower-right causal alignment: query
+``i`` sees keys ``0 .. start + i``. A square chunk (``start == 0``) uses ``is_causal=True``.
+Otherwise the queries are processed in blocks of ``b`` rows; block ``[a, a + b)`` attends keys
+``[0, start + a + b)`` with a boolean mask of ``b x (start + a + b)`` built on the fly, ``b``
+chosen so the mask has at most :data:`MASK_ELEMENTS_PER_CALL` elements. The mask is therefore
+O(s) per call for a long sequence, never the quadratic ``Lq x Lk`` (nor one over the buffer).
+On CPU, SDPA runs these masks through its fused flash kernel (no score matrix kept).
+
+GQA uses ``enable_gqa=True``: K/V are not repeated by this code (the fused kernels read shared
+heads directly; the math fallback repeats internally).
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+import torch.nn.functional as F
+
+from lightning_skrull.attention.comm import context_parallel_attention
+from lightning_skrull.attention.context import SkrullAttentionContext
+
+MASK_ELEMENTS_PER_CALL = 1 << 22
+"""Largest boolean mask (elements) one SDPA call of a distributed chunk builds (4 MiB)."""
+
+
+def _sdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    is_causal: bool = False,
+    mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``q [L, Hq, D]``, ``k, v [S, Hkv, D]`` -> ``[L, Hq, D]``."""
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=mask,
+        is_causal=is_causal,
+        scale=scale,
+        enable_gqa=q.shape[1] != k.shape[1],
+    )
+    return out.squeeze(0).transpose(0, 1)
+
+
+def causal_lower_right_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None = None,
+    mask_elements: int = MASK_ELEMENTS_PER_CALL,
+) -> torch.Tensor:
+    """Causal attention of the last ``L`` positions of a sequence against its first ``S``.
+
+    Args:
+        q: ``[L, Hq, D]`` queries at positions ``S - L .. S - 1``.
+        k: ``[S, Hkv, D]`` keys at positions ``0 .. S - 1`` (``S >= L``).
+        v: ``[S, Hkv, D]`` values.
+        scale: softmax scale; ``None`` = ``D ** -0.5``.
+        mask_elements: largest mask one SDPA call may build.
+
+    Returns:
+        ``[L, Hq, D]``.
+    """
+    num_q, num_k = q.shape[0], k.shape[0]
+    offset = num_k - num_q
+    if offset == 0:
+        return _sdpa(q, k, v, scale=scale, is_causal=True)
+    block = max(1, mask_elements // num_k)
+    outs = []
+    for a in range(0, num_q, block):
+        b = min(block, num_q - a)
+        keys = offset + a + b  # the block's last query sees key offset + a + b - 1
+        rows = torch.arange(offset + a, offset + a + b, device=q.device).unsqueeze(1)
+        cols = torch.arange(keys, device=q.device).unsqueeze(0)
+        outs.append(_sdpa(q[a : a + b], k[:keys], v[:keys], scale=scale, mask=cols <= rows))
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def local_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SkrullAttentionContext,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Causal attention of each local sequence on its own.
+
+    Args:
+        q: ``[n_local, Hq, D]`` the local part of the packed queries.
+        k: ``[n_local, Hkv, D]``.
+        v: ``[n_local, Hkv, D]``.
+        ctx: the micro-batch's attention context (``layout.local_cu_seqlens`` is read).
+        scale: softmax scale; ``None`` = ``D ** -0.5``.
+
+    Returns:
+        ``[n_local, Hq, D]``.
+    """
+    cu = ctx.layout.local_cu_seqlens
+    outs = [
+        _sdpa(q[a:b], k[a:b], v[a:b], scale=scale, is_causal=True)
+        for a, b in itertools.pairwise(cu)
+    ]
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def distributed_attention(
+    q: torch.Tensor,
+    k_whole: torch.Tensor,
+    v_whole: torch.Tensor,
+    ctx: SkrullAttentionContext,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Lower-right causal attention of this rank's distributed chunks on the whole sequences.
+
+    Args:
+        q: ``[n_dist, Hq, D]`` the distributed part of the packed queries.
+        k_whole: ``[sum of distributed lengths, Hkv, D]`` the whole distributed sequences laid
+            end to end (offsets ``layout.distributed_cu_seqlens``).
+        v_whole: same shape as ``k_whole``.
+        ctx: the micro-batch's attention context.
+        scale: softmax scale; ``None`` = ``D ** -0.5``.
+
+    Returns:
+        ``[n_dist, Hq, D]``.
+    """
+    layout = ctx.layout
+    offset = layout.num_local_tokens
+    outs = []
+    for chunk in layout.distributed_chunks:
+        first = layout.distributed_cu_seqlens[chunk.index]
+        a = chunk.packed_start - offset
+        outs.append(
+            causal_lower_right_attention(
+                q[a : a + chunk.end - chunk.start],
+                k_whole[first : first + chunk.end],
+                v_whole[first : first + chunk.end],
+                scale=scale,
+            )
+        )
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
+def sdpa_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SkrullAttentionContext,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Context-parallel causal attention of this rank's packed tokens with PyTorch SDPA.
+
+    Starts the all-gather of the distributed part's K/V, computes the local sequences while it
+    is in flight, then the distributed chunks against the gathered key prefixes.
+
+    Args:
+        q: ``[T, Hq, D]`` queries in this rank's packed order (RoPE applied).
+        k: ``[T, Hkv, D]`` keys, ``Hq`` a multiple of ``Hkv``.
+        v: ``[T, Hkv, D]`` values.
+        ctx: the micro-batch's attention context.
+        scale: softmax scale; ``None`` = ``D ** -0.5``.
+
+    Returns:
+        ``[T, Hq, D]`` attention output in packed order.
+    """
+    return context_parallel_attention(
+        q,
+        k,
+        v,
+        ctx,
+        scale=scale,
+        local_attention=local_attention,
+        distributed_attention=distributed_attention,
+    )

@@ -1,0 +1,232 @@
+"""Context-parallel attention on real gloo process groups (CP = 2, 3, 4) against plain SDPA.
+
+Each CP size is one spawn call running a batch of random micro-batches that mix local and
+distributed sequences (lengths 1, primes, lengths < 2N, zero-token ranks, no distributed
+sequence at all), GQA 4/2 and 4/1, float64 and float32. Every rank runs the registered
+``"skrull"`` attention function on its packed tokens and backpropagates a given output
+gradient; the parent unpacks outputs and dq/dk/dv to whole sequences and compares them with
+plain SDPA run on each whole sequence in one process (float64 reference).
+
+Tolerances: float64 1e-10 (the only differences are summation order in softmax and in the
+reduce-scatter of dK/dV, ~1e-15 here); float32 1e-5 (float32 rounding, ~1e-7 relative, on
+values of order one).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from lightning_skrull.attention import (
+    SkrullAttentionContext,
+    attention_context,
+    build_rank_layout,
+    build_rank_layouts,
+    pack,
+    skrull_attention_forward,
+    unpack,
+)
+from lightning_skrull.scheduling.plan import DISTRIBUTED
+from lightning_skrull.utils.launch import spawn
+
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
+HEAD_DIM = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One micro-batch: the plan, head counts, dtype, scale, and whether to break the layout."""
+
+    lengths: tuple[int, ...]
+    sequence_ids: tuple[int, ...]
+    placement: tuple[int, ...]
+    num_heads: int
+    num_kv_heads: int
+    dtype: torch.dtype
+    scale: float | None
+    seed: int
+    broken: bool = False
+
+
+def _make_cases(cp_size: int, seed: int) -> list[Case]:
+    rng = random.Random(seed)
+    pool = [1, 2, 3, 5, 7, 11, 13, 17, 23, 31, 37, 2 * cp_size - 1, 2 * cp_size + 1]
+    heads = [(4, 2), (4, 1), (4, 4)]
+    dtypes = [torch.float64, torch.float32]
+    cases = []
+
+    def add(lengths: list[int], ids: list[int], placement: list[int], **kw: Any) -> None:
+        i = len(cases)
+        hq, hkv = heads[i % len(heads)]
+        cases.append(
+            Case(
+                lengths=tuple(lengths),
+                sequence_ids=tuple(ids),
+                placement=tuple(placement),
+                num_heads=hq,
+                num_kv_heads=hkv,
+                dtype=kw.pop("dtype", dtypes[(i // len(heads)) % len(dtypes)]),
+                scale=kw.pop("scale", 0.3 if i % 4 == 1 else None),
+                seed=seed * 1000 + i,
+                **kw,
+            )
+        )
+
+    for _ in range(8):  # random mixed micro-batches
+        lengths = [rng.choice(pool) if rng.random() < 0.6 else rng.randint(1, 60) for _ in range(7)]
+        ids = rng.sample(range(len(lengths)), rng.randint(2, len(lengths)))
+        placement = [rng.choice([DISTRIBUTED, DISTRIBUTED, *range(cp_size)]) for _ in ids]
+        add(lengths, ids, placement)
+    # no distributed sequence: no collective at all
+    add([9, 4, 6], [0, 1, 2], [0, cp_size - 1, 0])
+    # a single one-token distributed sequence: every rank but rank 0 holds nothing
+    add([1], [0], [DISTRIBUTED])
+    # only distributed sequences shorter than 2N, plus a local one on the last rank
+    add([2 * cp_size - 1, 2, 3], [2, 0, 1], [DISTRIBUTED, DISTRIBUTED, cp_size - 1])
+    # rank 0 holds only distributed tokens; long sequence, several key blocks per chunk
+    add([97, 5], [0, 1], [DISTRIBUTED, cp_size - 1], dtype=torch.float32)
+    # deliberately wrong layout on every rank: the checker must flag it
+    add([29, 6, 13], [0, 1, 2], [DISTRIBUTED, 0, DISTRIBUTED], dtype=torch.float64, broken=True)
+    return cases
+
+
+def _sequence_data(case: Case, sid: int) -> dict[str, torch.Tensor]:
+    """q, k, v and the output gradient of one whole sequence, identical in every process."""
+    gen = torch.Generator().manual_seed(case.seed * 100 + sid)
+    length = case.lengths[sid]
+    shapes = {
+        "q": (length, case.num_heads, HEAD_DIM),
+        "k": (length, case.num_kv_heads, HEAD_DIM),
+        "v": (length, case.num_kv_heads, HEAD_DIM),
+        "grad_out": (length, case.num_heads, HEAD_DIM),
+    }
+    return {
+        name: torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype)
+        for name, shape in shapes.items()
+    }
+
+
+def _broken(layout: Any) -> Any:
+    """A layout whose index map sends distributed tokens to the wrong gathered rows."""
+    return dataclasses.replace(layout, gather_index=tuple(reversed(layout.gather_index)))
+
+
+def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
+    group = dist.new_group(list(range(world_size)))  # a dedicated CP group, as the engine makes
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    real_gather, real_scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def counting_gather(*args: Any, **kwargs: Any) -> Any:
+        calls["all_gather"] += 1
+        return real_gather(*args, **kwargs)
+
+    def counting_scatter(*args: Any, **kwargs: Any) -> Any:
+        calls["reduce_scatter"] += 1
+        return real_scatter(*args, **kwargs)
+
+    dist.all_gather_single = counting_gather
+    dist.reduce_scatter_single = counting_scatter
+    results = []
+    try:
+        for case in cases:
+            layout = build_rank_layout(
+                case.sequence_ids, case.placement, case.lengths, cp_rank=rank, cp_size=world_size
+            )
+            data = {sid: _sequence_data(case, sid) for sid in case.sequence_ids}
+            packed = {
+                name: pack(layout, {sid: d[name] for sid, d in data.items()})
+                for name in ("q", "k", "v", "grad_out")
+            }
+            q, k, v = (packed[n].clone().requires_grad_() for n in ("q", "k", "v"))
+            used = _broken(layout) if case.broken else layout
+            ctx = SkrullAttentionContext.build(used, group=group, backend="sdpa")
+            before = dict(calls)
+            with attention_context(ctx):
+                out, weights = skrull_attention_forward(
+                    None,
+                    q.transpose(0, 1).unsqueeze(0),
+                    k.transpose(0, 1).unsqueeze(0),
+                    v.transpose(0, 1).unsqueeze(0),
+                    None,
+                    scaling=case.scale,
+                )
+            assert weights is None and out.shape == (1, layout.num_tokens, case.num_heads, HEAD_DIM)
+            out[0].backward(packed["grad_out"])
+            results.append(
+                {
+                    "out": out[0].detach().numpy(),
+                    # a rank without tokens gets no gradient at all (None): zero rows then
+                    **{
+                        name: (t.grad if t.grad is not None else torch.zeros_like(t)).numpy()
+                        for name, t in (("dq", q), ("dk", k), ("dv", v))
+                    },
+                    "all_gather": calls["all_gather"] - before["all_gather"],
+                    "reduce_scatter": calls["reduce_scatter"] - before["reduce_scatter"],
+                }
+            )
+    finally:
+        dist.all_gather_single, dist.reduce_scatter_single = real_gather, real_scatter
+    return results
+
+
+def _reference(case: Case, sid: int) -> dict[str, torch.Tensor]:
+    """Plain causal SDPA on the whole sequence in float64, K/V heads repeated for GQA."""
+    d = {name: t.to(torch.float64) for name, t in _sequence_data(case, sid).items()}
+    q, k, v = (d[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    groups = case.num_heads // case.num_kv_heads
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(groups, dim=1).transpose(0, 1),
+        v.repeat_interleave(groups, dim=1).transpose(0, 1),
+        is_causal=True,
+        scale=case.scale,
+    ).transpose(0, 1)
+    out.backward(d["grad_out"])
+    return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+
+
+def _mismatches(case: Case, per_rank: list[dict[str, Any]]) -> list[str]:
+    """Every (sequence, tensor) where the ranks' result differs from the reference."""
+    layouts = build_rank_layouts(
+        case.sequence_ids, case.placement, case.lengths, cp_size=len(per_rank)
+    )
+    tol = TOLERANCE[case.dtype]
+    problems = []
+    references = {sid: _reference(case, sid) for sid in case.sequence_ids}
+    for name in ("out", "dq", "dk", "dv"):
+        got = unpack(layouts, [torch.from_numpy(np.asarray(r[name])) for r in per_rank])
+        for sid in case.sequence_ids:
+            want = references[sid][name]
+            err = (got[sid].to(torch.float64) - want).abs().max().item()
+            if not err <= tol * max(1.0, want.abs().max().item()):
+                problems.append(f"sequence {sid} {name}: max error {err:.3g} > {tol:g}")
+    return problems
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("cp_size", [2, 3, 4])
+def test_context_parallel_attention_equals_sdpa_on_whole_sequences(cp_size: int) -> None:
+    cases = _make_cases(cp_size, seed=cp_size)
+    results = spawn(_run_cases, cp_size, cases, timeout=240)
+    checked_broken = 0
+    for i, case in enumerate(cases):
+        per_rank = [results[rank][i] for rank in range(cp_size)]
+        problems = _mismatches(case, per_rank)
+        if case.broken:
+            assert problems, f"case {i}: the checker missed a deliberately wrong layout"
+            checked_broken += 1
+            continue
+        assert not problems, f"case {i} ({case}):\n" + "\n".join(problems)
+        # exactly one all-gather and one reduce-scatter per rank when something is distributed,
+        # none otherwise
+        expected = 1 if DISTRIBUTED in case.placement else 0
+        for rank, r in enumerate(per_rank):
+            assert (r["all_gather"], r["reduce_scatter"]) == (expected, expected), (i, rank, r)
+    assert checked_broken == 1
