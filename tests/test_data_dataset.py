@@ -179,6 +179,10 @@ def test_file_errors_name_file_and_line(tmp_path: Path) -> None:
     ):
         load_sft_data(path)
 
+    path.write_bytes(b'{"input_ids": [1]}\n{"input_ids": [2], "note": "\xff"}\n')
+    with pytest.raises(ValueError, match=r"line 2: not valid UTF-8"):
+        load_sft_data(path)
+
     path.write_text("[1, 2]\n")
     with pytest.raises(ValueError, match="line 1\\): expected a JSON object per line, got list"):
         load_sft_data(path)

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from lightning_skrull.data.chat import check_chat_tokenizer, tokenize_chat
-from lightning_skrull.data.dataset import Origin, SFTDataset, describe_sample
+from lightning_skrull.data.dataset import Origin, SFTDataset
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -126,7 +126,7 @@ class _Builder:
                 else [None] * len(ids_column)
             )
             for i, (ids, labels) in enumerate(zip(ids_column, labels_column, strict=True)):
-                where = describe_sample(start + i, self.origins)
+                where = f"sample {start + i} ({source} row {i})"
                 if ids.size == 0:
                     raise ValueError(
                         f"{where} has empty input_ids; every sample needs at least one token. "
@@ -141,7 +141,7 @@ class _Builder:
                 self.labels.append(labels)
         elif "messages" in names:
             for i, messages in enumerate(table.column("messages").to_pylist()):
-                self.add_sample({"messages": messages}, describe_sample(start + i, self.origins))
+                self.add_sample({"messages": messages}, f"sample {start + i} ({source} row {i})")
         else:
             raise ValueError(
                 f"{source} has columns {names}; expected 'input_ids' (with optional 'labels') or "
@@ -205,8 +205,7 @@ def _arrow_lists(
 def _read_jsonl(path: Path, builder: _Builder) -> None:
     start = len(builder)
     line_numbers: list[int] = []
-    builder.origins.append(Origin(start=start, source=str(path), line_numbers=line_numbers))
-    with path.open(encoding="utf-8") as handle:
+    with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
@@ -217,13 +216,18 @@ def _read_jsonl(path: Path, builder: _Builder) -> None:
                     f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno}). "
                     "JSON Lines needs one complete JSON object per line; fix or remove that line."
                 ) from None
+            except UnicodeDecodeError as err:
+                raise ValueError(
+                    f"{path} line {number}: not valid UTF-8 ({err.reason}); save the file as UTF-8."
+                ) from None
+            where = f"sample {start + len(line_numbers)} ({path} line {number})"
             line_numbers.append(number)
-            where = describe_sample(start + len(line_numbers) - 1, builder.origins)
             if not isinstance(sample, dict):
                 raise ValueError(
                     f"{where}: expected a JSON object per line, got {type(sample).__name__}."
                 )
             builder.add_sample(sample, where)
+    builder.origins.append(Origin(start, str(path), np.asarray(line_numbers, dtype=np.int64)))
 
 
 def _read_parquet(path: Path, builder: _Builder) -> None:
