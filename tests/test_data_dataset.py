@@ -92,11 +92,16 @@ def test_datasets_view_keeps_its_order_and_numpy_and_tensor_ids_are_accepted() -
         SAMPLES[2]["input_ids"],
     ]
     loaded = load_sft_data(
-        [{"input_ids": np.array([3, 4], dtype=np.int16)}, {"input_ids": torch.tensor([7])}]
+        [
+            {"input_ids": np.array([3, 4], dtype=np.int16)},
+            {"input_ids": torch.tensor([7])},
+            {"input_ids": np.array([9], dtype=np.uint64)},  # with int64: no float promotion
+        ]
     )
     assert _all(loaded) == [
         {"input_ids": [3, 4], "labels": [3, 4]},
         {"input_ids": [7], "labels": [7]},
+        {"input_ids": [9], "labels": [9]},
     ]
 
 

@@ -50,7 +50,14 @@ def _to_ids(value: object, name: str, where: str) -> np.ndarray:
             f"{where}: {name} holds {found}; token ids must be integers. "
             "Fix: convert the ids to int when writing the data."
         )
-    return array
+    return _as_int64(array, f"{where}: {name}")
+
+
+def _as_int64(array: np.ndarray, what: str) -> np.ndarray:
+    """Integer array as int64 (one dtype, so that concatenation never turns into floats)."""
+    if array.dtype == np.uint64 and array.size and int(array.max()) > np.iinfo(np.int64).max:
+        raise ValueError(f"{what} holds ints beyond 64 bits; token ids must be small integers.")
+    return array.astype(np.int64, copy=False)
 
 
 class _Builder:
@@ -193,7 +200,7 @@ def _arrow_lists(
         raise ValueError(
             f"{source}: column '{name}' contains null token ids; every id must be an integer."
         )
-    flat = values.to_numpy(zero_copy_only=False)
+    flat = _as_int64(values.to_numpy(zero_copy_only=False), f"{source}: column '{name}'")
     lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
     nulls = column.is_null().to_numpy(zero_copy_only=False) if column.null_count else None
     splits = np.split(flat, np.cumsum(lengths)[:-1]) if len(lengths) else []
