@@ -1,0 +1,40 @@
+"""lightning-skrull: Skrull data scheduling (DACP + GDS) for long-context SFT in Lightning.
+
+Importing the package registers the strategy names ``"skrull"``, ``"skrull_spawn"``,
+``"skrull_cp2"``, ``"skrull_cp4"`` and ``"skrull_cp8"`` with Lightning's
+strategy registry, so ``Trainer(strategy="skrull")`` works after ``import lightning_skrull``.
+"""
+
+from __future__ import annotations
+
+from lightning_skrull.config import DataConfig, SkrullConfig
+from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
+from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
+from lightning_skrull.strategy import SkrullStrategy
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CostModel",
+    "DataConfig",
+    "SkrullBatch",
+    "SkrullConfig",
+    "SkrullDataModule",
+    "SkrullStrategy",
+    "__version__",
+    "plan_global_batch",
+    "register_strategies",
+    "simulate",
+]
+
+
+def register_strategies() -> None:
+    """Register the Skrull strategy names with Lightning (done once, at import)."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for cls in (SkrullStrategy,):
+        if getattr(cls, "strategy_name", None) not in StrategyRegistry:
+            cls.register_strategies(StrategyRegistry)
+
+
+register_strategies()

@@ -1,0 +1,162 @@
+"""Configuration of the Skrull strategy and data module.
+
+Each option is a field of a keyword-only dataclass with its own docstring; every check runs in
+``__post_init__``, so a bad value fails when the config is built, not hours into a run. The
+strategy and the data module build these configs from their keyword arguments, so users rarely
+construct them directly; they document the knobs in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_skrull.scheduling.cost_model import CostModel
+
+POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
+"""Scheduling policies the planner knows (see ``scheduling.plan_global_batch``)."""
+
+ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
+"""Attention kernels: ``"auto"`` picks flash-attn on CUDA when it is installed, else SDPA."""
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(kw_only=True)
+class SkrullConfig:
+    """What the strategy needs to plan, shard and run one global batch per optimizer step."""
+
+    cp_size: int = 1
+    """Ranks in one context-parallel (CP) group. The world (``devices * num_nodes``) must be a
+    multiple of it; ``dp_size = world_size // cp_size``. CP groups are consecutive ranks."""
+
+    bucket_size: int | None = None
+    """Token budget of one CP rank in one micro-batch (the paper's ``C``); it bounds activation
+    memory. A sequence longer than ``cp_size * bucket_size`` cannot be placed and raises
+    ``ValueError`` naming it. ``None``: the smallest budget that holds the longest sequence of
+    the data, ``ceil(longest / cp_size)``, chosen by the data module (no memory bound: set it
+    for real runs)."""
+
+    policy: str = "skrull"
+    """Scheduling policy: ``"skrull"`` (GDS + DACP), ``"dacp"``, ``"static"`` (every sequence
+    distributed, the DeepSpeed-style baseline), ``"sorted"`` or ``"round_robin"``."""
+
+    attention_backend: str = "auto"
+    """Attention kernel: ``"auto"``, ``"sdpa"`` (any device, CPU too) or ``"flash"``
+    (flash-attn varlen, CUDA only)."""
+
+    cost_model: CostModel | None = None
+    """Cost model the planner balances with. ``None``: built at setup from the HF model's
+    config with :meth:`CostModel.from_hf_config` and the default hardware constants."""
+
+    model_attribute: str | None = None
+    """Dotted name of the Hugging Face model inside the LightningModule (``"model"``); needed
+    only when the module holds several ``PreTrainedModel``s."""
+
+    verify_plans: bool = True
+    """Check every step, with one all-reduce of two integers, that all ranks planned the same
+    global batch (a mismatch would otherwise hang in the CP collectives or train wrongly)."""
+
+    log_stats: bool = True
+    """Log the step loss, tokens per second, supervised tokens, share of distributed sequences,
+    estimated plan imbalance and micro-batches per rank through the Trainer's loggers."""
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.cp_size) or self.cp_size < 1:
+            raise ValueError(
+                f"cp_size={self.cp_size!r} is invalid; it must be an int >= 1 "
+                "(1 = no context parallelism)."
+            )
+        if self.bucket_size is not None and (not _is_int(self.bucket_size) or self.bucket_size < 1):
+            raise ValueError(
+                f"bucket_size={self.bucket_size!r} is invalid; it is the token budget of one CP "
+                "rank in one micro-batch and must be an int >= 1 (typically the longest "
+                "sequence divided by cp_size, or more)."
+            )
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy={self.policy!r} is unknown; choose one of {POLICIES}.")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is unknown; choose one of "
+                f"{ATTENTION_BACKENDS}."
+            )
+        if self.cost_model is not None:
+            from lightning_skrull.scheduling.cost_model import CostModel
+
+            if not isinstance(self.cost_model, CostModel):
+                raise TypeError(
+                    f"cost_model must be a CostModel or None, got {type(self.cost_model).__name__}."
+                )
+        for name in ("verify_plans", "log_stats"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")
+        if self.model_attribute is not None and not isinstance(self.model_attribute, str):
+            raise TypeError(
+                f"model_attribute must be a str or None, got {type(self.model_attribute).__name__}."
+            )
+
+    def resolve_bucket_size(self, longest_sequence: int) -> int:
+        """The bucket size to plan with, given the longest sequence of the data.
+
+        Raises:
+            ValueError: ``longest_sequence`` exceeds ``cp_size * bucket_size``.
+        """
+        if self.bucket_size is None:
+            return -(-longest_sequence // self.cp_size)
+        if longest_sequence > self.cp_size * self.bucket_size:
+            raise ValueError(
+                f"the longest sequence has {longest_sequence} tokens, more than cp_size "
+                f"{self.cp_size} x bucket_size {self.bucket_size} = "
+                f"{self.cp_size * self.bucket_size}, the most one micro-batch can hold. Raise "
+                "bucket_size or cp_size, or shorten the data."
+            )
+        return self.bucket_size
+
+
+@dataclass(kw_only=True)
+class DataConfig:
+    """How the data module turns a dataset into global batches."""
+
+    global_batch_size: int
+    """Sequences per optimizer step, over all ranks together (one global batch = one step)."""
+
+    val_global_batch_size: int | None = None
+    """Sequences per validation step over all ranks; ``None`` = ``global_batch_size``."""
+
+    shuffle: bool = True
+    """Shuffle the training samples each epoch (seeded, identical on every rank). With
+    ``False``, global batch ``k`` holds samples ``k*G .. k*G+G-1``."""
+
+    seed: int = 0
+    """Seed of the per-epoch shuffle (the epoch is mixed in, so every epoch differs)."""
+
+    drop_last: bool = False
+    """Drop the last, partial global batch of an epoch. By default it is trained."""
+
+    num_workers: int = 0
+    """DataLoader worker processes per rank that read, plan and collate global batches."""
+
+    def __post_init__(self) -> None:
+        for name in ("global_batch_size", "val_global_batch_size"):
+            value: Any = getattr(self, name)
+            if value is None and name == "val_global_batch_size":
+                continue
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"{name}={value!r} is invalid; it must be an int >= 1.")
+        if not _is_int(self.seed):
+            raise TypeError(f"seed must be an int, got {type(self.seed).__name__}.")
+        if not _is_int(self.num_workers) or self.num_workers < 0:
+            raise ValueError(
+                f"num_workers={self.num_workers!r} is invalid; it must be an int >= 0."
+            )
+        for name in ("shuffle", "drop_last"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")
+
+    @property
+    def validation_batch_size(self) -> int:
+        """Sequences per validation step."""
+        return self.val_global_batch_size or self.global_batch_size

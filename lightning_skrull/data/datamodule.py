@@ -1,0 +1,472 @@
+"""``SkrullDataModule``: global batches, planned and collated per rank, for the Skrull strategies.
+
+Each rank's train loader yields, per optimizer step, a :class:`SkrullBatch`: this rank's
+:class:`~lightning_skrull.data.collate.RankBatch` (all its micro-batches of one global batch)
+plus the plan's statistics. Every rank draws the same global batch from the same
+:class:`~lightning_skrull.data.sampler.GlobalBatchSampler` (seeded, no communication), plans it
+with :func:`~lightning_skrull.scheduling.plan_global_batch` and keeps its own micro-batches.
+
+The loader is a ``DataLoader`` over an ``IterableDataset``, so Lightning never injects a
+``DistributedSampler``; it is *stateful* (Lightning saves its ``state_dict`` in every checkpoint
+and restores it on resume), so a run resumed mid-epoch continues with exactly the global batches
+(and plans) it would have had. Lightning's ``set_epoch`` reaches the sampler through the
+loader's ``sampler`` attribute, as for any DataLoader.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
+
+from lightning_skrull.config import DataConfig
+from lightning_skrull.data.collate import RankBatch, collate_rank
+from lightning_skrull.data.dataset import SFTDataset
+from lightning_skrull.data.sampler import GlobalBatchSampler
+from lightning_skrull.data.sources import SFTData, load_sft_data
+from lightning_skrull.scheduling import (
+    DISTRIBUTED,
+    CostModel,
+    GlobalBatchPlan,
+    dp_rank_seconds,
+    plan_global_batch,
+)
+
+if TYPE_CHECKING:
+    from lightning_skrull.strategy import SkrullStrategyMixin
+
+BUNDLED_PREFIX = "bundled:"
+"""``train_data="bundled:mixed_tiny"`` loads a dataset shipped with the package."""
+
+
+# --------------------------------------------------------------------------- batch types
+@dataclass(frozen=True)
+class PlanStats:
+    """Statistics of one global batch's plan, identical on every rank.
+
+    Attributes:
+        num_sequences: sequences in the global batch.
+        num_tokens: tokens in the global batch (all ranks).
+        num_supervised_tokens: supervised tokens of the global batch (shifted labels != -100).
+        distributed_share: share of the sequences sharded over a CP group (0 with cp_size 1).
+        estimated_seconds: the cost model's time of the step (slowest DP rank).
+        imbalance: slowest DP rank's estimated time over the mean (1.0 = balanced).
+        max_micro_batches: most micro-batches of any DP rank.
+        min_micro_batches: fewest micro-batches of any DP rank.
+    """
+
+    num_sequences: int
+    num_tokens: int
+    num_supervised_tokens: int
+    distributed_share: float
+    estimated_seconds: float
+    imbalance: float
+    max_micro_batches: int
+    min_micro_batches: int
+
+
+def plan_stats(
+    plan: GlobalBatchPlan, lengths: Sequence[int], num_supervised: int, cost_model: CostModel
+) -> PlanStats:
+    """The :class:`PlanStats` of ``plan`` for sequences of ``lengths``."""
+    placements = [p for mbs in plan.micro_batches for mb in mbs for p in mb.placement]
+    distributed = sum(1 for p in placements if p == DISTRIBUTED)
+    seconds = dp_rank_seconds(plan, lengths, cost_model)
+    slowest = max(seconds) if seconds else 0.0
+    mean = sum(seconds) / len(seconds) if seconds else 0.0
+    counts = [len(mbs) for mbs in plan.micro_batches]
+    return PlanStats(
+        num_sequences=len(lengths),
+        num_tokens=int(sum(lengths)),
+        num_supervised_tokens=num_supervised,
+        distributed_share=distributed / max(len(placements), 1),
+        estimated_seconds=slowest,
+        imbalance=slowest / mean if mean > 0 else 1.0,
+        max_micro_batches=max(counts),
+        min_micro_batches=min(counts),
+    )
+
+
+@dataclass(eq=False)
+class SkrullBatch:
+    """What the Skrull loader yields per optimizer step on one rank.
+
+    Attributes:
+        rank_batch: this rank's micro-batches of the global batch.
+        stats: the plan's statistics (the same on every rank).
+        epoch: the epoch the global batch belongs to.
+        index: the global batch's index inside its epoch.
+    """
+
+    rank_batch: RankBatch
+    stats: PlanStats
+    epoch: int
+    index: int
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SkrullBatch:
+        """A copy with every tensor on ``device`` (Lightning calls it to move the batch)."""
+        return replace(self, rank_batch=self.rank_batch.to(device, non_blocking=non_blocking))
+
+
+# --------------------------------------------------------------------------- planning
+@dataclass(frozen=True, kw_only=True)
+class RankPlanner:
+    """Everything a rank needs to turn a global batch into its :class:`SkrullBatch`.
+
+    Attributes:
+        dp_size: DP ranks.
+        cp_size: ranks per CP group.
+        dp_rank: this rank's DP rank.
+        cp_rank: this rank's CP rank.
+        bucket_size: tokens one CP rank may hold in one micro-batch.
+        policy: the planner's policy.
+        cost_model: the planner's cost model.
+        equal_micro_batches: pad every DP rank to the plan's largest micro-batch count
+            (needed by ZeRO-2, which reduces gradients in every backward); otherwise pad only
+            ranks without any micro-batch to one (DDP needs one backward per rank and step).
+    """
+
+    dp_size: int
+    cp_size: int
+    dp_rank: int
+    cp_rank: int
+    bucket_size: int
+    policy: str
+    cost_model: CostModel
+    equal_micro_batches: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks over which gradients are averaged."""
+        return self.dp_size * self.cp_size
+
+    def __call__(
+        self, samples: Sequence[Mapping[str, Any]], indices: Sequence[int], epoch: int, index: int
+    ) -> SkrullBatch:
+        """Plan the global batch ``samples`` (dataset ``indices``) and collate this rank's part."""
+        lengths = [len(s["input_ids"]) for s in samples]
+        plan = plan_global_batch(
+            lengths,
+            dp_size=self.dp_size,
+            cp_size=self.cp_size,
+            bucket_size=self.bucket_size,
+            cost_model=self.cost_model,
+            policy=self.policy,
+        )
+        counts = [len(mbs) for mbs in plan.micro_batches]
+        minimum = max(counts) if self.equal_micro_batches else 1
+        rank_batch = collate_rank(
+            samples,
+            plan,
+            dp_rank=self.dp_rank,
+            cp_rank=self.cp_rank,
+            world_size=self.world_size,
+            sample_indices=indices,
+            min_micro_batches=max(minimum, 1),
+        )
+        stats = plan_stats(plan, lengths, rank_batch.num_supervised_tokens, self.cost_model)
+        return SkrullBatch(rank_batch=rank_batch, stats=stats, epoch=epoch, index=index)
+
+
+class GlobalBatchStream(IterableDataset):
+    """Iterable over this rank's :class:`SkrullBatch` of each global batch of an epoch.
+
+    With DataLoader workers, worker ``w`` of ``n`` builds global batches ``w, w+n, ...`` (counted
+    from the resume position); the DataLoader takes them round-robin, so the order is kept.
+
+    Args:
+        dataset: the samples.
+        sampler: the global-batch sampler (position and epoch live there).
+        planner: this rank's planner.
+    """
+
+    def __init__(
+        self, dataset: SFTDataset, sampler: GlobalBatchSampler, planner: RankPlanner
+    ) -> None:
+        super().__init__()
+        self.dataset = dataset
+        self.sampler = sampler
+        self.planner = planner
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+    def __iter__(self) -> Iterator[SkrullBatch]:
+        worker = get_worker_info()
+        epoch = self.sampler.epoch
+        for k, indices in enumerate(self.sampler):
+            if worker is not None and k % worker.num_workers != worker.id:
+                continue
+            index = self.sampler.batches_yielded - 1  # the sampler counts before it yields
+            samples = [self.dataset[i] for i in indices]
+            yield self.planner(samples, indices, epoch, index)
+
+
+class _EpochForwarder(Sampler[None]):
+    """The loader's ``sampler`` attribute: what an iterable DataLoader iterates (``None``
+    forever), plus ``set_epoch`` forwarded to the global-batch sampler, which is where Lightning
+    looks for it."""
+
+    def __init__(self, target: GlobalBatchSampler) -> None:
+        self.target = target
+
+    def __iter__(self) -> Iterator[None]:
+        while True:
+            yield None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.target.set_epoch(epoch)
+
+
+class SkrullDataLoader(DataLoader):
+    """DataLoader of :class:`SkrullBatch` per step, with a checkpointable position.
+
+    Lightning saves :meth:`state_dict` in checkpoints and calls :meth:`load_state_dict` when it
+    resumes; ``set_epoch`` reaches the sampler through :attr:`sampler`.
+
+    Args:
+        stream: the :class:`GlobalBatchStream`.
+        num_workers: worker processes that build batches ahead.
+        trainer: the Trainer whose progress counts the batches actually trained (Lightning
+            fetches ahead of training); without it, batches handed out are counted.
+    """
+
+    def __init__(
+        self, stream: GlobalBatchStream, *, num_workers: int = 0, trainer: pl.Trainer | None = None
+    ) -> None:
+        self._forwarder = _EpochForwarder(stream.sampler)
+        super().__init__(
+            stream,
+            batch_size=None,
+            num_workers=num_workers,
+            collate_fn=_identity,
+            persistent_workers=False,
+        )
+        self._trainer = trainer
+        self._handed_out: tuple[int, int] | None = None  # (epoch, batches) handed out
+
+    # DataLoader sets ``self.sampler`` in __init__; this property keeps that value out of the
+    # way and shows Lightning the forwarder, whose ``set_epoch`` it calls every epoch.
+    @property  # type: ignore[override]
+    def sampler(self) -> Sampler[Any]:
+        return self._forwarder
+
+    @sampler.setter
+    def sampler(self, value: Sampler[Any]) -> None:
+        self._base_sampler = value
+
+    @property
+    def global_batch_sampler(self) -> GlobalBatchSampler:
+        """The sampler that draws the global batches."""
+        return self.dataset.sampler  # type: ignore[attr-defined,no-any-return]
+
+    def __iter__(self) -> Iterator[Any]:
+        for batch in super().__iter__():
+            self._handed_out = (batch.epoch, batch.index + 1)
+            yield batch
+
+    def _batches_trained(self) -> int | None:
+        """Global batches of the current epoch trained so far (``None``: the sampler's count).
+
+        Under a fitting Trainer, its progress counter (batches whose training step ran);
+        Lightning fetches ahead, so the batches handed out would overcount. Otherwise the
+        batches this loader handed out.
+        """
+        sampler = self.global_batch_sampler
+        trainer = self._trainer
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            return min(int(progress.processed), len(sampler))
+        if self._handed_out is not None and self._handed_out[0] == sampler.epoch:
+            return self._handed_out[1]
+        return None
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state with the number of global batches trained in this epoch."""
+        return self.global_batch_sampler.state_dict(batches_consumed=self._batches_trained())
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Continue from a saved position (checked against this run's data and batch size)."""
+        self.global_batch_sampler.load_state_dict(state)
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+# --------------------------------------------------------------------------- data module
+def _load(
+    data: SFTData, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None
+) -> SFTDataset:
+    if isinstance(data, str) and data.startswith(BUNDLED_PREFIX):
+        from lightning_skrull.data.bundled import load_bundled_dataset
+
+        return load_bundled_dataset(data[len(BUNDLED_PREFIX) :] or "mixed_tiny")
+    if isinstance(tokenizer, (str, os.PathLike)):
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+    return load_sft_data(data, tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs)
+
+
+class SkrullDataModule(pl.LightningDataModule):
+    """SFT data as Skrull global batches: one optimizer step per global batch.
+
+    Use it with a Skrull strategy (``Trainer(strategy="skrull")`` or
+    :class:`~lightning_skrull.SkrullStrategy`); it reads the rank layout, the token budget,
+    the policy and the cost model from ``trainer.strategy``.
+
+    Args:
+        train_data: samples ``{"input_ids": [...], "labels": [...]}`` (labels optional, -100 =
+            not supervised), chat samples ``{"messages": [...]}`` (with ``tokenizer``), a
+            ``datasets.Dataset``, path(s) to JSONL / parquet files, an ``SFTDataset``, or
+            ``"bundled:mixed_tiny"`` for the dataset shipped with the package.
+        global_batch_size: sequences per optimizer step over all ranks.
+        shuffle: seeded shuffle per epoch (``False``: global batch ``k`` holds samples
+            ``k*G .. k*G+G-1``; the planner reorders only inside it).
+        seed: shuffle seed.
+        val_data: validation samples, any form ``train_data`` takes (``None``: no validation).
+        val_global_batch_size: sequences per validation step (default ``global_batch_size``).
+        drop_last: drop the last partial global batch of each training epoch.
+        num_workers: DataLoader workers per rank building batches ahead.
+        tokenizer: HF tokenizer (or its name / path) for chat samples; its chat template is
+            applied and only assistant tokens are supervised.
+        chat_template_kwargs: extra arguments for ``tokenizer.apply_chat_template``.
+        truncate: cut samples longer than ``cp_size * bucket_size`` instead of raising.
+
+    Raises:
+        ValueError: a bad option (see :class:`~lightning_skrull.config.DataConfig`).
+    """
+
+    def __init__(
+        self,
+        train_data: SFTData = None,
+        global_batch_size: int = 32,
+        shuffle: bool = True,
+        seed: int = 0,
+        *,
+        val_data: SFTData = None,
+        val_global_batch_size: int | None = None,
+        drop_last: bool = False,
+        num_workers: int = 0,
+        tokenizer: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        truncate: bool = False,
+    ) -> None:
+        super().__init__()
+        self.config = DataConfig(
+            global_batch_size=global_batch_size,
+            val_global_batch_size=val_global_batch_size,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+            num_workers=num_workers,
+        )
+        self.train_data = train_data
+        self.val_data = val_data
+        self.tokenizer = tokenizer
+        self.chat_template_kwargs = chat_template_kwargs
+        self.truncate = truncate
+        self.train_dataset: SFTDataset | None = None
+        self.val_dataset: SFTDataset | None = None
+        self._bucket_size: int | None = None
+
+    # ------------------------------------------------------------------ Lightning hooks
+    def setup(self, stage: str) -> None:
+        """Read (and tokenise) the data; the checks against the model come with the loaders."""
+        if stage == "fit" and self.train_data is None:
+            raise ValueError(
+                "SkrullDataModule(train_data=None) cannot fit; give samples, a datasets.Dataset, "
+                "JSONL/parquet path(s), or 'bundled:mixed_tiny'."
+            )
+        if self.train_data is not None and self.train_dataset is None:
+            self.train_dataset = _load(self.train_data, self.tokenizer, self.chat_template_kwargs)
+        if self.val_data is not None and self.val_dataset is None:
+            self.val_dataset = _load(self.val_data, self.tokenizer, self.chat_template_kwargs)
+
+    def train_dataloader(self) -> SkrullDataLoader:
+        """This rank's loader of training global batches."""
+        if self.train_dataset is None:
+            raise RuntimeError("train_dataloader() before setup('fit'); let the Trainer call it.")
+        sampler = GlobalBatchSampler(
+            len(self.train_dataset),
+            self.config.global_batch_size,
+            shuffle=self.config.shuffle,
+            seed=self.config.seed,
+            drop_last=self.config.drop_last,
+        )
+        return self._loader(self.train_dataset, sampler, "train_dataloader")
+
+    def val_dataloader(self) -> SkrullDataLoader | list[Any]:
+        """This rank's loader of validation global batches (dataset order, every sample once)."""
+        if self.val_dataset is None:
+            return []
+        sampler = GlobalBatchSampler(
+            len(self.val_dataset), self.config.validation_batch_size, shuffle=False
+        )
+        return self._loader(self.val_dataset, sampler, "val_dataloader")
+
+    # ------------------------------------------------------------------ internals
+    def _strategy(self, hook: str) -> SkrullStrategyMixin:
+        from lightning_skrull.strategy import SkrullStrategyMixin
+
+        trainer = self.trainer
+        if trainer is None:
+            raise RuntimeError(
+                f"SkrullDataModule.{hook}() needs the Trainer: pass the data module to "
+                "trainer.fit(model, datamodule=...) rather than calling it directly."
+            )
+        strategy = trainer.strategy
+        if not isinstance(strategy, SkrullStrategyMixin):
+            raise TypeError(
+                f"SkrullDataModule needs a Skrull strategy, but the Trainer uses "
+                f"{type(strategy).__name__}; pass Trainer(strategy='skrull') or "
+                "Trainer(strategy=SkrullStrategy(cp_size=..., bucket_size=...))."
+            )
+        return strategy
+
+    def _resolve_bucket_size(self, strategy: SkrullStrategyMixin) -> int:
+        if self._bucket_size is None:
+            longest = max(
+                max(d.lengths) for d in (self.train_dataset, self.val_dataset) if d is not None
+            )
+            self._bucket_size = strategy.config.resolve_bucket_size(longest)
+        return self._bucket_size
+
+    def _validate(self, dataset: SFTDataset, strategy: SkrullStrategyMixin, bucket: int) -> None:
+        from lightning_skrull.models.patching import find_hf_model
+
+        vocab_size = None
+        module = self.trainer.lightning_module if self.trainer is not None else None
+        if module is not None:
+            config = getattr(find_hf_model(module), "config", None)
+            vocab_size = getattr(config, "vocab_size", None)
+        dataset.validate(
+            max_tokens=strategy.cp_size * bucket, vocab_size=vocab_size, truncate=self.truncate
+        )
+
+    def _loader(
+        self, dataset: SFTDataset, sampler: GlobalBatchSampler, hook: str
+    ) -> SkrullDataLoader:
+        strategy = self._strategy(hook)
+        bucket = self._resolve_bucket_size(strategy)
+        self._validate(dataset, strategy, bucket)
+        planner = RankPlanner(
+            dp_size=strategy.dp_size,
+            cp_size=strategy.cp_size,
+            dp_rank=strategy.dp_rank,
+            cp_rank=strategy.cp_rank,
+            bucket_size=bucket,
+            policy=strategy.config.policy,
+            cost_model=strategy.cost_model,
+            equal_micro_batches=strategy.requires_equal_micro_batches,
+        )
+        stream = GlobalBatchStream(dataset, sampler, planner)
+        trainer = self.trainer if hook == "train_dataloader" else None
+        return SkrullDataLoader(stream, num_workers=self.config.num_workers, trainer=trainer)
