@@ -1,0 +1,306 @@
+"""Prepare a Hugging Face decoder for Skrull context parallelism, or refuse it loudly.
+
+:func:`prepare_model` registers the ``"skrull"`` attention with transformers'
+``AttentionInterface``, switches the model to it through ``set_attn_implementation`` (the public
+way transformers offers; nothing in transformers is monkeypatched), turns the KV cache off, and
+checks that the model is one whose result under Skrull equals its result on one process:
+
+- a decoder-only causal LM of an allow-listed architecture (:data:`SUPPORTED_ARCHITECTURES`);
+- every decoder layer's attention applies RoPE (from ``position_ids``) and then calls the
+  function registered with the ``AttentionInterface``;
+- causal, without attention dropout, and without an active sliding window.
+
+Anything else raises ``ValueError`` naming the model class and every reason at once.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import MappingProxyType
+
+from torch import nn
+
+SKRULL_ATTENTION = "skrull"
+"""Name of the attention function in transformers' ``AttentionInterface``."""
+
+SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
+    {
+        "qwen2": ("Qwen2ForCausalLM", "Qwen2Model"),
+        "qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
+        "llama": ("LlamaForCausalLM", "LlamaModel"),
+        "mistral": ("MistralForCausalLM", "MistralModel"),
+    }
+)
+"""``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
+
+Qwen2.5 checkpoints use ``model_type="qwen2"``. Each of these applies RoPE to queries and keys
+and then calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``, with
+no other sequence mixing, so packing sequences and sharding them over ranks changes nothing
+as long as the attention function honours the layout.
+"""
+
+_INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
+_ROPE_CALL = "apply_rotary_pos_emb("
+_BACKENDS = ("auto", "sdpa", "flash")
+
+
+def attention_window(model: nn.Module) -> int | None:
+    """The sliding attention window the model applies, or ``None`` for full causal attention.
+
+    Qwen2 / Qwen3 apply ``config.sliding_window`` to the layers that ``config.layer_types``
+    marks ``"sliding_attention"`` (only when ``use_sliding_window=True``); Mistral applies
+    ``config.sliding_window`` to every layer whenever it is set (its configs default to 4096).
+    A window at least as long as a sequence changes nothing for that sequence.
+    """
+    config = getattr(model, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and "sliding_attention" not in layer_types:
+        return None
+    return int(window)
+
+
+def sequence_length_limit(model: nn.Module) -> int | None:
+    """Longest sequence the prepared model runs exactly under Skrull (``None``: no limit).
+
+    The Skrull attention is full causal attention; a model with a sliding window ``W`` gives the
+    same result only for sequences of at most ``W`` tokens. The engine checks every global batch
+    against this limit.
+    """
+    return attention_window(model)
+
+
+def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    layers: list[nn.Module] = []
+    for module in model.modules():
+        attn = getattr(module, "self_attn", None)
+        if isinstance(attn, nn.Module):
+            layers.append(attn)
+    return layers
+
+
+def _attention_path_problems(model: nn.Module) -> list[str]:
+    """Reasons why the attention modules do not go through the AttentionInterface."""
+    problems: list[str] = []
+    attns = _attention_modules(model)
+    num_layers = getattr(model.config, "num_hidden_layers", None)
+    if not attns:
+        return ["no decoder layer with a `self_attn` module was found"]
+    if num_layers is not None and len(attns) != num_layers:
+        problems.append(
+            f"found {len(attns)} `self_attn` modules for num_hidden_layers={num_layers}"
+        )
+    for cls in sorted({type(a) for a in attns}, key=lambda c: c.__qualname__):
+        try:
+            source = inspect.getsource(cls.forward)
+        except (OSError, TypeError):
+            problems.append(f"the source of {cls.__qualname__}.forward cannot be inspected")
+            continue
+        call = source.find("attention_interface(")
+        if _INTERFACE_CALL not in source or call < 0:
+            problems.append(
+                f"{cls.__qualname__}.forward does not call the attention through transformers' "
+                "AttentionInterface (ALL_ATTENTION_FUNCTIONS.get_interface)"
+            )
+        elif not 0 <= source.find(_ROPE_CALL) < call:
+            problems.append(
+                f"{cls.__qualname__}.forward does not apply RoPE (apply_rotary_pos_emb) before "
+                "the attention call"
+            )
+    return problems
+
+
+def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> None:
+    """Check that Skrull runs ``model`` exactly; raise if not.
+
+    Args:
+        model: a Hugging Face ``PreTrainedModel``.
+        max_sequence_length: longest sequence you will train on; only needed to accept a model
+            with a sliding window (it must not exceed the window).
+
+    Raises:
+        TypeError: ``model`` is not a transformers ``PreTrainedModel``.
+        ValueError: the model is not supported; the message names the class and every reason.
+    """
+    from transformers import PreTrainedModel
+
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(
+            f"prepare_model expects a transformers PreTrainedModel (e.g. Qwen2ForCausalLM), got "
+            f"{type(model).__name__}; pass the Hugging Face model itself (find_hf_model(module) "
+            "finds it inside a LightningModule)."
+        )
+    config = model.config
+    name = type(model).__name__
+    reasons: list[str] = []
+    model_type = getattr(config, "model_type", None)
+    if getattr(config, "is_encoder_decoder", False):
+        reasons.append(
+            "it is an encoder-decoder model (only decoder-only causal LMs are supported)"
+        )
+    if not getattr(config, "is_causal", True):
+        reasons.append("its config sets is_causal=False (bidirectional attention)")
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        reasons.append(
+            f"model_type {model_type!r} is not a supported architecture (supported: "
+            f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
+        )
+    else:
+        allowed = SUPPORTED_ARCHITECTURES[model_type]
+        if not any(cls.__name__ in allowed for cls in type(model).__mro__):
+            reasons.append(
+                f"it is not a causal LM of its architecture (expected {' or '.join(allowed)} or "
+                "a subclass)"
+            )
+        reasons.extend(_attention_path_problems(model))
+    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+    if dropout > 0.0:
+        reasons.append(
+            f"attention_dropout={dropout} (the Skrull attention has no dropout; set "
+            "config.attention_dropout=0.0)"
+        )
+    window = attention_window(model)
+    if window is not None and (max_sequence_length is None or max_sequence_length > window):
+        given = (
+            "no max_sequence_length was given"
+            if max_sequence_length is None
+            else f"max_sequence_length={max_sequence_length} exceeds it"
+        )
+        reasons.append(
+            f"it applies a sliding attention window of {window} tokens, which the Skrull "
+            f"attention does not implement, and {given} (set config.sliding_window=None for full "
+            "attention if the checkpoint was trained so, or promise sequences no longer than "
+            f"the window with prepare_model(..., max_sequence_length<={window}))"
+        )
+    if reasons:
+        raise ValueError(
+            f"{name} cannot be trained with Skrull context parallelism: " + "; ".join(reasons) + "."
+        )
+
+
+def prepare_model(
+    model: nn.Module, *, backend: str = "auto", max_sequence_length: int | None = None
+) -> nn.Module:
+    """Check a Hugging Face decoder and switch it to the Skrull attention, in place.
+
+    Registers ``"skrull"`` with transformers' ``AttentionInterface``, calls
+    ``model.set_attn_implementation("skrull")``, and sets ``config.use_cache = False`` (with a
+    cache, transformers does not treat packed input as packed).
+
+    Args:
+        model: a transformers ``PreTrainedModel`` of a supported architecture.
+        backend: attention kernel the engine will use: ``"auto"``, ``"sdpa"`` or ``"flash"``
+            (checked here so a missing flash-attn fails before training starts).
+        max_sequence_length: longest sequence you will train on; needed only for a model with a
+            sliding window (see :func:`check_model`).
+
+    Returns:
+        The same model object.
+
+    Raises:
+        TypeError: ``model`` is not a ``PreTrainedModel``.
+        ValueError: unsupported model (the message names the class and why), unknown backend,
+            or ``"flash"`` without flash-attn installed.
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {_BACKENDS}.")
+    if backend == "flash":
+        from lightning_skrull.attention.flash import flash_attn_available
+
+        if not flash_attn_available():
+            raise ValueError(
+                "attention backend 'flash' needs the flash-attn package; install it with "
+                "`pip install flash-attn` on a CUDA machine, or use backend='sdpa' or 'auto'."
+            )
+    check_model(model, max_sequence_length=max_sequence_length)
+
+    from lightning_skrull.attention.dispatch import register_skrull_attention
+
+    register_skrull_attention()
+    model.set_attn_implementation(SKRULL_ATTENTION)
+    _check_attention_selected(model)
+    model.config.use_cache = False
+    return model
+
+
+def _check_attention_selected(model: nn.Module) -> None:
+    from transformers import PreTrainedModel
+
+    stale = sorted(
+        {
+            type(m).__name__
+            for m in model.modules()
+            if isinstance(m, PreTrainedModel) and m.config._attn_implementation != SKRULL_ATTENTION
+        }
+    )
+    if stale:
+        raise ValueError(
+            f"{type(model).__name__} cannot be trained with Skrull context parallelism: "
+            f"set_attn_implementation('{SKRULL_ATTENTION}') left {', '.join(stale)} on another "
+            "attention (its attention does not go through transformers' AttentionInterface)."
+        )
+
+
+def is_prepared(model: nn.Module) -> bool:
+    """Whether ``model`` runs the Skrull attention with the cache off."""
+    config = getattr(model, "config", None)
+    return (
+        getattr(config, "_attn_implementation", None) == SKRULL_ATTENTION
+        and getattr(config, "use_cache", True) is False
+    )
+
+
+def find_hf_model(module: nn.Module, *, attribute: str | None = None) -> nn.Module:
+    """The Hugging Face ``PreTrainedModel`` inside ``module`` (e.g. a ``LightningModule``).
+
+    Args:
+        module: the module to search; returned as is when it is a ``PreTrainedModel``.
+        attribute: dotted submodule name (``"model"``, ``"backbone.lm"``) to pick one model
+            when ``module`` holds several.
+
+    Returns:
+        The outermost ``PreTrainedModel`` (a ``Qwen2ForCausalLM``, not its inner
+        ``Qwen2Model``).
+
+    Raises:
+        ValueError: none found, several found and no ``attribute``, or ``attribute`` names no
+            ``PreTrainedModel``.
+    """
+    from transformers import PreTrainedModel
+
+    if attribute is not None:
+        try:
+            found = module.get_submodule(attribute)
+        except AttributeError as err:
+            raise ValueError(
+                f"{type(module).__name__} has no submodule {attribute!r}: {err}"
+            ) from None
+        if not isinstance(found, PreTrainedModel):
+            raise ValueError(
+                f"{type(module).__name__}.{attribute} is a {type(found).__name__}, not a "
+                "transformers PreTrainedModel."
+            )
+        return found
+    if isinstance(module, PreTrainedModel):
+        return module
+    outermost: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if not isinstance(sub, PreTrainedModel):
+            continue
+        if any(name.startswith(prefix + ".") for prefix, _ in outermost):
+            continue
+        outermost.append((name, sub))
+    if not outermost:
+        raise ValueError(
+            f"{type(module).__name__} holds no transformers PreTrainedModel; Skrull trains "
+            "Hugging Face decoders (e.g. self.model = AutoModelForCausalLM.from_pretrained(...))."
+        )
+    if len(outermost) > 1:
+        names = ", ".join(f"{n} ({type(m).__name__})" for n, m in outermost)
+        raise ValueError(
+            f"{type(module).__name__} holds several transformers models: {names}; name the one "
+            "to train with attribute=... ."
+        )
+    return outermost[0][1]
