@@ -117,7 +117,9 @@ def _encoder_decoder() -> nn.Module:
 def _gpt2() -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2))
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=64, n_embd=16, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+    )
 
 
 def _non_causal() -> nn.Module:
