@@ -118,8 +118,17 @@ def _broken(layout: Any) -> Any:
     return dataclasses.replace(layout, gather_index=tuple(reversed(layout.gather_index)))
 
 
-def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, Any]]:
-    group = dist.new_group(list(range(world_size)))  # a dedicated CP group, as the engine makes
+def _run_all(rank: int, world_size: int, cases: dict[int, list[Case]]) -> dict[int, list[Any]]:
+    """Every CP size's cases in one world: CP group = ranks ``[0, cp_size)``, as many as needed."""
+    results = {}
+    for cp_size, cp_cases in sorted(cases.items()):
+        group = dist.new_group(list(range(cp_size)))  # every rank takes part in new_group
+        if rank < cp_size:
+            results[cp_size] = _run_cases(rank, cp_size, group, cp_cases)
+    return results
+
+
+def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[dict[str, Any]]:
     calls = {"all_gather": 0, "reduce_scatter": 0}
     real_gather, real_scatter = dist.all_gather_single, dist.reduce_scatter_single
 
@@ -137,7 +146,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, 
     try:
         for case in cases:
             layout = build_rank_layout(
-                case.sequence_ids, case.placement, case.lengths, cp_rank=rank, cp_size=world_size
+                case.sequence_ids, case.placement, case.lengths, cp_rank=rank, cp_size=cp_size
             )
             data = {sid: _sequence_data(case, sid) for sid in case.sequence_ids}
             packed = {
@@ -158,6 +167,7 @@ def _run_cases(rank: int, world_size: int, cases: list[Case]) -> list[dict[str, 
                     scaling=case.scale,
                 )
             assert weights is None and out.shape == (1, layout.num_tokens, case.num_heads, HEAD_DIM)
+            # backward runs outside the context: the collective saved its group at forward
             out[0].backward(packed["grad_out"])
             results.append(
                 {
@@ -210,11 +220,26 @@ def _mismatches(case: Case, per_rank: list[dict[str, Any]]) -> list[str]:
     return problems
 
 
+CP_SIZES = (2, 3, 4)
+
+
+@pytest.fixture(scope="module")
+def cp_results() -> dict[int, tuple[list[Case], list[list[dict[str, Any]]]]]:
+    """One spawn of max(CP_SIZES) processes runs the cases of every CP size."""
+    cases = {cp_size: _make_cases(cp_size, seed=cp_size) for cp_size in CP_SIZES}
+    by_rank = spawn(_run_all, max(CP_SIZES), cases, timeout=300)
+    return {
+        cp_size: (cases[cp_size], [by_rank[rank][cp_size] for rank in range(cp_size)])
+        for cp_size in CP_SIZES
+    }
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("cp_size", [2, 3, 4])
-def test_context_parallel_attention_equals_sdpa_on_whole_sequences(cp_size: int) -> None:
-    cases = _make_cases(cp_size, seed=cp_size)
-    results = spawn(_run_cases, cp_size, cases, timeout=240)
+@pytest.mark.parametrize("cp_size", CP_SIZES)
+def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
+    cp_size: int, cp_results: dict[int, tuple[list[Case], list[list[dict[str, Any]]]]]
+) -> None:
+    cases, results = cp_results[cp_size]
     checked_broken = 0
     for i, case in enumerate(cases):
         per_rank = [results[rank][i] for rank in range(cp_size)]

@@ -1,0 +1,320 @@
+"""Single-process tests of the attention backends, context, dispatch and registration.
+
+Ranks are emulated in one process where no collective is needed: each rank's distributed
+chunks attend the whole sequences' K/V directly (what the all-gather delivers), so the math of
+the layout and of the lower-right causal blocks is checked for CP sizes 1-5 without spawning.
+The real collectives are tested in ``test_attention_multiprocess.py``.
+
+Tolerances: float64 1e-10 (only the softmax summation order differs from the reference,
+~1e-15); bf16 on GPU 2e-2 (bf16 has 8 bits of mantissa, ~4e-3 relative per rounding, and the two
+kernels round differently).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_skrull.attention import (
+    ATTENTION_NAME,
+    SkrullAttentionContext,
+    attention_context,
+    build_rank_layout,
+    build_rank_layouts,
+    current_attention_context,
+    distributed_kv_bytes,
+    gather_distributed_kv,
+    pack,
+    register_skrull_attention,
+    resolve_backend,
+    sdpa_attention,
+    skrull_attention_forward,
+    unpack,
+)
+from lightning_skrull.attention import flash as flash_backend
+from lightning_skrull.attention import sdpa as sdpa_backend
+from lightning_skrull.attention.context import _index_tensors
+from lightning_skrull.attention.layout import RankLayout
+from lightning_skrull.scheduling.plan import DISTRIBUTED
+
+HEAD_DIM = 8
+
+
+def _reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
+    """Plain causal SDPA on one whole sequence, K/V heads repeated for GQA: ``[L, H, D]``."""
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(groups, dim=1).transpose(0, 1),
+        v.repeat_interleave(groups, dim=1).transpose(0, 1),
+        is_causal=True,
+        scale=scale,
+    ).transpose(0, 1)
+
+
+def _emulated_context(
+    layout: RankLayout, backend: str, device: torch.device
+) -> SkrullAttentionContext:
+    """A context without process group, for calling the backends' parts directly."""
+    return SkrullAttentionContext(
+        layout=layout,
+        group=None,
+        backend=backend,
+        device=device,
+        **_index_tensors(layout, backend, device),
+    )
+
+
+def _emulate_ranks(
+    module: object,
+    layouts: list[RankLayout],
+    seqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    scale: float | None,
+    backend: str = "sdpa",
+) -> list[torch.Tensor]:
+    """Each rank's output computed with the backend's local and distributed parts."""
+    dist_ids = layouts[0].distributed_sequence_ids
+    k_whole = torch.cat([seqs[s][1] for s in dist_ids]) if dist_ids else None
+    v_whole = torch.cat([seqs[s][2] for s in dist_ids]) if dist_ids else None
+    outs = []
+    for layout in layouts:
+        device = next(iter(seqs.values()))[0].device
+        ctx = _emulated_context(layout, backend, device)
+        q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
+        n = layout.num_local_tokens
+        parts = []
+        if n:
+            parts.append(module.local_attention(q[:n], k[:n], v[:n], ctx, scale=scale))
+        if layout.distributed_chunks:
+            parts.append(module.distributed_attention(q[n:], k_whole, v_whole, ctx, scale=scale))
+        outs.append(torch.cat(parts) if parts else q[:0])
+    return outs
+
+
+def _random_case(rng: random.Random, cp_size: int) -> tuple[list[int], list[int], list[int]]:
+    lengths = [
+        rng.choice([1, 2, 3, 5, 7, 11, 13, 2 * cp_size - 1, rng.randint(1, 70)]) for _ in range(6)
+    ]
+    ids = rng.sample(range(6), rng.randint(1, 6))
+    placement = [rng.choice([DISTRIBUTED, *range(cp_size)]) for _ in ids]
+    return lengths, ids, placement
+
+
+def _random_seqs(
+    lengths: list[int], ids: list[int], hq: int, hkv: int, dtype: torch.dtype, device: str = "cpu"
+) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(sum(lengths) * 31 + hq * 7 + hkv)
+    return {
+        s: tuple(
+            torch.randn(lengths[s], h, HEAD_DIM, generator=gen, dtype=torch.float64).to(
+                device, dtype
+            )
+            for h in (hq, hkv, hkv)
+        )
+        for s in ids
+    }
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 1), (2, 2)])
+def test_emulated_ranks_equal_sdpa_on_whole_sequences(cp_size: int, hq: int, hkv: int) -> None:
+    rng = random.Random(cp_size * 10 + hkv)
+    for trial in range(4):
+        lengths, ids, placement = _random_case(rng, cp_size)
+        seqs = _random_seqs(lengths, ids, hq, hkv, torch.float64)
+        layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+        scale = 0.25 if trial % 2 else None
+        got = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, scale))
+        for s in ids:
+            err = (got[s] - _reference(*seqs[s], scale=scale)).abs().max().item()
+            assert err < 1e-10, (lengths, ids, placement, s, err)
+
+
+@pytest.mark.parametrize("mask_elements", [1, 7, 40, 1 << 22])
+def test_lower_right_blocks_equal_the_tail_of_full_causal_attention(mask_elements: int) -> None:
+    # queries are the last 9 of 23 positions: blocks of 1, a few, or all rows give the same
+    gen = torch.Generator().manual_seed(0)
+    q_all = torch.randn(23, 4, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
+    v = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
+    want = _reference(q_all, k, v)[14:]
+    got = sdpa_backend.causal_lower_right_attention(q_all[14:], k, v, mask_elements=mask_elements)
+    assert (got - want).abs().max().item() < 1e-12
+
+
+def test_cp1_through_dispatch_with_gradients() -> None:
+    # cp_size 1: a "distributed" sequence is two chunks on the one rank, no collective
+    lengths, ids, placement = [6, 1, 9, 4], [2, 0, 1, 3], [0, DISTRIBUTED, DISTRIBUTED, 0]
+    seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
+    layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
+    q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}).requires_grad_() for i in range(3))
+    ctx = SkrullAttentionContext.build(layout)
+    with attention_context(ctx):
+        out, weights = skrull_attention_forward(
+            None, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, scaling=0.4
+        )
+    assert weights is None and out.shape == (1, layout.num_tokens, 4, HEAD_DIM)
+    grad_out = torch.randn_like(out[0])
+    out[0].backward(grad_out)
+    got = unpack([layout], [out[0].detach()])
+    got_grads = {name: unpack([layout], [t.grad]) for name, t in (("q", q), ("k", k), ("v", v))}
+    g = unpack([layout], [grad_out])
+    for s in ids:
+        ref_in = [t.clone().requires_grad_() for t in seqs[s]]
+        ref = _reference(*ref_in, scale=0.4)
+        ref.backward(g[s])
+        assert (got[s] - ref.detach()).abs().max().item() < 1e-10
+        for name, t in zip("qkv", ref_in, strict=True):
+            assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (s, name)
+
+
+def test_no_distributed_sequence_starts_no_gather() -> None:
+    layout = build_rank_layout([0, 1], [0, 0], [3, 2], cp_rank=0, cp_size=1)
+    ctx = SkrullAttentionContext.build(layout)
+    k = torch.zeros(0, 2, HEAD_DIM)
+    assert gather_distributed_kv(k, k, ctx) is None
+    assert distributed_kv_bytes(ctx, 2, HEAD_DIM, torch.float32) == 0
+
+
+def test_gather_rejects_a_mismatched_distributed_part() -> None:
+    layout = build_rank_layout([0], [DISTRIBUTED], [6], cp_rank=0, cp_size=1)
+    ctx = SkrullAttentionContext.build(layout)
+    with pytest.raises(ValueError, match="holds 6 distributed tokens"):
+        gather_distributed_kv(torch.zeros(5, 2, HEAD_DIM), torch.zeros(5, 2, HEAD_DIM), ctx)
+
+
+def test_context_variable_scoping_and_errors() -> None:
+    with pytest.raises(RuntimeError, match="outside attention_context"):
+        current_attention_context()
+    one = SkrullAttentionContext.build(build_rank_layout([0], [0], [3], cp_rank=0, cp_size=1))
+    two = SkrullAttentionContext.build(build_rank_layout([0], [0], [5], cp_rank=0, cp_size=1))
+    with attention_context(one):
+        assert current_attention_context() is one
+        with attention_context(two):
+            assert current_attention_context() is two
+        assert current_attention_context() is one
+    with pytest.raises(RuntimeError):
+        current_attention_context()
+    with pytest.raises(TypeError, match="SkrullAttentionContext"):
+        with attention_context("not a context"):  # type: ignore[arg-type]
+            pass
+    with pytest.raises(TypeError, match="RankLayout"):
+        SkrullAttentionContext.build("layout")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="group is None"):
+        SkrullAttentionContext.build(build_rank_layout([0], [0], [3], cp_rank=0, cp_size=2))
+
+
+def test_dispatch_refuses_unsupported_inputs() -> None:
+    layout = build_rank_layout([0], [0], [5], cp_rank=0, cp_size=1)
+    q = torch.zeros(1, 4, 5, HEAD_DIM)
+    kv = torch.zeros(1, 2, 5, HEAD_DIM)
+    with pytest.raises(RuntimeError, match="outside attention_context"):
+        skrull_attention_forward(None, q, kv, kv, None)
+    training, evaluating = torch.nn.Linear(1, 1).train(), torch.nn.Linear(1, 1).eval()
+    with attention_context(SkrullAttentionContext.build(layout)):
+        with pytest.raises(ValueError, match="batch size 1"):
+            skrull_attention_forward(
+                None,
+                q.expand(2, -1, -1, -1),
+                kv.expand(2, -1, -1, -1),
+                kv.expand(2, -1, -1, -1),
+                None,
+            )
+        with pytest.raises(ValueError, match="dropout"):
+            skrull_attention_forward(training, q, kv, kv, None, dropout=0.1)
+        skrull_attention_forward(evaluating, q, kv, kv, None, dropout=0.1)  # inert in eval
+        with pytest.raises(ValueError, match="sliding_window=4096"):
+            skrull_attention_forward(None, q, kv, kv, None, sliding_window=4096)
+        skrull_attention_forward(None, q, kv, kv, None, sliding_window=None)
+        with pytest.raises(ValueError, match="attention_mask"):
+            skrull_attention_forward(None, q, kv, kv, torch.ones(1, 1, 5, 5, dtype=torch.bool))
+        with pytest.raises(ValueError, match="holds 5"):
+            skrull_attention_forward(None, q[:, :, :4], kv[:, :, :4], kv[:, :, :4], None)
+        with pytest.raises(ValueError, match="causal only"):
+            skrull_attention_forward(None, q, kv, kv, None, is_causal=False)
+        with pytest.raises(ValueError, match="softcap"):
+            skrull_attention_forward(None, q, kv, kv, None, softcap=30.0)
+
+
+def test_resolve_backend(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="lightning_skrull.attention.flash"):
+        assert resolve_backend("auto", "cpu") == "sdpa"
+    assert resolve_backend("sdpa", "cpu") == "sdpa"
+    with pytest.raises(ValueError, match="CUDA device"):
+        resolve_backend("flash", "cpu")
+    with pytest.raises(ValueError, match="unknown attention backend 'ring'"):
+        resolve_backend("ring", "cpu")
+    if not flash_backend.flash_attn_available():
+        with pytest.raises(ValueError, match="pip install flash-attn"):
+            resolve_backend("flash", "cuda")
+        assert resolve_backend("auto", "cuda") == "sdpa"
+
+
+def test_registration_and_a_tiny_hf_model_on_packed_input() -> None:
+    transformers = pytest.importorskip("transformers")
+    assert register_skrull_attention() == ATTENTION_NAME == register_skrull_attention()
+    assert transformers.AttentionInterface()["skrull"] is skrull_attention_forward
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).double().eval()
+    lengths = [5, 9, 3]
+    tokens = {s: torch.randint(0, 64, (n,)) for s, n in enumerate(lengths)}
+    layout = build_rank_layout([0, 1, 2], [0, DISTRIBUTED, 0], lengths, cp_rank=0, cp_size=1)
+    input_ids = pack(layout, tokens).unsqueeze(0)
+    model.set_attn_implementation("skrull")
+    with attention_context(SkrullAttentionContext.build(layout)):
+        # transformers builds no mask for "skrull": a 2-D mask of ones is dropped, none arrives
+        logits = model(
+            input_ids=input_ids,
+            position_ids=torch.tensor([layout.position_ids]),
+            attention_mask=torch.ones_like(input_ids),
+        ).logits[0]
+    model.set_attn_implementation("sdpa")
+    got = unpack([layout], [logits])
+    for s, ids in tokens.items():
+        want = model(input_ids=ids.unsqueeze(0)).logits[0]
+        assert (got[s] - want).abs().max().item() < 1e-10
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+def test_flash_equals_sdpa_on_emulated_ranks(cp_size: int) -> None:
+    if not flash_backend.flash_attn_available():
+        pytest.skip("flash-attn is not installed")
+    rng = random.Random(cp_size)
+    for _ in range(3):
+        lengths, ids, placement = _random_case(rng, cp_size)
+        seqs = _random_seqs(lengths, ids, 4, 2, torch.bfloat16, device="cuda")
+        layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+        flash = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, None, "flash"))
+        sdpa = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, None, "sdpa"))
+        for s in ids:
+            err = (flash[s].float() - sdpa[s].float()).abs().max().item()
+            assert err < 2e-2, (lengths, ids, placement, s, err)
+
+
+def test_sdpa_attention_is_the_sdpa_backend_entry_point() -> None:
+    # the public entry point runs the same schedule as the parts (cp_size 1, no group)
+    lengths, ids, placement = [4, 7], [0, 1], [DISTRIBUTED, 0]
+    seqs = _random_seqs(lengths, ids, 2, 1, torch.float64)
+    layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
+    ctx = SkrullAttentionContext.build(layout)
+    q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
+    out = unpack([layout], [sdpa_attention(q, k, v, ctx)])
+    for s in ids:
+        assert (out[s] - _reference(*seqs[s])).abs().max().item() < 1e-10
