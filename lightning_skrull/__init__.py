@@ -1,7 +1,7 @@
 """lightning-skrull: Skrull data scheduling (DACP + GDS) for long-context SFT in Lightning.
 
 Importing the package registers the strategy names ``"skrull"``, ``"skrull_spawn"``,
-``"skrull_cp2"``, ``"skrull_cp4"`` and ``"skrull_cp8"`` with Lightning's
+``"skrull_cp2"``, ``"skrull_cp4"``, ``"skrull_cp8"`` and ``"skrull_zero2"`` with Lightning's
 strategy registry, so ``Trainer(strategy="skrull")`` works after ``import lightning_skrull``.
 """
 
@@ -11,6 +11,7 @@ from lightning_skrull.config import DataConfig, SkrullConfig
 from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
 from lightning_skrull.strategy import SkrullStrategy
+from lightning_skrull.zero import SkrullZero2Strategy
 
 __version__ = "0.1.0"
 
@@ -21,6 +22,7 @@ __all__ = [
     "SkrullConfig",
     "SkrullDataModule",
     "SkrullStrategy",
+    "SkrullZero2Strategy",
     "__version__",
     "plan_global_batch",
     "register_strategies",
@@ -32,7 +34,7 @@ def register_strategies() -> None:
     """Register the Skrull strategy names with Lightning (done once, at import)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for cls in (SkrullStrategy,):
+    for cls in (SkrullStrategy, SkrullZero2Strategy):
         if getattr(cls, "strategy_name", None) not in StrategyRegistry:
             cls.register_strategies(StrategyRegistry)
 

@@ -82,7 +82,7 @@ class SkrullStrategyMixin:
 
     # ------------------------------------------------------------------ properties
     @property
-    def config(self) -> SkrullConfig:
+    def skrull_config(self) -> SkrullConfig:
         """The strategy's :class:`~lightning_skrull.config.SkrullConfig`."""
         return self._skrull_config
 
@@ -244,6 +244,9 @@ class SkrullStrategyMixin:
         """Context for micro-batches ``0..n-2``: no gradient sync (DDP ``no_sync``)."""
         return nullcontext()
 
+    def _before_last_micro_batch(self) -> None:
+        """Called before the last micro-batch's forward (whose backward syncs)."""
+
     def _earlier_micro_batch_backward(self, loss: Tensor) -> None:
         """Backward of an earlier micro-batch through the precision plugin."""
         optimizer = self.optimizers[0] if self.optimizers else None  # type: ignore[attr-defined]
@@ -311,6 +314,7 @@ class SkrullStrategyMixin:
                 earlier.append(loss.detach())
             if earlier:
                 self._stash_gradients()
+            self._before_last_micro_batch()
             # the last micro-batch's context stays set until Lightning's backward has run
             # (activation checkpointing recomputes attention there)
             self._last_context = ExitStack()
@@ -354,6 +358,67 @@ class SkrullStrategyMixin:
             share = torch.stack(losses).sum()
             self._log_step(rank_batch, stats, share, stage)
         return output
+
+    # ------------------------------------------------------------------ Lightning hooks
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._check_trainer(trainer)
+        self._prepare_hf_model()
+        super().setup(trainer)  # type: ignore[misc]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._skrull_training_step(args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._skrull_eval_step("validation_step", "validation", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._skrull_eval_step("test_step", "test", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError(
+            f"{type(self).__name__} does not support trainer.predict: generation needs a KV "
+            "cache, which context-parallel attention does not keep. Predict with a plain "
+            "strategy (e.g. 'ddp') on an unpatched model."
+        )
+
+    @override
+    def backward(
+        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> Tensor:
+        self._restore_gradients()
+        try:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc,no-any-return]
+        finally:
+            self._close_last_context()
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Any,
+        model: pl.LightningModule | torch.nn.Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        self._log_throughput()
+        return output
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._close_last_context()
+        self._stashed_grads = []
+        super().on_exception(exception)  # type: ignore[misc]
+
+    @override
+    def teardown(self) -> None:
+        self._close_last_context()
+        self._stashed_grads = []
+        super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ logging
     def _log_step(self, rank_batch: RankBatch, stats: Any, share: Tensor, stage: str) -> None:
@@ -502,68 +567,8 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         self._build_parallel_layout()
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
-        self._check_trainer(trainer)
-        self._prepare_hf_model()
-        super().setup(trainer)
-
-    @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
         return self.block_backward_sync()
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._skrull_training_step(args, kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._skrull_eval_step("validation_step", "validation", args, kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._skrull_eval_step("test_step", "test", args, kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        raise RuntimeError(
-            f"{type(self).__name__} does not support trainer.predict: generation needs a KV "
-            "cache, which context-parallel attention does not keep. Predict with a plain "
-            "strategy (e.g. 'ddp') on an unpatched model."
-        )
-
-    @override
-    def backward(
-        self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
-    ) -> Tensor:
-        self._restore_gradients()
-        try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-        finally:
-            self._close_last_context()
-
-    @override
-    def on_exception(self, exception: BaseException) -> None:
-        self._close_last_context()
-        self._stashed_grads = []
-        super().on_exception(exception)
-
-    @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Any,
-        model: pl.LightningModule | torch.nn.Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        self._log_throughput()
-        return output
-
-    @override
-    def teardown(self) -> None:
-        self._close_last_context()
-        self._stashed_grads = []
-        super().teardown()
 
     @classmethod
     @override

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
@@ -93,9 +93,13 @@ def plan_stats(
     )
 
 
-@dataclass(eq=False)
 class SkrullBatch:
     """What the Skrull loader yields per optimizer step on one rank.
+
+    A plain class, not a dataclass, on purpose: Lightning's precision plugins walk batches with
+    ``apply_to_collection`` (casting floating tensors, refusing frozen dataclasses); this batch
+    is moved as a whole by :meth:`to` and its tensors keep their dtypes (``num_items_in_batch``
+    stays float32 under half precision).
 
     Attributes:
         rank_batch: this rank's micro-batches of the global batch.
@@ -104,14 +108,25 @@ class SkrullBatch:
         index: the global batch's index inside its epoch.
     """
 
-    rank_batch: RankBatch
-    stats: PlanStats
-    epoch: int
-    index: int
+    __slots__ = ("epoch", "index", "rank_batch", "stats")
+
+    def __init__(self, rank_batch: RankBatch, stats: PlanStats, epoch: int, index: int) -> None:
+        self.rank_batch = rank_batch
+        self.stats = stats
+        self.epoch = epoch
+        self.index = index
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SkrullBatch:
         """A copy with every tensor on ``device`` (Lightning calls it to move the batch)."""
-        return replace(self, rank_batch=self.rank_batch.to(device, non_blocking=non_blocking))
+        moved = self.rank_batch.to(device, non_blocking=non_blocking)
+        return SkrullBatch(moved, self.stats, self.epoch, self.index)
+
+    def __repr__(self) -> str:
+        return (
+            f"SkrullBatch(epoch={self.epoch}, index={self.index}, "
+            f"micro_batches={len(self.rank_batch.micro_batches)}, "
+            f"sequences={self.stats.num_sequences}, tokens={self.stats.num_tokens})"
+        )
 
 
 # --------------------------------------------------------------------------- planning
@@ -436,7 +451,7 @@ class SkrullDataModule(pl.LightningDataModule):
             longest = max(
                 max(d.lengths) for d in (self.train_dataset, self.val_dataset) if d is not None
             )
-            self._bucket_size = strategy.config.resolve_bucket_size(longest)
+            self._bucket_size = strategy.skrull_config.resolve_bucket_size(longest)
         return self._bucket_size
 
     def _validate(self, dataset: SFTDataset, strategy: SkrullStrategyMixin, bucket: int) -> None:
@@ -463,7 +478,7 @@ class SkrullDataModule(pl.LightningDataModule):
             dp_rank=strategy.dp_rank,
             cp_rank=strategy.cp_rank,
             bucket_size=bucket,
-            policy=strategy.config.policy,
+            policy=strategy.skrull_config.policy,
             cost_model=strategy.cost_model,
             equal_micro_batches=strategy.requires_equal_micro_batches,
         )

@@ -1,0 +1,250 @@
+"""Skrull scheduling on DeepSpeed ZeRO-2 (the paper's base system), on GPU and on CPU.
+
+:class:`SkrullZero2Strategy` is Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
+at ZeRO stage 2 (optimizer states and gradients partitioned over the world) plus the Skrull
+pieces shared with :class:`~lightning_skrull.SkrullStrategy`. Two things differ from DDP:
+
+- ZeRO-2 reduces (reduce-scatters) gradients in *every* backward, so every DP rank must run the
+  same number of micro-batches: the data module pads the ranks with fewer to the plan's largest
+  count with empty micro-batches (one placeholder token, zero loss, zero gradient).
+- DeepSpeed's own accumulation boundary marks the last micro-batch
+  (``engine.set_gradient_accumulation_boundary``), so ``engine.step()`` steps once per global
+  batch; ``gradient_accumulation_steps`` stays 1, so no loss is rescaled.
+
+On CPU (gloo) three things of Lightning's DeepSpeedStrategy are relaxed: its CUDA-only check in
+``setup_environment``, its device-index check, and ``device_rank`` (the local rank instead of a
+CUDA index). DeepSpeed's shared-memory all-reduce op, which it JIT-compiles at start-up (about
+35 s) and uses only for inference all-reduces, is not built: training collectives go through
+``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.accelerators import CUDAAccelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_skrull.config import SkrullConfig
+from lightning_skrull.strategy import SkrullStrategyMixin
+
+if TYPE_CHECKING:
+    import deepspeed
+    import lightning.pytorch as pl
+
+    from lightning_skrull.scheduling.cost_model import CostModel
+
+SHM_OP_NAME = "deepspeed_shm_comm"
+"""DeepSpeed's shared-memory communication op (CPU inference all-reduce), skipped on CPU."""
+
+
+@contextmanager
+def _without_shm_comm_op() -> Iterator[None]:
+    """Keep ``deepspeed.init_distributed`` from JIT-compiling the shared-memory op."""
+    import deepspeed.ops
+
+    compatible = deepspeed.ops.__compatible_ops__
+    saved = compatible.get(SHM_OP_NAME)
+    compatible[SHM_OP_NAME] = False
+    try:
+        yield
+    finally:
+        if saved is None:
+            compatible.pop(SHM_OP_NAME, None)
+        else:
+            compatible[SHM_OP_NAME] = saved
+
+
+class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
+    """DeepSpeed ZeRO-2 with Skrull scheduling; runs on CUDA (NCCL) and on CPU (gloo).
+
+    Args:
+        cp_size, bucket_size, policy, attention_backend, cost_model, model_attribute,
+            verify_plans, log_stats: as for :class:`~lightning_skrull.SkrullStrategy`.
+        config: a DeepSpeed config (dict or JSON path) to start from; its
+            ``zero_optimization.stage`` must be 1 or 2 if given.
+        accelerator, parallel_devices, cluster_environment, precision_plugin,
+            process_group_backend, timeout: as for Lightning's ``DeepSpeedStrategy``.
+        **deepspeed_kwargs: other ``DeepSpeedStrategy`` arguments (``overlap_comm``,
+            ``reduce_bucket_size``, ``offload_optimizer``, ...). ``stage`` is fixed to 2.
+
+    Raises:
+        ValueError: a bad Skrull option, ``stage`` other than 2, or a config with ZeRO-3.
+    """
+
+    strategy_name = "skrull_zero2"
+    requires_equal_micro_batches = True
+
+    def __init__(
+        self,
+        cp_size: int = 1,
+        bucket_size: int | None = None,
+        policy: str = "skrull",
+        *,
+        attention_backend: str = "auto",
+        cost_model: CostModel | None = None,
+        model_attribute: str | None = None,
+        verify_plans: bool = True,
+        log_stats: bool = True,
+        config: str | Path | dict[str, Any] | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **deepspeed_kwargs: Any,
+    ) -> None:
+        skrull_config = SkrullConfig(
+            cp_size=cp_size,
+            bucket_size=bucket_size,
+            policy=policy,
+            attention_backend=attention_backend,
+            cost_model=cost_model,
+            model_attribute=model_attribute,
+            verify_plans=verify_plans,
+            log_stats=log_stats,
+        )
+        stage = deepspeed_kwargs.pop("stage", 2)
+        if stage != 2:
+            raise ValueError(
+                f"SkrullZero2Strategy runs ZeRO stage 2, got stage={stage!r}; ZeRO-3 partitions "
+                "the parameters, which the context-parallel attention does not gather. Leave "
+                "stage unset."
+            )
+        if isinstance(config, dict):
+            zero = config.get("zero_optimization", {})
+            if isinstance(zero, dict) and zero.get("stage", 2) not in (1, 2):
+                raise ValueError(
+                    f"the DeepSpeed config sets zero_optimization.stage={zero.get('stage')!r}; "
+                    "SkrullZero2Strategy supports stages 1 and 2."
+                )
+            config = {"train_micro_batch_size_per_gpu": 1, **config}
+        super().__init__(
+            accelerator=accelerator,
+            stage=2,
+            config=config,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            **deepspeed_kwargs,
+        )
+        # the loader yields whole global batches; DeepSpeed only logs this number
+        if isinstance(self.config, dict):
+            self.config.setdefault("train_micro_batch_size_per_gpu", 1)
+        self._init_skrull(skrull_config)
+
+    # ------------------------------------------------------------------ CPU support
+    @property
+    def _on_cuda(self) -> bool:
+        return isinstance(self.accelerator, CUDAAccelerator)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._on_cuda:
+            super().setup_environment()
+            return
+        # DeepSpeedStrategy refuses anything but CUDA here; ZeRO-2 runs on CPU with gloo
+        DDPStrategy.setup_environment(self)
+
+    @override
+    def setup_distributed(self) -> None:
+        if self._on_cuda:
+            super().setup_distributed()
+        else:
+            # the device-index check compares CPU devices (index None) with local ranks
+            reset_seed()
+            self.set_world_ranks()
+            with _without_shm_comm_op():
+                self._init_deepspeed_distributed()
+        self._build_parallel_layout()
+
+    def _device_rank(self) -> int:
+        index = self.root_device.index
+        return self.local_rank if index is None else index
+
+    @override
+    def _setup_model_and_optimizer(
+        self,
+        model: Module,
+        optimizer: Optimizer | None,
+        lr_scheduler: Any = None,
+    ) -> tuple[deepspeed.DeepSpeedEngine, Optimizer]:
+        import deepspeed
+
+        parameters = [p for p in model.parameters() if p.requires_grad]
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=self.config,
+            model=model,
+            model_parameters=parameters,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            dist_init_required=False,
+        )
+        return engine, ds_optimizer
+
+    @override
+    def _initialize_deepspeed_inference(self, model: Module) -> None:
+        import deepspeed
+
+        assert isinstance(self.config, dict)
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        for key in ("fp16", "bf16"):
+            if key in self.config:
+                inference_config[key] = self.config[key]
+        engine, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=self._device_rank()),
+            config=inference_config,
+            model=model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+        self.model = engine
+
+    # ------------------------------------------------------------------ micro-batches
+    def _set_boundary(self, is_boundary: bool) -> None:
+        engine = self.model
+        setter = getattr(engine, "set_gradient_accumulation_boundary", None)
+        if setter is not None:
+            setter(is_boundary)
+
+    @override
+    def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
+        @contextmanager
+        def not_a_boundary() -> Iterator[None]:
+            self._set_boundary(False)
+            yield
+
+        return not_a_boundary()
+
+    @override
+    def _before_last_micro_batch(self) -> None:
+        self._set_boundary(True)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "skrull_zero2",
+            cls,
+            description="Skrull scheduling on DeepSpeed ZeRO-2 (GPU with NCCL, or CPU with gloo)",
+        )
