@@ -139,6 +139,10 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank that read, plan and collate global batches."""
 
+    val_split: int = 0
+    """Samples of the training data held out for validation (a seeded choice, made once);
+    0 = none. Use it instead of separate validation data, not with it."""
+
     def __post_init__(self) -> None:
         for name in ("global_batch_size", "val_global_batch_size"):
             value: Any = getattr(self, name)
@@ -148,6 +152,11 @@ class DataConfig:
                 raise ValueError(f"{name}={value!r} is invalid; it must be an int >= 1.")
         if not _is_int(self.seed):
             raise TypeError(f"seed must be an int, got {type(self.seed).__name__}.")
+        if not _is_int(self.val_split) or self.val_split < 0:
+            raise ValueError(
+                f"val_split={self.val_split!r} is invalid; it is a number of held-out samples, "
+                "an int >= 0."
+            )
         if not _is_int(self.num_workers) or self.num_workers < 0:
             raise ValueError(
                 f"num_workers={self.num_workers!r} is invalid; it must be an int >= 0."

@@ -202,7 +202,7 @@ class GlobalBatchStream(IterableDataset):
     """
 
     def __init__(
-        self, dataset: SFTDataset, sampler: GlobalBatchSampler, planner: RankPlanner
+        self, dataset: SFTDataset | SampleView, sampler: GlobalBatchSampler, planner: RankPlanner
     ) -> None:
         super().__init__()
         self.dataset = dataset
@@ -316,6 +316,58 @@ def _identity(batch: Any) -> Any:
 
 
 # --------------------------------------------------------------------------- data module
+class SampleView(torch.utils.data.Dataset):
+    """Some samples of an :class:`SFTDataset`, in the given order (a held-out split).
+
+    Args:
+        base: the whole dataset.
+        indices: the samples of the view.
+    """
+
+    def __init__(self, base: SFTDataset, indices: Sequence[int]) -> None:
+        self.base = base
+        self.indices = list(indices)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every sample of the view."""
+        lengths = self.base.lengths
+        return [lengths[i] for i in self.indices]
+
+    def validate(self, **kwargs: Any) -> SampleView:
+        """Validate (and, if asked, truncate) the underlying dataset."""
+        self.base.validate(**kwargs)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.base[self.indices[index]]
+
+
+def split_dataset(
+    dataset: SFTDataset, num_held_out: int, *, seed: int = 0
+) -> tuple[SampleView, SampleView]:
+    """``(train, held_out)`` views: ``num_held_out`` samples chosen by a seeded permutation.
+
+    Both keep dataset order among their own samples.
+
+    Raises:
+        ValueError: fewer than ``num_held_out + 1`` samples.
+    """
+    n = len(dataset)
+    if not 0 < num_held_out < n:
+        raise ValueError(
+            f"val_split={num_held_out} must leave training samples: the data has {n} samples; "
+            f"choose val_split in [1, {n - 1}]."
+        )
+    rng = torch.Generator().manual_seed(seed)
+    held = set(torch.randperm(n, generator=rng)[:num_held_out].tolist())
+    train = [i for i in range(n) if i not in held]
+    return SampleView(dataset, train), SampleView(dataset, sorted(held))
+
+
 def _load(
     data: SFTData, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None
 ) -> SFTDataset:
@@ -348,6 +400,8 @@ class SkrullDataModule(pl.LightningDataModule):
         seed: shuffle seed.
         val_data: validation samples, any form ``train_data`` takes (``None``: no validation).
         val_global_batch_size: sequences per validation step (default ``global_batch_size``).
+        val_split: hold out this many training samples (seeded by ``seed``) for validation,
+            instead of ``val_data``.
         drop_last: drop the last partial global batch of each training epoch.
         num_workers: DataLoader workers per rank building batches ahead.
         tokenizer: HF tokenizer (or its name / path) for chat samples; its chat template is
@@ -368,6 +422,7 @@ class SkrullDataModule(pl.LightningDataModule):
         *,
         val_data: SFTData = None,
         val_global_batch_size: int | None = None,
+        val_split: int = 0,
         drop_last: bool = False,
         num_workers: int = 0,
         tokenizer: Any = None,
@@ -375,9 +430,15 @@ class SkrullDataModule(pl.LightningDataModule):
         truncate: bool = False,
     ) -> None:
         super().__init__()
+        if val_split and val_data is not None:
+            raise ValueError(
+                f"give val_data or val_split={val_split}, not both: val_split holds out part of "
+                "train_data for validation."
+            )
         self.config = DataConfig(
             global_batch_size=global_batch_size,
             val_global_batch_size=val_global_batch_size,
+            val_split=val_split,
             shuffle=shuffle,
             seed=seed,
             drop_last=drop_last,
@@ -388,8 +449,8 @@ class SkrullDataModule(pl.LightningDataModule):
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.truncate = truncate
-        self.train_dataset: SFTDataset | None = None
-        self.val_dataset: SFTDataset | None = None
+        self.train_dataset: SFTDataset | SampleView | None = None
+        self.val_dataset: SFTDataset | SampleView | None = None
         self._bucket_size: int | None = None
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -401,7 +462,13 @@ class SkrullDataModule(pl.LightningDataModule):
                 "JSONL/parquet path(s), or 'bundled:mixed_tiny'."
             )
         if self.train_data is not None and self.train_dataset is None:
-            self.train_dataset = _load(self.train_data, self.tokenizer, self.chat_template_kwargs)
+            dataset = _load(self.train_data, self.tokenizer, self.chat_template_kwargs)
+            if self.config.val_split:
+                self.train_dataset, self.val_dataset = split_dataset(
+                    dataset, self.config.val_split, seed=self.config.seed
+                )
+            else:
+                self.train_dataset = dataset
         if self.val_data is not None and self.val_dataset is None:
             self.val_dataset = _load(self.val_data, self.tokenizer, self.chat_template_kwargs)
 
@@ -454,7 +521,9 @@ class SkrullDataModule(pl.LightningDataModule):
             self._bucket_size = strategy.skrull_config.resolve_bucket_size(longest)
         return self._bucket_size
 
-    def _validate(self, dataset: SFTDataset, strategy: SkrullStrategyMixin, bucket: int) -> None:
+    def _validate(
+        self, dataset: SFTDataset | SampleView, strategy: SkrullStrategyMixin, bucket: int
+    ) -> None:
         from lightning_skrull.models.patching import find_hf_model
 
         vocab_size = None

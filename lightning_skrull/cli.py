@@ -1,0 +1,292 @@
+"""``skrull-finetune``: fine-tune a Hugging Face causal LM with Skrull from a YAML recipe.
+
+A :class:`~lightning.pytorch.cli.LightningCLI` over :class:`SkrullCausalLM` and
+:class:`~lightning_skrull.SkrullDataModule`::
+
+    skrull-finetune fit --config examples/configs/tiny_cpu.yaml
+    skrull-finetune validate --config examples/configs/qwen2.5-0.5b.yaml --model.model /path/to/ckpt
+
+Without ``--config`` the defaults are those of ``examples/configs/tiny_cpu.yaml``: a tiny
+random-initialised Qwen2.5-architecture model on the bundled mixed-length dataset, 4 CPU
+processes (DP=2 x CP=2). At the end of ``fit`` rank 0 prints the speed and the plan
+statistics (:class:`PlanStatsPrinter`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.utilities import rank_zero_only
+from torchmetrics import Metric
+
+from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
+from lightning_skrull.strategy import SkrullStrategy
+
+TINY_QWEN2_5: dict[str, Any] = {
+    "model_type": "qwen2",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 176,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 4096,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+}
+"""A Qwen2.5-architecture decoder small enough to train on a CPU (vocabulary of the bundled
+dataset; GQA 4:2 and tied embeddings as in Qwen2.5-0.5B)."""
+
+IGNORE_INDEX = -100
+
+
+class TokenPerplexity(Metric):
+    """Perplexity over every supervised token, summed over micro-batches, steps and ranks.
+
+    ``update(loss, num_items, num_tokens)`` takes a micro-batch's loss as the model returns it
+    (token-loss sum over ``num_items``) and the micro-batch's supervised tokens. The states are
+    sums reduced over all processes, so the result is ``exp(total token loss / total tokens)``,
+    exactly what one process computes on the whole validation set.
+    """
+
+    full_state_update = False
+    higher_is_better = False
+
+    nll_sum: torch.Tensor
+    tokens: torch.Tensor
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.add_state("nll_sum", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("tokens", torch.zeros((), dtype=torch.float64), dist_reduce_fx="sum")
+
+    def update(self, loss: torch.Tensor, num_items: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Add one micro-batch (``loss`` = its token-loss sum / ``num_items``)."""
+        self.nll_sum += loss.detach().double() * num_items.detach().double()
+        self.tokens += num_tokens.detach().double()
+
+    def compute(self) -> torch.Tensor:
+        """``exp`` of the mean token loss (``nan`` before any supervised token)."""
+        if self.tokens == 0:
+            return torch.tensor(float("nan"), dtype=torch.float64)
+        return torch.exp(self.nll_sum / self.tokens)
+
+
+class SkrullCausalLM(pl.LightningModule):
+    """Causal-LM fine-tuning: the loss is the Hugging Face model's own.
+
+    Args:
+        model: a Hugging Face model name or path (``from_pretrained``). Give either this or
+            ``model_config``.
+        model_config: a config dict (``model_type`` plus fields) for a randomly initialised
+            model, e.g. :data:`TINY_QWEN2_5`.
+        learning_rate: AdamW learning rate.
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        warmup_steps: linear warm-up steps of the learning rate (then constant).
+        torch_dtype: dtype to load the weights in (``"bfloat16"``, ``"float32"``; ``None``: the
+            checkpoint's).
+        gradient_checkpointing: recompute activations in backward (long sequences).
+
+    Raises:
+        ValueError: neither or both of ``model`` and ``model_config``, or a bad number.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        model_config: dict[str, Any] | None = None,
+        learning_rate: float = 1e-5,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 0,
+        torch_dtype: str | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> None:
+        super().__init__()
+        if (model is None) == (model_config is None):
+            raise ValueError(
+                "give exactly one of model (a Hugging Face name or path) and model_config (a "
+                f"config dict for random initialisation); got model={model!r}, "
+                f"model_config={'set' if model_config is not None else None}."
+            )
+        if not learning_rate > 0:
+            raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
+        if warmup_steps < 0:
+            raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        self.save_hyperparameters()
+        self.model = self._build_model(model, model_config, torch_dtype)
+        if gradient_checkpointing:
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        self.val_perplexity = TokenPerplexity()
+
+    @staticmethod
+    def _build_model(
+        name: str | None, config: dict[str, Any] | None, torch_dtype: str | None
+    ) -> torch.nn.Module:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        dtype = getattr(torch, torch_dtype) if torch_dtype else None
+        if name is not None:
+            kwargs = {"dtype": dtype} if dtype is not None else {}
+            return AutoModelForCausalLM.from_pretrained(name, **kwargs)
+        assert config is not None
+        fields = dict(config)
+        model_type = fields.pop("model_type", None)
+        if model_type is None:
+            raise ValueError("model_config needs a 'model_type' (e.g. 'qwen2').")
+        hf_config = AutoConfig.for_model(model_type, **fields)
+        built = AutoModelForCausalLM.from_config(hf_config)
+        return built.to(dtype) if dtype is not None else built
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The model's loss on this micro-batch (the strategy sums the rank's share)."""
+        return self.model(**batch).loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """The loss, and token-level perplexity through torchmetrics."""
+        loss = self.model(**batch).loss
+        tokens = (batch["shift_labels"] != IGNORE_INDEX).sum()
+        self.val_perplexity.update(loss, batch["num_items_in_batch"], tokens)
+        self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True, prog_bar=True)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        """AdamW with an optional linear warm-up."""
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            self.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
+        )
+        if not hp.warmup_steps:
+            return optimizer
+        warmup = int(hp.warmup_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        )
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+
+class PlanStatsPrinter(pl.Callback):
+    """Prints, on rank 0 at the end of ``fit``, the speed and the plan statistics of the run."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict[str, float]] = []
+
+    def on_train_batch_end(
+        self,
+        trainer: pl.Trainer,
+        pl_module: pl.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        """Record this step's logged statistics."""
+        if not isinstance(batch, SkrullBatch):
+            return
+        metrics = trainer.callback_metrics
+        row = {key: float(value) for key, value in metrics.items() if key.startswith("skrull/")}
+        for key in ("tokens_per_s", "train_loss"):
+            if key in metrics:
+                row[key] = float(metrics[key])
+        self.rows.append(row)
+
+    @rank_zero_only
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Print the summary."""
+        if not self.rows:
+            return
+        print(self.summary(trainer), flush=True)
+
+    def summary(self, trainer: pl.Trainer) -> str:
+        """The summary table as text."""
+
+        def mean(key: str, rows: list[dict[str, float]]) -> float:
+            values = [r[key] for r in rows if key in r]
+            return sum(values) / len(values) if values else math.nan
+
+        steady = self.rows[1:] or self.rows  # the first step includes warm-up
+        strategy = trainer.strategy
+        layout = ""
+        if isinstance(strategy, SkrullStrategy) or hasattr(strategy, "parallel_layout"):
+            layout = f"DP={strategy.dp_size} x CP={strategy.cp_size}, "  # type: ignore[attr-defined]
+        lines = [
+            f"Skrull run summary ({layout}{len(self.rows)} steps, policy "
+            f"{getattr(strategy, 'skrull_config', None) and strategy.skrull_config.policy})",  # type: ignore[attr-defined]
+            f"  tokens/s (mean after step 1)    {mean('tokens_per_s', steady):12.1f}",
+            f"  tokens per step                 {mean('skrull/tokens', self.rows):12.1f}",
+            f"  supervised tokens per step      {mean('skrull/supervised_tokens', self.rows):12.1f}",
+            f"  share of sequences distributed  {mean('skrull/distributed_share', self.rows):12.3f}",
+            f"  estimated plan imbalance        {mean('skrull/plan_imbalance', self.rows):12.3f}",
+            f"  micro-batches per DP rank (max) {mean('skrull/micro_batches_max', self.rows):12.2f}",
+            f"  micro-batches per DP rank (min) {mean('skrull/micro_batches_min', self.rows):12.2f}",
+            f"  last train loss                 {self.rows[-1].get('train_loss', math.nan):12.4f}",
+        ]
+        return "\n".join(lines)
+
+
+TINY_CPU_TRAINER: dict[str, Any] = {
+    "accelerator": "cpu",
+    "devices": 4,
+    "strategy": {
+        "class_path": "lightning_skrull.SkrullStrategy",
+        "init_args": {"cp_size": 2, "bucket_size": 1024},
+    },
+    "max_steps": 10,
+    "log_every_n_steps": 1,
+    "val_check_interval": 10,
+    "num_sanity_val_steps": 0,
+    "enable_checkpointing": False,
+    "logger": False,
+}
+"""Trainer settings of ``examples/configs/tiny_cpu.yaml`` (the CLI's defaults)."""
+
+
+class SkrullCLI(LightningCLI):
+    """LightningCLI with the Skrull data module, the causal-LM module and tiny CPU defaults."""
+
+    @staticmethod
+    def subcommands() -> dict[str, set[str]]:
+        """``fit``, ``validate`` and ``test``."""
+        return {
+            key: value
+            for key, value in LightningCLI.subcommands().items()
+            if key in ("fit", "validate", "test")
+        }
+
+    def add_arguments_to_parser(self, parser: Any) -> None:
+        """Defaults of the embedded tiny CPU recipe."""
+        parser.set_defaults(
+            {
+                "model.model_config": TINY_QWEN2_5,
+                "model.learning_rate": 3e-3,
+                "data.train_data": "bundled:mixed_tiny",
+                "data.global_batch_size": 32,
+                "data.val_split": 32,
+            }
+        )
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of ``skrull-finetune`` (``args``: the command line, default ``sys.argv``)."""
+    SkrullCLI(
+        SkrullCausalLM,
+        SkrullDataModule,
+        trainer_defaults={**TINY_CPU_TRAINER, "callbacks": [PlanStatsPrinter()]},
+        seed_everything_default=0,
+        save_config_callback=None,
+        args=args,
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()
