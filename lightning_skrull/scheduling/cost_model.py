@@ -143,6 +143,41 @@ def zigzag_bounds(length: int, cp_size: int) -> list[int]:
     return [i * length // n for i in range(n + 1)]
 
 
+def floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum(floor((a * i + b) / m) for i in range(n))`` in ``O(log m)`` (non-negative a, b)."""
+    total = 0
+    while True:
+        if a >= m:
+            total += (n - 1) * n // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y_max = a * n + b
+        if y_max < m:
+            return total
+        n, b, m, a = y_max // m, y_max % m, a, m
+
+
+def zigzag_tiles(length: int, cp_size: int, tile: int) -> int:
+    """Blocks a tiled causal kernel computes for all ``2 * cp_size`` zigzag chunks of a sequence.
+
+    Equal to ``sum(causal_tiles(b[i], b[i + 1], tile))`` over the non-empty chunks of
+    :func:`zigzag_bounds`, in ``O(log)`` time when every chunk needs the same number of query
+    blocks (the usual case), else by the plain sum.
+    """
+    m = 2 * cp_size
+    q = length // m
+    nq = -(-q // tile)
+    if q == 0 or q % tile == 0:  # chunk lengths q and q + 1 need different query blocks
+        b = zigzag_bounds(length, cp_size)
+        return sum(causal_tiles(b[i], b[i + 1], tile) for i in range(m) if b[i + 1] > b[i])
+    # sum over chunks of ceil(b_i / tile) for i < m; ceil(floor(i*s/m) / t) = floor((i*s + (t-1)*m) / (m*t)).
+    starts = floor_sum(m, m * tile, length, (tile - 1) * m)
+    ends = starts + -(-length // tile)  # the same sum shifted by one chunk (b_0 = 0, b_m = s)
+    return (nq - 1) * starts + m * (nq - 1) * nq // 2 + ends
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Estimated seconds of micro-batches on one CP group. Every constant can be set or fitted.
@@ -250,6 +285,10 @@ class CostModel:
         """Training seconds of the non-attention matmuls (and LM head) of ``tokens`` tokens."""
         return self._seconds(tokens * self.shape.linear_flops_per_token())
 
+    def attention_pair_seconds(self) -> float:
+        """Training seconds of one (query, key) pair of attention, all heads and layers."""
+        return self._seconds(self.shape.attention_flops_per_pair())
+
     def local_attention_seconds(self, length: int) -> float:
         """Training seconds of the attention of a sequence kept whole on one rank (tiled)."""
         t = self.tile_size
@@ -265,8 +304,7 @@ class CostModel:
         over CP ranks (the zigzag layout balances it to within one block per chunk).
         """
         t = self.tile_size
-        b = zigzag_bounds(length, cp_size)
-        tiles = sum(causal_tiles(b[i], b[i + 1], t) for i in range(2 * cp_size) if b[i + 1] > b[i])
+        tiles = zigzag_tiles(length, cp_size, t)
         return self._seconds(tiles * t * t * self.shape.attention_flops_per_pair() / cp_size)
 
     def local_seconds(self, length: int) -> float:

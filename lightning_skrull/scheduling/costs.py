@@ -11,9 +11,9 @@ from lightning_skrull.scheduling.plan import shard_tokens
 class SequenceCosts:
     """Seconds of each sequence of a global batch under every placement, computed on demand.
 
-    Lengths repeat across a batch only by chance, so values are cached per sequence id; the
-    distributed attention (``O(cp_size)`` to compute) is only evaluated for sequences a policy
-    actually considers distributing.
+    Local costs are computed for every sequence up front (``O(1)`` each); the distributed
+    attention (``O(log length)`` to compute) only for sequences a policy actually considers
+    distributing, cached per sequence id.
 
     Args:
         lengths: sequence lengths of the global batch.
@@ -28,8 +28,15 @@ class SequenceCosts:
         self._linear_per_token = cost_model.linear_seconds(1)
         self._comm_fixed = cost_model.num_collectives(cp_size) * cost_model.comm_latency_s
         self._comm_per_token = cost_model.comm_bytes(1, cp_size) / cost_model.comm_bandwidth
-        self._attn: dict[int, float] = {}
-        self._dist: dict[int, float] = {}
+        self._seconds_per_pair = cost_model.attention_pair_seconds()
+        t = cost_model.tile_size
+        per_block = self._seconds_per_pair * t * t
+        lin = self._linear_per_token
+        # Local attention of a whole sequence: nb * (nb + 1) / 2 blocks, nb = ceil(s / tile).
+        blocks = [(s + t - 1) // t for s in lengths]
+        self._attn = [per_block * (nb * (nb + 1) // 2) for nb in blocks]
+        self._local = [s * lin + a for s, a in zip(lengths, self._attn, strict=True)]
+        self._dist: list[float | None] = [None] * len(lengths)
 
     def linear(self, sid: int) -> float:
         """Seconds of the sequence's non-attention matmuls (all ranks together)."""
@@ -37,25 +44,36 @@ class SequenceCosts:
 
     def local_attention(self, sid: int) -> float:
         """Seconds of the sequence's attention when kept whole on one rank."""
-        value = self._attn.get(sid)
-        if value is None:
-            value = self.cost_model.local_attention_seconds(self.lengths[sid])
-            self._attn[sid] = value
-        return value
+        return self._attn[sid]
 
     def local(self, sid: int) -> float:
         """Seconds of the sequence kept whole on one rank."""
-        return self.linear(sid) + self.local_attention(sid)
+        return self._local[sid]
 
     def distributed(self, sid: int) -> float:
         """Compute seconds of the sequence on each CP rank when distributed (no comm)."""
-        value = self._dist.get(sid)
+        value = self._dist[sid]
         if value is None:
             s = self.lengths[sid]
             value = s * self._linear_per_token / self.cp_size
             value += self.cost_model.distributed_attention_seconds(s, self.cp_size)
             self._dist[sid] = value
         return value
+
+    def distributed_lower_bound(self, sid: int) -> float:
+        """Cheap lower bound of :meth:`distributed` (``O(1)``).
+
+        The tiled attention of the zigzag chunks computes at least every causal pair, and
+        every non-empty chunk at least one block row against all keys before its end; when
+        all ``M = 2 * cp_size`` chunks are non-empty, ``sum(b[i + 1]) >= s * (M + 1) / 2 - M``.
+        """
+        s = self.lengths[sid]
+        m = 2 * self.cp_size
+        t = self.cost_model.tile_size
+        pairs = s * (s + 1) / 2
+        if s >= m:  # every chunk is non-empty
+            pairs = max(pairs, t * (s * (m + 1) / 2 - m))
+        return (s * self._linear_per_token + pairs * self._seconds_per_pair) / self.cp_size
 
     def shard(self, sid: int) -> int:
         """Tokens the sequence takes on every CP rank when distributed (the ceiling)."""

@@ -26,10 +26,14 @@ that can be rolled back, the one that frees most is chosen.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.plan import DISTRIBUTED
+
+_SECOND_START_SLACK = 1.25
+"""The paper-rule construction is refined only if it starts within this factor of the first."""
 
 _REL_GAIN = 1e-9
 """A move must lower the estimate by this relative amount (guards against float noise)."""
@@ -57,6 +61,7 @@ class CpGroupState:
         self.dist_tokens = 0  # whole tokens of the distributed sequences (communication)
         self.dist_compute = 0.0  # per-rank compute seconds of the distributed sequences
         self.distributed: list[int] = []
+        self.chosen_shards = 0  # sequences that fit whole but were sharded by choice
 
     # --------------------------------------------------------------------- mutations
     def put_local(self, sid: int, rank: int) -> None:
@@ -112,6 +117,11 @@ class CpGroupState:
         return [
             lin + (a if a > comm else comm) for lin, a in zip(self.linear, self.attn, strict=True)
         ]
+
+    def rank_time(self, rank: int, comm: float) -> float:
+        """Estimated seconds of one rank without the shared distributed compute."""
+        a = self.attn[rank]
+        return self.linear[rank] + (a if a > comm else comm)
 
     def estimate(self) -> float:
         """Estimated seconds of the micro-batch (without the fixed per-micro-batch overhead)."""
@@ -171,58 +181,141 @@ def place_micro_batch(
     Returns:
         One placement per id (same order), or ``None`` when the micro-batch cannot fit.
     """
-    lengths = costs.lengths
-    n = costs.cp_size
-    state = CpGroupState(costs, bucket_size)
-    order = sorted(ids, key=lambda i: (-lengths[i], i))
+    if costs.cp_size == 1:  # one rank: nothing to shard, everything is local
+        fits = sum(costs.lengths[i] for i in ids) <= bucket_size
+        return (0,) * len(ids) if fits else None
+    # Two constructions, each refined by local search; the better estimate wins. The second
+    # shards only what memory forces (the paper's rule). It is skipped when the first sharded
+    # nothing by choice (it would build the same placement), and its local search is skipped
+    # when it starts more than _SECOND_START_SLACK times slower than the first ended (single
+    # moves do not recover such a gap; this bounds the planning time on long-sequence data).
+    best = _construct(ids, costs, bucket_size, look_ahead=True)
+    if best is not None:
+        chosen = best.chosen_shards
+        _improve(best, max_moves=2 * len(ids) + costs.cp_size)
+        if chosen == 0:
+            return best.placement(ids)
+    other = _construct(ids, costs, bucket_size, look_ahead=False)
+    if other is not None and (
+        best is None or other.estimate() < _SECOND_START_SLACK * best.estimate()
+    ):
+        _improve(other, max_moves=2 * len(ids) + costs.cp_size)
+        if best is None or other.estimate() < best.estimate():
+            best = other
+    return None if best is None else best.placement(ids)
 
-    # 1. Sequences longer than one rank's budget must be sharded.
+
+def _construct(
+    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, look_ahead: bool
+) -> CpGroupState | None:
+    """First placement: forced shards, then the longest-first greedy (``None``: does not fit)."""
+    lengths = costs.lengths
+    state = CpGroupState(costs, bucket_size)
     rest = []
-    for sid in order:
+    for sid in sorted(ids, key=lambda i: (-lengths[i], i)):
         if lengths[sid] > bucket_size:
             state.put_distributed(sid)
         else:
             rest.append(sid)
-    if state.reserved > bucket_size:
+    if state.reserved > bucket_size or not _greedy(state, rest, look_ahead):
         return None
+    return state
 
-    # 2. Shard a sequence whose work alone exceeds a fair share, when the estimate improves.
-    if n > 1:
-        work = sum(costs.local(sid) for sid in rest)
-        kept = []
-        for idx, sid in enumerate(rest):
-            w = costs.local(sid)
-            if w * n <= work:
-                kept.extend(rest[idx:])
-                break
-            comm_now = costs.comm(state.dist_tokens)
-            comm_then = costs.comm(state.dist_tokens + lengths[sid])
-            as_local = max(w, work / n) + comm_now
-            as_dist = (work - w) / n + costs.distributed(sid) + comm_then
-            if as_dist < as_local and state.can_distribute(sid):
-                state.put_distributed(sid)
-                work -= w
-            else:
-                kept.append(sid)
-        rest = kept
 
-    # 3. LPT placement with fallback to sharding and roll-back.
-    for sid in rest:
+def _greedy(state: CpGroupState, rest: Sequence[int], look_ahead: bool) -> bool:
+    """Place ``rest`` (longest first), choosing local or distributed by a look-ahead estimate.
+
+    The estimate of the finished micro-batch is the larger of the slowest rank so far and the
+    mean rank time once every remaining sequence is placed locally (a lower bound of what is
+    left to balance), plus the distributed compute. Keeping a sequence local is chosen on
+    ties; a sequence that fits no rank whole is distributed, or a local one is rolled back.
+
+    Returns:
+        ``False`` when the micro-batch cannot fit.
+    """
+    costs, n, cap = state.costs, state.n, state.cap
+    lengths = costs.lengths
+    tokens, linear, attn, where = state.tokens, state.linear, state.attn, state.where
+    # Linear and attention seconds of the sequences after position i (all assumed local).
+    tail_lin = [0.0] * (len(rest) + 1)
+    tail_att = [0.0] * (len(rest) + 1)
+    for i in range(len(rest) - 1, -1, -1):
+        tail_lin[i] = tail_lin[i + 1] + costs.linear(rest[i])
+        tail_att[i] = tail_att[i + 1] + costs.local_attention(rest[i])
+    comm = costs.comm(state.dist_tokens)
+    times = state.rank_times(comm)
+    # max over ranks of linear + max(c, attention) == max(max_lin + c, max_lin_att) for any c.
+    max_lin = max(linear)
+    max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
+    sum_lin, sum_att = sum(linear), sum(attn)
+    for i, sid in enumerate(rest):
+        s = lengths[sid]
+        lin_k, att_k = costs.linear(sid), costs.local_attention(sid)
         while True:
-            rank = _least_loaded_with_room(state, sid, state.rank_times())
-            if rank >= 0:
-                state.put_local(sid, rank)
+            rank = times.index(min(times))  # first minimum: lowest rank on ties
+            if tokens[rank] + state.reserved + s > cap:
+                rank = _least_loaded_with_room(state, sid, times)
+            go_local = rank >= 0
+            if go_local and look_ahead:
+                # Mean rank time once everything left is placed locally (a lower bound).
+                mean_lin = (sum_lin + tail_lin[i]) / n
+                mean_att = (sum_att + tail_att[i]) / n
+                a = attn[rank] + att_k
+                as_local = max(
+                    max_lin + comm,
+                    max_lin_att,
+                    linear[rank] + lin_k + (a if a > comm else comm),
+                    mean_lin + (mean_att if mean_att > comm else comm),
+                )
+                mean_lin -= lin_k / n
+                mean_att -= att_k / n
+                comm2 = costs.comm(state.dist_tokens + s)
+                as_dist = max(
+                    max_lin + comm2,
+                    max_lin_att,
+                    mean_lin + (mean_att if mean_att > comm2 else comm2),
+                )
+                # The exact distributed cost is O(log) to compute: try its lower bound first.
+                if (
+                    as_dist + costs.distributed_lower_bound(sid) < as_local
+                    and as_dist + costs.distributed(sid) < as_local
+                    and state.can_distribute(sid)
+                ):
+                    go_local = False
+                    state.chosen_shards += 1
+            if go_local:
+                tokens[rank] += s
+                lin = linear[rank] = linear[rank] + lin_k
+                a = attn[rank] = attn[rank] + att_k
+                where[sid] = rank
+                state.members[rank].append(sid)
+                times[rank] = lin + (a if a > comm else comm)
+                max_lin = lin if lin > max_lin else max_lin
+                max_lin_att = lin + a if lin + a > max_lin_att else max_lin_att
+                sum_lin += lin_k
+                sum_att += att_k
                 break
-            if state.can_distribute(sid):
-                state.put_distributed(sid)
+            if rank >= 0 or state.can_distribute(sid):  # rank >= 0: checked above
+                state.put_distributed(sid)  # local ranks unchanged: only comm moves
+                comm = costs.comm(state.dist_tokens)
+                times = state.rank_times(comm)
                 break
             if not state.roll_back():
-                return None
+                return False
+            comm = costs.comm(state.dist_tokens)
+            times = state.rank_times(comm)
+            max_lin = max(linear)
+            max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
+            sum_lin, sum_att = sum(linear), sum(attn)
+    return True
 
-    # 4. Local search on the slowest rank.
-    if n > 1:
-        _improve(state, max_moves=2 * len(order) + n)
-    return state.placement(ids)
+
+def _two_largest(values: list[float]) -> tuple[float, int, float]:
+    """Largest value, its index, and the largest value at any other index."""
+    top = max(values)
+    i = values.index(top)
+    rest = values[:i] + values[i + 1 :]
+    return top, i, (max(rest) if rest else -math.inf)
 
 
 def _max_except(times: list[float], ranked: list[int], skip_a: int, skip_b: int) -> float:
@@ -234,76 +327,97 @@ def _max_except(times: list[float], ranked: list[int], skip_a: int, skip_b: int)
 
 
 def _improve(state: CpGroupState, max_moves: int) -> None:
-    """Apply the best improving move until none improves (or ``max_moves`` were made)."""
+    """Apply the best improving move until none improves (or ``max_moves`` were made).
+
+    Moves, all evaluated exactly with the micro-batch estimate: (a) move a local sequence of
+    the slowest rank to the least-loaded rank with room; (b) distribute one of the two
+    longest local sequences of the slowest rank; (c) bring a distributed sequence back whole
+    onto the rank where it ends soonest.
+    """
     c, n, cap = state.costs, state.n, state.cap
     lengths = c.lengths
+    linear, attn, tokens = state.linear, state.attn, state.tokens
     for _ in range(max_moves):
         comm = c.comm(state.dist_tokens)
-        times = state.rank_times(comm)
-        b = max(range(n), key=times.__getitem__)
-        current = times[b] + state.dist_compute
+        dc = state.dist_compute
+        times = [lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True)]
+        top = max(times)
+        b = times.index(top)
         ranked = sorted(range(n), key=times.__getitem__)
-        best = current * (1.0 - _REL_GAIN)
-        move: tuple[str, int, int] | None = None
+        best = (top + dc) * (1.0 - _REL_GAIN)
+        move: tuple[int, int, int] | None = None  # (kind, sid, rank): 0 move, 1 shard, 2 back
+        room = cap - state.reserved
 
         # (a) move a local sequence of the slowest rank to the least-loaded rank with room.
         for sid in state.members[b]:
             s = lengths[sid]
             lin, att = c.linear(sid), c.local_attention(sid)
-            new_b = state.linear[b] - lin + max(comm, state.attn[b] - att)
+            a = attn[b] - att
+            new_b = linear[b] - lin + (a if a > comm else comm)
             for r in ranked:
-                if r == b or state.tokens[r] + state.reserved + s > cap:
+                if r == b or tokens[r] + s > room:
                     continue
-                new_r = state.linear[r] + lin + max(comm, state.attn[r] + att)
-                value = max(_max_except(times, ranked, b, r), new_b, new_r) + state.dist_compute
+                a = attn[r] + att
+                new_r = linear[r] + lin + (a if a > comm else comm)
+                value = max(_max_except(times, ranked, b, r), new_b, new_r) + dc
                 if value < best:
-                    best, move = value, ("move", sid, r)
+                    best, move = value, (0, sid, r)
                 break
         # (b) distribute one of the two longest local sequences of the slowest rank.
-        longest = sorted(state.members[b], key=lambda i: (-lengths[i], i))[:2]
-        for sid in longest:
-            shard = c.shard(sid)
-            others = max((state.tokens[r] for r in range(n) if r != b), default=0)
-            if others + state.reserved + shard > cap:
-                continue
-            comm2 = c.comm(state.dist_tokens + lengths[sid])
-            value = 0.0
-            for r in range(n):
-                lin, att = state.linear[r], state.attn[r]
-                if r == b:
-                    lin -= c.linear(sid)
-                    att -= c.local_attention(sid)
-                value = max(value, lin + max(comm2, att))
-            value += state.dist_compute + c.distributed(sid)
-            if value < best:
-                best, move = value, ("distribute", sid, -1)
-        # (c) bring a distributed sequence back whole onto the least-loaded rank with room.
-        for sid in state.distributed:
-            s = lengths[sid]
-            if s > cap:
-                continue
-            reserved2 = state.reserved - c.shard(sid)
-            comm2 = c.comm(state.dist_tokens - s)
-            lin_q, att_q = c.linear(sid), c.local_attention(sid)
-            times2 = [lin + max(comm2, a) for lin, a in zip(state.linear, state.attn, strict=True)]
-            target = -1
-            for r in sorted(range(n), key=lambda r: (times2[r], r)):
-                if state.tokens[r] + reserved2 + s <= cap:
-                    target = r
-                    break
-            if target < 0:
-                continue
-            times2[target] = state.linear[target] + lin_q + max(comm2, state.attn[target] + att_q)
-            value = max(times2) + state.dist_compute - c.distributed(sid)
-            if value < best:
-                best, move = value, ("local", sid, target)
+        if state.members[b]:
+            others = max((tokens[r] for r in range(n) if r != b), default=0)
+            lin_o, _, _ = _two_largest([linear[r] if r != b else -math.inf for r in range(n)])
+            la = [linear[r] + attn[r] if r != b else -math.inf for r in range(n)]
+            la_o = max(la)
+            for sid in sorted(state.members[b], key=lambda i: (-lengths[i], i))[:2]:
+                if others + c.shard(sid) > room:
+                    continue
+                comm2 = c.comm(state.dist_tokens + lengths[sid])
+                a = attn[b] - c.local_attention(sid)
+                new_b = linear[b] - c.linear(sid) + (a if a > comm2 else comm2)
+                value = max(lin_o + comm2, la_o, new_b) + dc
+                # The exact distributed cost takes longer to compute: try its bound first.
+                if value + c.distributed_lower_bound(sid) >= best:
+                    continue
+                value += c.distributed(sid)
+                if value < best:
+                    best, move = value, (1, sid, -1)
+        # (c) bring a distributed sequence back whole onto the rank where it ends soonest.
+        if state.distributed:
+            l1, l1_at, l2 = _two_largest(linear)
+            la_all = [lin + a for lin, a in zip(linear, attn, strict=True)]
+            la1, la1_at, la2 = _two_largest(la_all)
+            floor = min(la_all) + dc  # the rank taking it back ends no sooner than this + its cost
+            for sid in state.distributed:
+                s = lengths[sid]
+                dq = c.distributed(sid)
+                if s > cap or floor + c.local(sid) - dq >= best:
+                    continue
+                need = s - c.shard(sid)  # its shard leaves every rank
+                comm2 = c.comm(state.dist_tokens - s)
+                target, target_t = -1, math.inf
+                for r in range(n):
+                    if tokens[r] + need <= room:
+                        a = attn[r]
+                        t = linear[r] + (a if a > comm2 else comm2)
+                        if t < target_t:
+                            target, target_t = r, t
+                if target < 0:
+                    continue
+                a = attn[target] + c.local_attention(sid)
+                new_t = linear[target] + c.linear(sid) + (a if a > comm2 else comm2)
+                lin_o = l2 if target == l1_at else l1
+                la_o = la2 if target == la1_at else la1
+                value = max(lin_o + comm2, la_o, new_t) + dc - dq
+                if value < best:
+                    best, move = value, (2, sid, target)
         if move is None:
             return
         kind, sid, rank = move
-        if kind == "move":
+        if kind == 0:
             state.take_local(sid)
             state.put_local(sid, rank)
-        elif kind == "distribute":
+        elif kind == 1:
             state.take_local(sid)
             state.put_distributed(sid)
         else:

@@ -46,7 +46,7 @@ def validate_lengths(lengths: Sequence[int], cp_size: int, bucket_size: int) -> 
     capacity = cp_size * bucket_size
     out: list[int] = []
     for index, s in enumerate(lengths):
-        if isinstance(s, bool) or not isinstance(s, Integral):
+        if type(s) is not int and (isinstance(s, bool) or not isinstance(s, Integral)):
             raise TypeError(
                 f"lengths[{index}]={s!r} ({type(s).__name__}) is not an int; give token counts."
             )

@@ -101,15 +101,24 @@ def lower_bound(
 ) -> float:
     """Seconds no plan can beat under ``cost_model`` (for any policy).
 
-    What it assumes, precisely: every sequence runs at its cheapest compute placement (whole
-    on one rank if it fits the bucket, else distributed, whichever costs fewer GPU-seconds);
-    that work is spread perfectly evenly over all ``dp_size * cp_size`` GPUs; communication is
-    entirely hidden; and the micro-batch count is the fewest the token budget allows
-    (``ceil(sum of tokens / (cp_size * bucket_size))`` over all DP ranks together, each paying
-    the fixed overhead), shared evenly by the DP ranks. Sequences are indivisible across DP
-    ranks, so the bound is also at least the time of the single slowest sequence run alone in
-    a micro-batch (its cheaper placement, communication included when distributed). The
-    result is the larger of the two.
+    The bound is the larger of two relaxations.
+
+    **Work spread evenly.** A micro-batch lasts at least its CP ranks' *mean* time, and a DP
+    rank at least the mean over DP ranks. The mean CP-rank time of a micro-batch is at least
+    ``overhead + (local compute)/N + distributed compute + max(0, comm - (local attention)/N)``
+    (communication can only hide behind local attention). Summed over all micro-batches and
+    relaxed so that each sequence may be *fractionally* local or distributed, the best split
+    is a small linear programme solved exactly (greedy, fractional-knapsack style): a sequence
+    is distributed when that saves compute, and it may use only as much communication as the
+    local attention left in the batch can hide. Sequences longer than ``bucket_size`` are
+    always distributed. Communication latency and tile waste of local placement's imbalance
+    are not charged; the micro-batch count is the fewest the token budget allows
+    (``ceil(sum of tokens / (cp_size * bucket_size))`` over all DP ranks), each paying the
+    fixed overhead. Everything is divided evenly over the ``dp_size`` DP ranks.
+
+    **Sequences are indivisible.** A sequence never spans DP ranks or micro-batches, so the
+    iteration lasts at least one micro-batch holding only the slowest sequence at its cheaper
+    placement (communication included when distributed).
 
     Args:
         lengths: sequence lengths of the global batch.
@@ -124,22 +133,42 @@ def lower_bound(
     if not lengths:
         return 0.0
     costs = SequenceCosts(lengths, cp_size, cost_model)
-    overhead = cost_model.micro_batch_overhead_s
-    total_work = 0.0
+    n = cp_size
+    per_token_comm = costs.comm(2) - costs.comm(1)  # bytes over bandwidth, latency excluded
+    total = 0.0  # per-rank seconds summed over the batch, before the comm excess
+    excess = 0.0  # communication minus the local attention that could hide it
     total_tokens = 0
     slowest = 0.0
+    options: list[tuple[float, float]] = []  # (saving of distributing, comm capacity it uses)
     for sid, s in enumerate(lengths):
         dist = costs.distributed(sid)
-        if s <= bucket_size:
-            work = min(costs.local(sid), cp_size * dist)
-            alone = min(costs.local(sid), dist + costs.comm(s))
-            total_tokens += s
-        else:
-            work = cp_size * dist
-            alone = dist + costs.comm(s)
-            total_tokens += cp_size * costs.shard(sid)
-        total_work += work
-        slowest = max(slowest, alone)
-    micro_batches = -(-total_tokens // (cp_size * bucket_size))
-    spread = (total_work / cp_size + overhead * micro_batches) / dp_size
-    return max(spread, overhead + slowest)
+        if s > bucket_size:
+            total += dist
+            excess += per_token_comm * s
+            total_tokens += n * costs.shard(sid)
+            slowest = max(slowest, dist + costs.comm(s))
+            continue
+        local = costs.local(sid) / n
+        hide = costs.local_attention(sid) / n
+        total_tokens += s
+        slowest = max(slowest, min(costs.local(sid), dist + costs.comm(s)))
+        total += local
+        excess -= hide
+        saving = local - dist
+        uses = per_token_comm * s + hide
+        if saving > uses:  # worth it even with its communication fully exposed
+            total -= saving
+            excess += uses
+        elif saving > 0:
+            options.append((saving, uses))
+    options.sort(key=lambda o: o[0] / o[1] if o[1] > 0 else float("inf"), reverse=True)
+    for saving, uses in options:
+        if excess >= 0:
+            break
+        x = 1.0 if uses <= 0 else min(1.0, -excess / uses)
+        total -= x * saving
+        excess += x * uses
+    micro_batches = -(-total_tokens // (n * bucket_size))
+    spread = total + max(0.0, excess) + cost_model.micro_batch_overhead_s * micro_batches
+    spread /= dp_size
+    return max(spread, cost_model.micro_batch_overhead_s + slowest)
