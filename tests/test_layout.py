@@ -90,6 +90,8 @@ def _check_layouts(
         assert layout.num_tokens <= plan.tokens_per_cp_rank(lengths, cp_size)[rank]
     for sid in ids:  # every token exactly once over all ranks
         assert sorted(seen[sid]) == list(range(lengths[sid])), sid
+    longest = max((lengths[s] for s in ids), default=0)
+    assert all(layout.max_sequence_length == longest for layout in layouts)
     counts = tuple(layout.num_distributed_tokens for layout in layouts)
     assert all(layout.distributed_tokens_per_rank == counts for layout in layouts)
 

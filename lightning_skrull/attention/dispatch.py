@@ -46,19 +46,29 @@ def skrull_attention_forward(
         scaling: softmax scale; ``None`` = ``D ** -0.5``.
         dropout: attention dropout; only ``0`` is supported in training.
         **kwargs: other attention kwargs (``position_ids``, ``cu_seq_lens_q``... are ignored in
-            favour of the context; ``sliding_window``, ``softcap`` and ``position_bias`` must be
-            ``None``, ``is_causal`` must not be ``False``).
+            favour of the context; ``softcap`` and ``position_bias`` must be ``None``,
+            ``is_causal`` must not be ``False``; a ``sliding_window`` is accepted only when no
+            sequence of the micro-batch is longer than it, where it changes nothing).
 
     Returns:
         ``(out [1, T, Hq, D], None)``.
 
     Raises:
         RuntimeError: called outside :func:`~lightning_skrull.attention.attention_context`.
-        ValueError: unsupported input (batch size, mask, dropout, sliding window, softcap,
-            position bias, non-causal) or ``T`` not matching the context's layout.
+        ValueError: unsupported input (batch size, mask, dropout, an effective sliding window,
+            softcap, position bias, non-causal) or ``T`` not matching the context's layout.
     """
     ctx = current_attention_context()
     _check_inputs(module, query, key, value, attention_mask, dropout, kwargs)
+    window = kwargs.get("sliding_window")
+    if window is not None and window < ctx.layout.max_sequence_length:
+        # every rank sees the same micro-batch maximum, so all ranks raise here together
+        raise ValueError(
+            f"the 'skrull' attention has no sliding window, and sliding_window={window} is shorter "
+            f"than the micro-batch's longest sequence ({ctx.layout.max_sequence_length} tokens), "
+            "so it would change the result; train on sequences of at most the window, or set the "
+            "model config's sliding_window=None if the checkpoint uses full attention."
+        )
     if query.shape[2] != ctx.num_tokens:
         raise ValueError(
             f"the 'skrull' attention got {query.shape[2]} tokens but CP rank {ctx.cp_rank}'s "
@@ -112,12 +122,6 @@ def _check_inputs(
         raise ValueError(
             f"the 'skrull' attention does not implement attention dropout, got dropout={dropout} "
             "in training; set the model config's attention_dropout to 0."
-        )
-    if kwargs.get("sliding_window") is not None:
-        raise ValueError(
-            f"the 'skrull' attention has no sliding window, got sliding_window="
-            f"{kwargs['sliding_window']}; disable it in the model config (use_sliding_window=False"
-            " / sliding_window=None) or use a model without one."
         )
     for name in ("softcap", "position_bias"):
         if kwargs.get(name) is not None:

@@ -118,6 +118,8 @@ class RankLayout:
             to end (``len(distributed_sequence_ids) + 1`` entries).
         distributed_chunks: this rank's non-empty chunks, packed order.
         distributed_tokens_per_rank: tokens of the distributed part on every CP rank.
+        max_sequence_length: longest sequence of the whole micro-batch (all CP ranks, local and
+            distributed; 0 when empty), the same on every rank.
         gather_index: for every token of the whole distributed sequences laid end to end, its
             row in the all-gathered buffer (each rank's distributed part padded to
             ``max_distributed_tokens`` rows, rank after rank).
@@ -135,6 +137,7 @@ class RankLayout:
     distributed_cu_seqlens: tuple[int, ...]
     distributed_chunks: tuple[DistributedChunk, ...]
     distributed_tokens_per_rank: tuple[int, ...]
+    max_sequence_length: int
     gather_index: tuple[int, ...] = field(repr=False)
     token_sequence_ids: tuple[int, ...] = field(repr=False)
     position_ids: tuple[int, ...] = field(repr=False)
@@ -291,6 +294,7 @@ def build_rank_layout(
         distributed_cu_seqlens=tuple(dist_cu),
         distributed_chunks=tuple(dist_chunks),
         distributed_tokens_per_rank=tuple(tokens_per_rank),
+        max_sequence_length=max((lengths[sid] for sid in sequence_ids), default=0),
         gather_index=tuple(gather_index),
         token_sequence_ids=tuple(token_sids),
         position_ids=tuple(positions),
