@@ -44,8 +44,18 @@ def test_prepare_selects_skrull_attention_and_turns_the_cache_off() -> None:
     assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURES)
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_prepared_model_on_one_rank_equals_reference(arch: str) -> None:
+@pytest.mark.parametrize(
+    ("arch", "overrides", "prepare_kwargs"),
+    [
+        *[(arch, {}, {}) for arch in ARCHITECTURES],
+        # a Mistral v0.1-style window exactly as long as the longest sequence: accepted, exact
+        ("mistral", {"sliding_window": 7}, {"max_sequence_length": 7}),
+    ],
+    ids=[*ARCHITECTURES, "mistral-window-7"],
+)
+def test_prepared_model_on_one_rank_equals_reference(
+    arch: str, overrides: dict[str, int], prepare_kwargs: dict[str, int]
+) -> None:
     """CP=1, one process: packed micro-batches of the Skrull path vs sequences run alone.
 
     float32; only the summation order differs (packing, one division per micro-batch): atol 1e-5.
@@ -58,8 +68,8 @@ def test_prepared_model_on_one_rank_equals_reference(arch: str) -> None:
         bucket_size=8,
         policy="hand",
     )
-    ref = tiny_model(arch, seed=4)
-    model = prepare_model(copy.deepcopy(ref), backend="sdpa")
+    ref = tiny_model(arch, seed=4, **overrides)
+    model = prepare_model(copy.deepcopy(ref), backend="sdpa", **prepare_kwargs)
     ref_loss, ref_grads = reference_loss_and_grads(ref, samples)
     batch = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1)
     loss = forward_backward(model, batch, cp_group=None, backend="sdpa")
