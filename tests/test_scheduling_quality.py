@@ -1,0 +1,225 @@
+"""How good the plans are: DACP against exhaustive search, the lower bound against every plan,
+the simulator against a hand computation, the corrected roll-back, and GDS's loop."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_skrull.scheduling import (
+    DISTRIBUTED,
+    POLICIES,
+    CostModel,
+    GlobalBatchPlan,
+    MicroBatchPlan,
+    ModelShape,
+    dp_rank_seconds,
+    lower_bound,
+    plan_global_batch,
+    simulate,
+)
+from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.dacp import CpGroupState, place_micro_batch
+from lightning_skrull.scheduling.gds import split_strided
+
+NO_OVERHEAD = CostModel(micro_batch_overhead_s=0.0)
+
+
+def best_placement(lengths: list[int], cp: int, c: int, model: CostModel) -> float:
+    """Exhaustive search over every placement of one micro-batch (the reference optimum)."""
+    ids = tuple(range(len(lengths)))
+    best = math.inf
+    for placement in itertools.product(range(-1, cp), repeat=len(ids)):
+        tokens = [0] * cp
+        for s, p in zip(lengths, placement, strict=True):
+            for j in range(cp) if p == DISTRIBUTED else (p,):
+                tokens[j] += math.ceil(s / cp) if p == DISTRIBUTED else s
+        if max(tokens) <= c:
+            best = min(best, model.micro_batch_seconds(MicroBatchPlan(ids, placement), lengths, cp))
+    return best
+
+
+def test_dacp_is_close_to_the_exhaustive_optimum() -> None:
+    rng = random.Random(0)
+    ratios = []
+    while len(ratios) < 40:
+        cp = rng.choice([2, 3, 4])
+        c = rng.choice([2_000, 8_000, 30_000])
+        model = CostModel(
+            micro_batch_overhead_s=0.0,
+            comm_bandwidth=rng.choice([10e9, 100e9]),
+            tile_size=rng.choice([1, 128]),
+        )
+        lengths = [1 + int(min(cp * c - 1, rng.lognormvariate(8, 1.2))) for _ in range(5)]
+        optimum = best_placement(lengths, cp, c, model)
+        if optimum == math.inf:
+            continue
+        placement = place_micro_batch(range(5), SequenceCosts(lengths, cp, model), c)
+        assert placement is not None, "DACP must place whatever exhaustive search can"
+        got = model.micro_batch_seconds(MicroBatchPlan(tuple(range(5)), placement), lengths, cp)
+        ratios.append(got / optimum)
+    # A heuristic, so not always optimal: measured mean 1.001 and worst 1.018 on these cases.
+    # The bounds catch a regression (the paper's memory-only rule alone is 2% off on average
+    # and 43% at worst on similar cases).
+    assert min(ratios) >= 1.0 - 1e-12
+    assert sum(ratios) / len(ratios) <= 1.01
+    assert max(ratios) <= 1.15
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> tuple[list[int], int, int, int]:
+    cp = draw(st.integers(1, 8))
+    dp = draw(st.integers(1, 4))
+    c = draw(st.sampled_from([64, 1_000, 8_000]))
+    lengths = draw(st.lists(st.integers(1, cp * c), min_size=1, max_size=30))
+    return lengths, dp, cp, c
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_lower_bound_is_below_every_policy(batch) -> None:
+    lengths, dp, cp, c = batch
+    for model in (CostModel(), CostModel(comm_bandwidth=5e9, tile_size=16)):
+        bound = lower_bound(lengths, dp_size=dp, cp_size=cp, bucket_size=c, cost_model=model)
+        assert bound > 0
+        for policy in POLICIES:
+            plan = plan_global_batch(
+                lengths, dp_size=dp, cp_size=cp, bucket_size=c, cost_model=model, policy=policy
+            )
+            # Exact inequality up to float summation order.
+            assert simulate(plan, lengths, model) >= bound * (1 - 1e-9)
+
+
+def test_lower_bound_is_below_the_exhaustive_optimum_of_one_micro_batch() -> None:
+    rng = random.Random(1)
+    for _ in range(30):
+        cp, c = rng.choice([2, 3]), rng.choice([500, 4_000])
+        lengths = [rng.randint(1, cp * c) for _ in range(5)]
+        model = CostModel(comm_bandwidth=rng.choice([2e9, 100e9]), tile_size=rng.choice([1, 64]))
+        optimum = best_placement(lengths, cp, c, model)
+        if optimum == math.inf:
+            continue
+        bound = lower_bound(lengths, dp_size=1, cp_size=cp, bucket_size=c, cost_model=model)
+        assert bound <= optimum * (1 + 1e-9)
+
+
+def test_simulate_matches_a_hand_computation() -> None:
+    # Shape with round numbers; tile 1 = exact pairs; FLOP/s chosen so seconds = FLOPs * 1e-12.
+    shape = ModelShape(
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        intermediate_size=16,
+        vocab_size=10,
+    )
+    model = CostModel(
+        shape=shape,
+        achieved_flops=3e12,  # with the 3x training factor: seconds = forward FLOPs / 1e12
+        micro_batch_overhead_s=1.0,
+        comm_latency_s=0.5,
+        comm_bandwidth=1e12,
+        bytes_per_element=2,
+        tile_size=1,
+    )
+    lengths = [4, 6, 8]
+    # One micro-batch on 2 CP ranks: 4 local on rank 0, 6 local on rank 1, 8 distributed.
+    plan = GlobalBatchPlan(
+        micro_batches=((MicroBatchPlan((0, 1, 2), (0, 1, DISTRIBUTED)),),),
+        dp_size=1,
+        cp_size=2,
+        bucket_size=100,
+        policy="hand",
+    )
+    lin, pair = 2464, 64  # forward FLOPs per token and per causal pair (see test_cost_model)
+    rank0 = 4 * lin * 1e-12, 10 * pair * 1e-12  # linear, attention (4*5/2 = 10 pairs)
+    rank1 = 6 * lin * 1e-12, 21 * pair * 1e-12  # 6*7/2 = 21 pairs
+    # Distributed 8 tokens: zigzag chunks of 2 tokens, [0,2) [2,4) [4,6) [6,8); causal pairs of
+    # each chunk against its prefix: 3, 7, 11, 15 -> 36 pairs = 8*9/2; per rank 18.
+    dist = (8 / 2 * lin + 18 * pair) * 1e-12
+    # Comm: 2 layers x 2 directions x (K and V: 2 x kv_dim 4 x 2 bytes) x 8 tokens x 1/2.
+    comm = 2 * 2 * 0.5 + (2 * 2) * (2 * 4 * 2) * 8 * 0.5 / 1e12
+    expected = 1.0 + max(r[0] + max(comm, r[1]) for r in (rank0, rank1)) + dist
+    assert simulate(plan, lengths, model) == pytest.approx(expected, rel=1e-12)
+    assert dp_rank_seconds(plan, lengths, model) == [pytest.approx(expected, rel=1e-12)]
+
+
+def test_roll_back_frees_most_and_charges_the_other_ranks() -> None:
+    lengths = [10, 30, 40, 20]
+    costs = SequenceCosts(lengths, 2, NO_OVERHEAD)
+    state = CpGroupState(costs, bucket_size=60)
+    state.put_local(0, 0)
+    state.put_local(1, 0)
+    state.put_local(2, 1)
+    state.put_local(3, 1)
+    assert state.tokens == [40, 60]
+    assert state.roll_back()
+    # Rolling back 40 frees 40 - 20 = 20 on rank 1 (the most); rank 0 pays its 20-token shard.
+    assert state.where[2] == DISTRIBUTED
+    assert [t + state.reserved for t in state.tokens] == [60, 40]
+    # Next: 30 on rank 0 frees 15 and rank 1 can pay 15; 20 on rank 1 would push rank 0 to 70.
+    assert state.roll_back()
+    assert state.where[1] == DISTRIBUTED
+    assert [t + state.reserved for t in state.tokens] == [45, 55]
+
+
+def test_roll_back_refuses_when_another_rank_would_overflow() -> None:
+    costs = SequenceCosts([50, 40], 2, NO_OVERHEAD)
+    state = CpGroupState(costs, bucket_size=50)
+    state.put_local(0, 0)
+    state.put_local(1, 1)
+    # Sharding 50 costs rank 1 25 tokens (40 + 25 > 50); sharding 40 costs rank 0 20 (70 > 50).
+    assert not state.roll_back()
+    assert state.where == {0: 0, 1: 1}
+
+
+def test_dacp_rolls_back_when_memory_demands_it() -> None:
+    # Two ranks of 10 tokens, longest first: 8 and 6 go whole on ranks 0 and 1; the second 6
+    # then fits nowhere whole, and its shard (3) not next to the 8 either. Rolling the 8 back
+    # (4 per rank) makes room. The only fitting placements shard the 8.
+    lengths = [6, 6, 8]
+    costs = SequenceCosts(lengths, 2, NO_OVERHEAD)
+    placement = place_micro_batch([0, 1, 2], costs, 10)
+    assert placement is not None
+    assert placement[2] == DISTRIBUTED and sorted(placement[:2]) == [0, 1]
+
+
+def test_gds_adds_micro_batches_until_placement_succeeds() -> None:
+    lengths = [5] * 6
+    costs = SequenceCosts(lengths, 2, NO_OVERHEAD)
+    tried = []
+
+    def only_singletons(ids, costs, bucket_size):
+        tried.append(len(ids))
+        return (DISTRIBUTED,) if len(ids) == 1 else None
+
+    plans = split_strided(range(6), costs, 100, only_singletons)
+    assert [mb.sequence_ids for mb in plans] == [(i,) for i in range(6)]
+    assert tried[0] == 6 and tried[-6:] == [1] * 6  # started at m = 1, stopped at the first fit
+
+
+def test_skrull_beats_static_on_short_heavy_data() -> None:
+    # Regression guard on a fixed workload (Qwen2.5-0.5B shape, DP=2, CP=8): 120 short chat
+    # samples and 4 long ones. Measured 1.49x over packed static, which pays communication and
+    # tile waste for every short sequence; skrull was the fastest policy.
+    rng = random.Random(0)
+    lengths = [int(math.exp(rng.uniform(math.log(64), math.log(1024)))) for _ in range(120)]
+    lengths += [rng.randint(4_000, 30_000) for _ in range(4)]
+    model = CostModel()
+    times = {
+        p: simulate(
+            plan_global_batch(lengths, dp_size=2, cp_size=8, bucket_size=26_000, policy=p),
+            lengths,
+            model,
+        )
+        for p in POLICIES
+    }
+    assert times["skrull"] * 1.3 <= times["static"]
+    # Heuristics can tie or lose by a hair to another policy on some batch; 2% is the margin.
+    assert times["skrull"] <= min(times.values()) * 1.02
