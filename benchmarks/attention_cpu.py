@@ -8,7 +8,8 @@ processes (gloo, one thread each) for
   sequences kept whole on one rank and only long ones sharded;
 
 against plain SDPA on each whole sequence in one process (one thread). A step time is the
-slowest rank's median over ``--iters`` runs. Also prints the bytes each rank receives in the
+slowest rank's median over ``--iters`` runs; the CPU column (the compute thread's CPU time,
+slowest rank) is the figure to read on a shared machine. Also prints the bytes each rank receives in the
 forward all-gather and sends in the backward reduce-scatter, per attention layer.
 
 Run: ``python benchmarks/attention_cpu.py`` (about a minute on two free cores).
@@ -48,22 +49,24 @@ def _sequences(lengths: list[int], args: argparse.Namespace) -> dict[int, tuple[
     }
 
 
-def _time(fn: Any, iters: int, barrier: bool) -> float:
-    times = []
+def _time(fn: Any, iters: int, barrier: bool) -> tuple[float, float]:
+    """Median wall seconds and median CPU seconds of this (compute) thread per run."""
+    times, cpu = [], []
     for i in range(iters + 1):
         if barrier:
             dist.barrier()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         fn()
         if i:  # the first run warms up
             times.append(time.perf_counter() - start)
-    return statistics.median(times)
+            cpu.append(time.thread_time() - start_cpu)
+    return statistics.median(times), statistics.median(cpu)
 
 
 def _rank_step(
     rank: int, world_size: int, lengths: list[int], placements: dict[str, list[int]], args: Any
-) -> dict[str, tuple[float, int, int]]:
-    """Per placement: (median seconds, tokens on this rank, bytes received per layer)."""
+) -> dict[str, tuple[float, float, int, int]]:
+    """Per placement: (wall s, CPU s, tokens on this rank, bytes received per layer)."""
     group = dist.new_group(list(range(world_size)))
     seqs = _sequences(lengths, args)
     ids = list(range(len(lengths)))
@@ -83,13 +86,13 @@ def _rank_step(
         ) -> None:
             sdpa_attention(q, k, v, ctx).sum().backward()
 
-        seconds = _time(step, args.iters, barrier=True)
+        seconds, cpu = _time(step, args.iters, barrier=True)
         sent = distributed_kv_bytes(ctx, args.kv_heads, args.head_dim, torch.float32)
-        out[name] = (seconds, layout.num_tokens, sent)
+        out[name] = (seconds, cpu, layout.num_tokens, sent)
     return out
 
 
-def _single_process(lengths: list[int], args: argparse.Namespace) -> float:
+def _single_process(lengths: list[int], args: argparse.Namespace) -> tuple[float, float]:
     seqs = _sequences(lengths, args)
     leaves = [tuple(t.clone().requires_grad_() for t in seq) for seq in seqs.values()]
 
@@ -140,16 +143,21 @@ def main() -> None:
     sharded = [s for s, p in enumerate(placements["mixed (planner)"]) if p == DISTRIBUTED]
     print(f"planner shards sequences {sharded} (lengths {[lengths[s] for s in sharded]})")
     print()
-    header = f"{'placement':<18}{'fwd+bwd ms':>12}{'tokens/rank':>18}{'KV bytes/layer':>18}"
+    header = (
+        f"{'placement':<18}{'fwd+bwd ms':>12}{'max rank CPU ms':>17}{'tokens/rank':>16}"
+        f"{'KV bytes/layer':>16}"
+    )
     print(header)
     print("-" * len(header))
     for name in placements:
         per_rank = [results[r][name] for r in range(n)]
         seconds = max(p[0] for p in per_rank)
-        tokens = "/".join(str(p[1]) for p in per_rank)
-        sent = max(p[2] for p in per_rank)
-        print(f"{name:<18}{seconds * 1e3:>12.1f}{tokens:>18}{sent:>18,}")
-    print(f"{'single process':<18}{single * 1e3:>12.1f}{sum(lengths):>18}{0:>18,}")
+        cpu = max(p[1] for p in per_rank)
+        tokens = "/".join(str(p[2]) for p in per_rank)
+        sent = max(p[3] for p in per_rank)
+        print(f"{name:<18}{seconds * 1e3:>12.1f}{cpu * 1e3:>17.1f}{tokens:>16}{sent:>16,}")
+    wall, cpu = single
+    print(f"{'single process':<18}{wall * 1e3:>12.1f}{cpu * 1e3:>17.1f}{sum(lengths):>16}{0:>16,}")
     print()
     kv_row = 2 * args.kv_heads * args.head_dim * dtype_bytes
     print(
