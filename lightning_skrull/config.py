@@ -99,20 +99,14 @@ class SkrullConfig:
             )
 
     def resolve_bucket_size(self, longest_sequence: int) -> int:
-        """The bucket size to plan with, given the longest sequence of the data.
+        """The bucket size to plan with: the configured one, or, when it is ``None``, the
+        smallest that holds ``longest_sequence`` (``ceil(longest_sequence / cp_size)``).
 
-        Raises:
-            ValueError: ``longest_sequence`` exceeds ``cp_size * bucket_size``.
+        Whether every sample fits ``cp_size * bucket_size`` is checked with the data (the data
+        module validates it and names the first sample that does not fit).
         """
         if self.bucket_size is None:
             return -(-longest_sequence // self.cp_size)
-        if longest_sequence > self.cp_size * self.bucket_size:
-            raise ValueError(
-                f"the longest sequence has {longest_sequence} tokens, more than cp_size "
-                f"{self.cp_size} x bucket_size {self.bucket_size} = "
-                f"{self.cp_size * self.bucket_size}, the most one micro-batch can hold. Raise "
-                "bucket_size or cp_size, or shorten the data."
-            )
         return self.bucket_size
 
 

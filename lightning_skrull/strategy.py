@@ -20,6 +20,7 @@ on DeepSpeed ZeRO-2.
 
 from __future__ import annotations
 
+import inspect
 import time
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
@@ -32,6 +33,7 @@ from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -43,6 +45,13 @@ if TYPE_CHECKING:
     from lightning_skrull.data.collate import MicroBatch, RankBatch
     from lightning_skrull.distributed import ParallelLayout
     from lightning_skrull.scheduling.cost_model import CostModel
+
+_NO_FORWARD_BUFFER_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
+"""DDP's argument that turns off the per-forward buffer sync (renamed in torch 2.13)."""
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
 """Device types the strategies run on (SDPA attention on CPU, SDPA or flash-attn on CUDA)."""
@@ -500,12 +509,13 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         log_stats: log the exact loss, tokens/s and plan statistics.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
-        **ddp_kwargs: passed to ``DistributedDataParallel``. ``broadcast_buffers`` is forced to
-            ``False`` (DP ranks may run different numbers of forwards per step).
+        **ddp_kwargs: passed to ``DistributedDataParallel``. The per-forward buffer sync
+            (``forward_sync_buffers`` / ``broadcast_buffers``) is turned off: DP ranks may run
+            different numbers of forwards per step.
 
     Raises:
         ValueError: a bad option (see :class:`~lightning_skrull.config.SkrullConfig`), or
-            ``broadcast_buffers=True``.
+            ``broadcast_buffers=True`` / ``forward_sync_buffers=True``.
     """
 
     strategy_name = "skrull"
@@ -541,13 +551,14 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             verify_plans=verify_plans,
             log_stats=log_stats,
         )
-        if ddp_kwargs.get("broadcast_buffers", False):
-            raise ValueError(
-                "broadcast_buffers=True is not supported: DDP broadcasts buffers in every "
-                "forward, a collective, and DP ranks run different numbers of micro-batches per "
-                "step. Buffers are set at construction and not trained; leave it False."
-            )
-        ddp_kwargs["broadcast_buffers"] = False
+        for key in ("broadcast_buffers", "forward_sync_buffers"):
+            if ddp_kwargs.pop(key, None):
+                raise ValueError(
+                    f"{key}=True is not supported: DDP then syncs buffers in every forward, a "
+                    "collective, and DP ranks run different numbers of micro-batches per step. "
+                    "Buffers are synced once when DDP wraps the model; leave it unset."
+                )
+        ddp_kwargs[_NO_FORWARD_BUFFER_SYNC] = False
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,

@@ -1,0 +1,246 @@
+"""The Skrull strategies in one process: configuration checks, registry, refusals, and a
+world-of-one fit that must equal plain HF training (the multi-process cases are in
+``test_strategy_multiprocess.py``)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import Any
+
+import lightning.pytorch as L
+import pytest
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import StrategyRegistry
+from test_strategy_multiprocess import (
+    BUCKET,
+    GLOBAL_BATCH,
+    PARAM_ATOL,
+    PlainLM,
+    make_data,
+    max_diff,
+    reference_training,
+)
+
+import lightning_skrull
+from lightning_skrull import (
+    SkrullConfig,
+    SkrullDataModule,
+    SkrullStrategy,
+    SkrullZero2Strategy,
+)
+from lightning_skrull.scheduling import CostModel
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    """A Trainer run in this process makes a one-rank process group; remove it afterwards."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def _trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, **defaults)
+
+
+def _data(**kwargs: Any) -> SkrullDataModule:
+    return SkrullDataModule(
+        train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False, **kwargs
+    )
+
+
+# ----------------------------------------------------------------------------- configuration
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"cp_size": 0}, ValueError, "cp_size=0"),
+        ({"cp_size": 1.5}, ValueError, "cp_size=1.5"),
+        ({"cp_size": True}, ValueError, "cp_size=True"),
+        ({"bucket_size": 0}, ValueError, "bucket_size=0"),
+        ({"bucket_size": -5}, ValueError, "bucket_size=-5"),
+        ({"policy": "fastest"}, ValueError, "policy='fastest'"),
+        ({"attention_backend": "triton"}, ValueError, "attention_backend='triton'"),
+        ({"cost_model": "h100"}, TypeError, "CostModel"),
+        ({"log_stats": "yes"}, TypeError, "log_stats"),
+        ({"verify_plans": 1}, TypeError, "verify_plans"),
+    ],
+)
+def test_config_rejects_bad_values(kwargs: dict[str, Any], error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        SkrullConfig(**{"bucket_size": 64, **kwargs})
+    with pytest.raises(error, match=match):  # the strategies check at construction
+        SkrullStrategy(**{"bucket_size": 64, **kwargs})
+    with pytest.raises(error, match=match):
+        SkrullZero2Strategy(**{"bucket_size": 64, **kwargs})
+
+
+def test_bucket_size_resolution() -> None:
+    assert SkrullConfig(cp_size=3).resolve_bucket_size(100) == 34  # ceil(100 / 3)
+    assert SkrullConfig(cp_size=2, bucket_size=64).resolve_bucket_size(128) == 64
+
+
+def test_strategy_options_reach_the_config() -> None:
+    model = CostModel()
+    strategy = SkrullStrategy(
+        cp_size=4, bucket_size=1000, policy="dacp", attention_backend="sdpa", cost_model=model
+    )
+    config = strategy.skrull_config
+    assert (config.cp_size, config.bucket_size, config.policy) == (4, 1000, "dacp")
+    assert config.attention_backend == "sdpa" and config.cost_model is model
+    assert strategy.cp_size == 4
+    assert not strategy.requires_equal_micro_batches
+    assert SkrullZero2Strategy(bucket_size=10).requires_equal_micro_batches
+
+
+def test_ddp_refuses_per_forward_buffer_sync() -> None:
+    for key in ("broadcast_buffers", "forward_sync_buffers"):
+        with pytest.raises(ValueError, match=f"{key}=True"):
+            SkrullStrategy(bucket_size=64, **{key: True})
+    kwargs = SkrullStrategy(bucket_size=64)._ddp_kwargs
+    assert False in kwargs.values() and {"broadcast_buffers", "forward_sync_buffers"} & set(kwargs)
+
+
+def test_zero2_refuses_other_stages() -> None:
+    with pytest.raises(ValueError, match="stage=3"):
+        SkrullZero2Strategy(bucket_size=64, stage=3)
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=3"):
+        SkrullZero2Strategy(bucket_size=64, config={"zero_optimization": {"stage": 3}})
+    strategy = SkrullZero2Strategy(bucket_size=64)
+    assert strategy.config["zero_optimization"]["stage"] == 2
+
+
+# ----------------------------------------------------------------------------- registry
+def test_names_are_registered_at_import() -> None:
+    names = {
+        "skrull": SkrullStrategy,
+        "skrull_spawn": SkrullStrategy,
+        "skrull_cp2": SkrullStrategy,
+        "skrull_cp4": SkrullStrategy,
+        "skrull_cp8": SkrullStrategy,
+        "skrull_zero2": SkrullZero2Strategy,
+    }
+    lightning_skrull.register_strategies()  # idempotent
+    for name, cls in names.items():
+        assert name in StrategyRegistry
+        assert StrategyRegistry[name]["description"]
+        assert isinstance(StrategyRegistry.get(name), cls)
+    assert StrategyRegistry.get("skrull_cp4").cp_size == 4
+    assert StrategyRegistry.get("skrull_spawn")._start_method == "spawn"
+
+
+def test_public_api() -> None:
+    for name in lightning_skrull.__all__:
+        assert hasattr(lightning_skrull, name), name
+    from lightning_skrull.scheduling import plan_global_batch, simulate
+
+    assert lightning_skrull.plan_global_batch is plan_global_batch
+    assert lightning_skrull.simulate is simulate
+
+
+# ----------------------------------------------------------------------------- lifecycle
+def test_layout_and_cost_model_need_setup() -> None:
+    strategy = SkrullStrategy(cp_size=2, bucket_size=64)
+    with pytest.raises(RuntimeError, match="parallel_layout is known only after"):
+        _ = strategy.dp_rank
+    with pytest.raises(RuntimeError, match="cost_model is known only after setup"):
+        _ = strategy.cost_model
+
+
+def test_predict_is_refused() -> None:
+    with pytest.raises(RuntimeError, match=r"does not support trainer\.predict"):
+        SkrullStrategy(bucket_size=64).predict_step({}, 0)
+
+
+def test_unsupported_accelerator_is_refused() -> None:
+    strategy = SkrullStrategy(bucket_size=64, parallel_devices=[torch.device("meta")])
+    trainer = SimpleNamespace(accelerator=object(), accumulate_grad_batches=1)
+    with pytest.raises(ValueError, match="runs on \\('cpu', 'cuda'\\) devices"):
+        strategy._check_trainer(trainer)  # type: ignore[arg-type]
+
+
+def test_world_not_divisible_by_cp_size(world_of_one: None) -> None:
+    trainer = _trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET), max_steps=1)
+    with pytest.raises(ValueError, match="not a multiple of cp_size 2"):
+        trainer.fit(PlainLM(), _data())
+
+
+def test_accumulate_grad_batches_is_refused(world_of_one: None) -> None:
+    trainer = _trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1, accumulate_grad_batches=2)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        trainer.fit(PlainLM(), _data())
+
+
+class ManualLM(PlainLM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+def test_manual_optimization_is_refused(world_of_one: None) -> None:
+    trainer = _trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
+    with pytest.raises(ValueError, match="automatic optimization"):
+        trainer.fit(ManualLM(), _data())
+
+
+def test_batches_not_from_the_data_module_are_refused(world_of_one: None) -> None:
+    loader = torch.utils.data.DataLoader(
+        [{"input_ids": torch.tensor([1, 2, 3])}], batch_size=None, collate_fn=lambda x: x
+    )
+    trainer = _trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
+    with pytest.raises(TypeError, match="SkrullDataModule"):
+        trainer.fit(PlainLM(), train_dataloaders=loader)
+
+
+def test_too_small_bucket_is_refused_before_training(world_of_one: None) -> None:
+    longest = max(len(s["input_ids"]) for s in make_data())
+    trainer = _trainer(SkrullStrategy(bucket_size=longest - 1), max_steps=1)
+    with pytest.raises(ValueError, match=f"has {longest} tokens, more than max_tokens"):
+        trainer.fit(PlainLM(), _data())
+
+
+# ----------------------------------------------------------------------------- parity
+class CheckpointedLM(PlainLM):
+    """Activation checkpointing recomputes the attention in backward: the last micro-batch's
+    attention context must still be set when Lightning runs its backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model.gradient_checkpointing_enable(
+            gradient_checkpointing_kwargs={"use_reentrant": False}
+        )
+
+
+@pytest.mark.parametrize("module_cls", [PlainLM, CheckpointedLM])
+def test_world_of_one_fit_equals_single_process(
+    world_of_one: None, module_cls: type[PlainLM]
+) -> None:
+    steps = 3
+    model = module_cls()
+    # one rank holds whole sequences (up to 69 tokens); 80 tokens make 4-5 micro-batches a step
+    trainer = _trainer(SkrullStrategy(bucket_size=80), max_steps=steps)
+    trainer.fit(model, _data())
+    ref, losses = reference_training(steps)
+    params = {k: v.detach().numpy() for k, v in model.model.state_dict().items()}
+    assert max_diff(params, ref) < PARAM_ATOL  # see PARAM_ATOL: float32 summation order
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(losses[-1], abs=1e-5)
+    # several micro-batches per step, so the gradient stash across zero_grad was exercised
+    assert trainer.callback_metrics["skrull/micro_batches_max"] >= 2
+    assert trainer.callback_metrics["tokens_per_s"] > 0
