@@ -1,0 +1,237 @@
+"""The data module's loaders, one process: every rank's batches are built here by looping over
+the ranks (planning and collating are pure, so no process group is needed)."""
+
+from __future__ import annotations
+
+import lightning.pytorch as L
+import pytest
+import torch
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.data import has_iterable_dataset
+
+from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule
+from lightning_skrull.data import GlobalBatchSampler, load_sft_data
+from lightning_skrull.data.datamodule import (
+    GlobalBatchStream,
+    RankPlanner,
+    SkrullDataLoader,
+    plan_stats,
+    split_dataset,
+)
+from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
+
+
+def make_samples(n: int = 30, seed: int = 0) -> list[dict[str, list[int]]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(2, 90, (1,), generator=g))
+        ids = torch.randint(0, 50, (length,), generator=g).tolist()
+        prompt = int(torch.randint(0, length, (1,), generator=g))
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+def loader(
+    dp_rank: int,
+    cp_rank: int,
+    *,
+    dp_size: int = 2,
+    cp_size: int = 2,
+    global_batch_size: int = 8,
+    shuffle: bool = False,
+    equal: bool = False,
+    num_workers: int = 0,
+    n: int = 30,
+) -> SkrullDataLoader:
+    dataset = load_sft_data(make_samples(n))
+    sampler = GlobalBatchSampler(len(dataset), global_batch_size, shuffle=shuffle, seed=5)
+    planner = RankPlanner(
+        dp_size=dp_size,
+        cp_size=cp_size,
+        dp_rank=dp_rank,
+        cp_rank=cp_rank,
+        bucket_size=50,
+        policy="skrull",
+        cost_model=CostModel(),
+        equal_micro_batches=equal,
+    )
+    return SkrullDataLoader(GlobalBatchStream(dataset, sampler, planner), num_workers=num_workers)
+
+
+def micro_batch_samples(batch: SkrullBatch) -> list[tuple[int, ...]]:
+    return [mb.sample_indices for mb in batch.rank_batch.micro_batches]
+
+
+def test_every_sample_of_a_global_batch_goes_to_exactly_one_dp_rank() -> None:
+    ranks = {(d, c): list(loader(d, c)) for d in range(2) for c in range(2)}
+    num_steps = len(ranks[0, 0])
+    assert num_steps == 4  # 30 samples, 8 per step: the last, partial batch is trained
+    for step in range(num_steps):
+        expected = list(range(step * 8, min(step * 8 + 8, 30)))  # shuffle=False: dataset order
+        seen: list[int] = []
+        for d in range(2):
+            batches = [ranks[d, c][step] for c in range(2)]
+            # the CP ranks of a DP rank run the same micro-batches (each its own shard)
+            assert micro_batch_samples(batches[0]) == micro_batch_samples(batches[1])
+            seen += [i for mb in micro_batch_samples(batches[0]) for i in mb]
+            assert {b.stats for b in batches} == {ranks[0, 0][step].stats}
+        assert sorted(seen) == expected
+        # the supervised-token count is of the whole global batch, the same on every rank
+        supervised = {ranks[k][step].rank_batch.num_supervised_tokens for k in ranks}
+        assert len(supervised) == 1
+
+
+def test_equal_micro_batches_pads_every_dp_rank_to_the_largest_count() -> None:
+    plain = [list(loader(d, 0)) for d in range(2)]
+    padded = [list(loader(d, 0, equal=True)) for d in range(2)]
+    uneven = 0
+    for step in range(len(plain[0])):
+        counts = [len(plain[d][step].rank_batch.micro_batches) for d in range(2)]
+        uneven += counts[0] != counts[1]
+        for d in range(2):
+            assert len(padded[d][step].rank_batch.micro_batches) == max(counts)
+            extra = padded[d][step].rank_batch.micro_batches[counts[d] :]
+            assert all(mb.sample_indices == () and mb.num_supervised_tokens == 0 for mb in extra)
+    assert uneven  # the case must contain steps where DP ranks differ
+
+
+def test_plan_statistics_match_the_plan() -> None:
+    samples = make_samples(12)
+    lengths = [len(s["input_ids"]) for s in samples]
+    model = CostModel()
+    plan = plan_global_batch(lengths, dp_size=2, cp_size=2, bucket_size=50, cost_model=model)
+    supervised = sum(sum(1 for x in s["labels"][1:] if x != -100) for s in samples)
+    stats = plan_stats(plan, lengths, supervised, model)
+    placements = [p for mbs in plan.micro_batches for mb in mbs for p in mb.placement]
+    assert stats.num_sequences == 12 and stats.num_tokens == sum(lengths)
+    assert stats.num_supervised_tokens == supervised
+    assert stats.distributed_share == placements.count(DISTRIBUTED) / 12
+    per_rank = [
+        sum(model.micro_batch_seconds(mb, lengths, 2) for mb in r) for r in plan.micro_batches
+    ]
+    assert stats.estimated_seconds == pytest.approx(max(per_rank), rel=1e-6)
+    assert stats.imbalance == pytest.approx(max(per_rank) / (sum(per_rank) / 2), rel=1e-6)
+    counts = [len(r) for r in plan.micro_batches]
+    assert (stats.max_micro_batches, stats.min_micro_batches) == (max(counts), min(counts))
+
+
+def test_lightning_sees_an_iterable_stateful_loader_with_set_epoch() -> None:
+    dl = loader(0, 0, shuffle=True)
+    # Lightning injects a DistributedSampler only into map-style loaders
+    assert has_iterable_dataset(dl)
+    assert isinstance(dl, _Stateful)  # Lightning saves its state in checkpoints
+    first = [micro_batch_samples(b) for b in dl]
+    _set_sampler_epoch(dl, 1)  # what Lightning calls at every epoch start
+    assert dl.global_batch_sampler.epoch == 1
+    second = [micro_batch_samples(b) for b in dl]
+    assert first != second  # a new seeded order
+    assert all(b.epoch == 1 for b in dl)
+
+
+def test_resuming_from_state_continues_with_the_same_batches() -> None:
+    whole = [(b.epoch, b.index, micro_batch_samples(b)) for b in loader(1, 1, shuffle=True)]
+    dl = loader(1, 1, shuffle=True)
+    it = iter(dl)
+    head = [next(it) for _ in range(2)]
+    state = dl.state_dict()
+    assert state["batches_consumed"] == 2 and state["epoch"] == 0
+    resumed = loader(1, 1, shuffle=True)
+    resumed.load_state_dict(state)
+    _set_sampler_epoch(resumed, 0)  # Lightning sets the same epoch again: the position stays
+    rest = [(b.epoch, b.index, micro_batch_samples(b)) for b in resumed]
+    assert [(b.epoch, b.index, micro_batch_samples(b)) for b in head] + rest == whole
+
+
+def test_resume_with_another_batch_size_is_refused() -> None:
+    state = loader(0, 0).state_dict()
+    other = loader(0, 0, global_batch_size=6)
+    with pytest.raises(ValueError, match="global_batch_size"):
+        other.load_state_dict(state)
+
+
+def test_workers_keep_the_order() -> None:
+    single = [micro_batch_samples(b) for b in loader(0, 1, shuffle=True)]
+    workers = [micro_batch_samples(b) for b in loader(0, 1, shuffle=True, num_workers=2)]
+    assert workers == single
+
+
+def test_batch_moves_as_a_whole() -> None:
+    batch = next(iter(loader(0, 0)))
+    moved = batch.to("cpu")
+    assert isinstance(moved, SkrullBatch) and moved.stats == batch.stats
+    assert "micro_batches=" in repr(batch)
+    for mb in moved.rank_batch.micro_batches:
+        assert mb.inputs["num_items_in_batch"].dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- the module
+def test_data_config_checks() -> None:
+    with pytest.raises(ValueError, match="global_batch_size=0"):
+        DataConfig(global_batch_size=0)
+    with pytest.raises(ValueError, match="val_global_batch_size=-1"):
+        DataConfig(global_batch_size=4, val_global_batch_size=-1)
+    with pytest.raises(ValueError, match="num_workers=-2"):
+        DataConfig(global_batch_size=4, num_workers=-2)
+    with pytest.raises(ValueError, match="val_split=-1"):
+        DataConfig(global_batch_size=4, val_split=-1)
+    with pytest.raises(TypeError, match="shuffle"):
+        DataConfig(global_batch_size=4, shuffle="yes")  # type: ignore[arg-type]
+    assert DataConfig(global_batch_size=4).validation_batch_size == 4
+    assert DataConfig(global_batch_size=4, val_global_batch_size=2).validation_batch_size == 2
+
+
+def test_val_split_holds_out_a_seeded_disjoint_part() -> None:
+    dm = SkrullDataModule(train_data=make_samples(), global_batch_size=4, val_split=6, seed=1)
+    dm.setup("fit")
+    assert dm.train_dataset is not None and dm.val_dataset is not None
+    assert len(dm.train_dataset) == 24 and len(dm.val_dataset) == 6
+    held = set(dm.val_dataset.indices)  # type: ignore[union-attr]
+    assert held.isdisjoint(dm.train_dataset.indices)  # type: ignore[union-attr]
+    again = SkrullDataModule(train_data=make_samples(), global_batch_size=4, val_split=6, seed=1)
+    again.setup("fit")
+    assert set(again.val_dataset.indices) == held  # type: ignore[union-attr]
+    assert dm.val_dataset[0] == make_samples()[min(held)]
+    assert dm.train_dataset.lengths == [
+        len(make_samples()[i]["input_ids"]) for i in range(30) if i not in held
+    ]
+
+
+def test_val_split_errors() -> None:
+    with pytest.raises(ValueError, match="not both"):
+        SkrullDataModule(train_data=make_samples(), val_data=make_samples(), val_split=2)
+    with pytest.raises(ValueError, match="val_split=30 must leave training samples"):
+        split_dataset(load_sft_data(make_samples()), 30)
+
+
+def test_fit_without_train_data_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"train_data=None\) cannot fit"):
+        SkrullDataModule().setup("fit")
+
+
+def test_bundled_dataset_by_name() -> None:
+    dm = SkrullDataModule(train_data="bundled:mixed_tiny", global_batch_size=32)
+    dm.setup("fit")
+    assert dm.train_dataset is not None and len(dm.train_dataset) == 384
+
+
+def test_a_strategy_other_than_skrull_is_refused() -> None:
+    dm = SkrullDataModule(train_data=make_samples(), global_batch_size=4)
+    dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False)
+    dm.setup("fit")
+    with pytest.raises(TypeError, match=r"needs a Skrull strategy.*SingleDeviceStrategy"):
+        dm.train_dataloader()
+
+
+def test_loader_needs_the_trainer() -> None:
+    dm = SkrullDataModule(train_data=make_samples(), global_batch_size=4)
+    dm.setup("fit")
+    with pytest.raises(RuntimeError, match="needs the Trainer"):
+        dm.train_dataloader()
+
+
+def test_no_validation_without_val_data() -> None:
+    dm = SkrullDataModule(train_data=make_samples(), global_batch_size=4)
+    dm.setup("fit")
+    assert dm.val_dataloader() == []
