@@ -81,10 +81,9 @@ class SkrullCausalLM(pl.LightningModule):
     """Causal-LM fine-tuning: the loss is the Hugging Face model's own.
 
     Args:
-        model: a Hugging Face model name or path (``from_pretrained``). Give either this or
-            ``model_config``.
-        model_config: a config dict (``model_type`` plus fields) for a randomly initialised
-            model, e.g. :data:`TINY_QWEN2_5`.
+        model: a Hugging Face model name or path (loaded with ``from_pretrained``), or a config
+            dict (``model_type`` plus fields, e.g. :data:`TINY_QWEN2_5`) for a randomly
+            initialised model.
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
@@ -94,13 +93,13 @@ class SkrullCausalLM(pl.LightningModule):
         gradient_checkpointing: recompute activations in backward (long sequences).
 
     Raises:
-        ValueError: neither or both of ``model`` and ``model_config``, or a bad number.
+        ValueError: a config dict without ``model_type``, or a bad number.
+        TypeError: ``model`` is neither a string nor a dict.
     """
 
     def __init__(
         self,
-        model: str | None = None,
-        model_config: dict[str, Any] | None = None,
+        model: str | dict[str, Any],
         learning_rate: float = 1e-5,
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -109,18 +108,17 @@ class SkrullCausalLM(pl.LightningModule):
         gradient_checkpointing: bool = False,
     ) -> None:
         super().__init__()
-        if (model is None) == (model_config is None):
-            raise ValueError(
-                "give exactly one of model (a Hugging Face name or path) and model_config (a "
-                f"config dict for random initialisation); got model={model!r}, "
-                f"model_config={'set' if model_config is not None else None}."
+        if not isinstance(model, (str, dict)):
+            raise TypeError(
+                f"model must be a Hugging Face name or path (str) or a config dict for random "
+                f"initialisation, got {type(model).__name__}."
             )
         if not learning_rate > 0:
             raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         self.save_hyperparameters()
-        self.model = self._build_model(model, model_config, torch_dtype)
+        self.model = self._build_model(model, torch_dtype)
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -128,20 +126,19 @@ class SkrullCausalLM(pl.LightningModule):
         self.val_perplexity = TokenPerplexity()
 
     @staticmethod
-    def _build_model(
-        name: str | None, config: dict[str, Any] | None, torch_dtype: str | None
-    ) -> torch.nn.Module:
+    def _build_model(model: str | dict[str, Any], torch_dtype: str | None) -> torch.nn.Module:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
-        if name is not None:
+        if isinstance(model, str):
             kwargs = {"dtype": dtype} if dtype is not None else {}
-            return AutoModelForCausalLM.from_pretrained(name, **kwargs)
-        assert config is not None
-        fields = dict(config)
+            return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+        fields = dict(model)
         model_type = fields.pop("model_type", None)
         if model_type is None:
-            raise ValueError("model_config needs a 'model_type' (e.g. 'qwen2').")
+            raise ValueError(
+                f"a model config dict needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(fields)}."
+            )
         hf_config = AutoConfig.for_model(model_type, **fields)
         built = AutoModelForCausalLM.from_config(hf_config)
         return built.to(dtype) if dtype is not None else built
@@ -267,7 +264,7 @@ class SkrullCLI(LightningCLI):
         """Defaults of the embedded tiny CPU recipe."""
         parser.set_defaults(
             {
-                "model.model_config": TINY_QWEN2_5,
+                "model.model": TINY_QWEN2_5,
                 "model.learning_rate": 3e-3,
                 "data.train_data": "bundled:mixed_tiny",
                 "data.global_batch_size": 32,

@@ -154,7 +154,7 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     out["ddp_steps"] = recorder.steps
 
     # validation of the trained weights: loss logged by the strategy and torchmetrics perplexity
-    evaluator = SkrullCausalLM(model_config={"model_type": "qwen2", **CFG})
+    evaluator = SkrullCausalLM(model={"model_type": "qwen2", **CFG})
     evaluator.model.load_state_dict(model.model.state_dict())
     val = SkrullDataModule(
         train_data=make_data(), val_data=make_data(11, seed=1), val_global_batch_size=4

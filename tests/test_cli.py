@@ -1,0 +1,165 @@
+"""``skrull-finetune``: every shipped recipe parses, the defaults are ``tiny_cpu.yaml``, the
+perplexity metric equals a one-process computation, and a short fit runs end to end."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from lightning_skrull import SkrullDataModule
+from lightning_skrull.cli import (
+    TINY_CPU_TRAINER,
+    TINY_QWEN2_5,
+    SkrullCausalLM,
+    SkrullCLI,
+    TokenPerplexity,
+    main,
+)
+
+CONFIGS = sorted((Path(__file__).parent.parent / "examples" / "configs").glob("*.yaml"))
+TINY_CPU = Path(__file__).parent.parent / "examples" / "configs" / "tiny_cpu.yaml"
+
+
+class _Parsed(Exception):
+    """Raised with the parsed config instead of building the classes."""
+
+
+class _ParseOnly(SkrullCLI):
+    def before_instantiate_classes(self) -> None:
+        raise _Parsed(self.config)
+
+
+def parse(args: list[str]) -> Any:
+    """The parsed configuration of ``skrull-finetune <args>`` (nothing is built or run)."""
+    with pytest.raises(_Parsed) as parsed:
+        _ParseOnly(
+            SkrullCausalLM,
+            SkrullDataModule,
+            trainer_defaults=dict(TINY_CPU_TRAINER),
+            seed_everything_default=0,
+            save_config_callback=None,
+            args=args,
+        )
+    return parsed.value.args[0]
+
+
+def test_shipped_recipes_exist() -> None:
+    names = {p.name for p in CONFIGS}
+    assert {"tiny_cpu.yaml", "qwen2.5-0.5b.yaml", "qwen2.5-7b.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+@pytest.mark.parametrize("subcommand", ["fit", "validate"])
+def test_every_shipped_recipe_parses(path: Path, subcommand: str) -> None:
+    config = getattr(parse([subcommand, "--config", str(path)]), subcommand)
+    strategy = config.trainer.strategy
+    assert strategy.class_path in (
+        "lightning_skrull.SkrullStrategy",
+        "lightning_skrull.SkrullZero2Strategy",
+    )
+    world = config.trainer.devices * config.trainer.num_nodes
+    assert world % strategy.init_args.cp_size == 0  # CP groups tile the world
+    assert strategy.init_args.bucket_size >= 1
+    assert config.data.global_batch_size >= world // strategy.init_args.cp_size
+    assert isinstance(config.model.model, (str, dict))
+
+
+def test_cli_defaults_are_the_tiny_cpu_recipe() -> None:
+    defaults = parse(["fit"]).fit
+    recipe = parse(["fit", "--config", str(TINY_CPU)]).fit
+    assert defaults.model == recipe.model
+    assert defaults.data == recipe.data
+    assert recipe.model.model == TINY_QWEN2_5
+    for key in TINY_CPU_TRAINER:
+        if key != "strategy":
+            assert defaults.trainer[key] == recipe.trainer[key], key
+    assert defaults.trainer.strategy == recipe.trainer.strategy
+
+
+def test_token_perplexity_equals_one_process() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(3, 20, 11)
+    labels = torch.randint(0, 11, (3, 20))
+    labels[0, :7] = -100
+    labels[2, 12:] = -100
+    token_losses = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, 11), labels.reshape(-1), ignore_index=-100, reduction="sum"
+    )
+    tokens = int((labels != -100).sum())
+    metric = TokenPerplexity()
+    with pytest.warns(UserWarning, match="before the ``update`` method"):
+        assert math.isnan(float(metric.compute()))
+    num_items = torch.tensor(tokens / 4.0)  # any normaliser: the update undoes it
+    for mb_logits, mb_labels in zip(logits, labels, strict=True):
+        loss = (
+            torch.nn.functional.cross_entropy(
+                mb_logits, mb_labels, ignore_index=-100, reduction="sum"
+            )
+            / num_items
+        )
+        metric.update(loss, num_items, (mb_labels != -100).sum())
+    # float64 states: equal to the direct float32 computation to float32 rounding
+    assert float(metric.compute()) == pytest.approx(
+        math.exp(float(token_losses) / tokens), rel=1e-6
+    )
+
+
+def test_module_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match="name or path"):
+        SkrullCausalLM(model=3)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="model_type"):
+        SkrullCausalLM(model={"hidden_size": 8})
+    with pytest.raises(ValueError, match="learning_rate"):
+        SkrullCausalLM(model=TINY_QWEN2_5, learning_rate=0)
+
+
+def test_module_builds_the_tiny_qwen2_5() -> None:
+    module = SkrullCausalLM(model=TINY_QWEN2_5, warmup_steps=3)
+    assert type(module.model).__name__ == "Qwen2ForCausalLM"
+    assert module.model.config.num_key_value_heads == 2
+    config = module.configure_optimizers()
+    assert config["lr_scheduler"]["interval"] == "step"
+
+
+@pytest.fixture
+def world_of_one() -> Iterator[None]:
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def test_short_fit_prints_speed_and_plan_statistics(
+    world_of_one: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    main(
+        [
+            "fit",
+            "--config",
+            str(TINY_CPU),
+            "--trainer.devices=1",
+            "--trainer.strategy.init_args.cp_size=1",
+            "--trainer.strategy.init_args.bucket_size=2048",
+            "--trainer.max_steps=2",
+            "--trainer.val_check_interval=2",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            "--data.global_batch_size=8",
+            "--data.val_split=8",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "Skrull run summary (DP=1 x CP=1, 2 steps, policy skrull)" in out
+    speed = next(line for line in out.splitlines() if "tokens/s" in line)
+    assert float(speed.split()[-1]) > 0
