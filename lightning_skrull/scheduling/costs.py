@@ -35,12 +35,13 @@ class SequenceCosts:
         # Local attention of a whole sequence: nb * (nb + 1) / 2 blocks, nb = ceil(s / tile).
         blocks = [(s + t - 1) // t for s in lengths]
         self._attn = [per_block * (nb * (nb + 1) // 2) for nb in blocks]
-        self._local = [s * lin + a for s, a in zip(lengths, self._attn, strict=True)]
+        self._linear = [s * lin for s in lengths]
+        self._local = [s + a for s, a in zip(self._linear, self._attn, strict=True)]
         self._dist: list[float | None] = [None] * len(lengths)
 
     def linear(self, sid: int) -> float:
         """Seconds of the sequence's non-attention matmuls (all ranks together)."""
-        return self.lengths[sid] * self._linear_per_token
+        return self._linear[sid]
 
     def local_attention(self, sid: int) -> float:
         """Seconds of the sequence's attention when kept whole on one rank."""
@@ -49,6 +50,21 @@ class SequenceCosts:
     def local(self, sid: int) -> float:
         """Seconds of the sequence kept whole on one rank."""
         return self._local[sid]
+
+    @property
+    def linear_table(self) -> list[float]:
+        """:meth:`linear` of every sequence, by id (read-only; for hot loops)."""
+        return self._linear
+
+    @property
+    def local_attention_table(self) -> list[float]:
+        """:meth:`local_attention` of every sequence, by id (read-only; for hot loops)."""
+        return self._attn
+
+    @property
+    def local_table(self) -> list[float]:
+        """:meth:`local` of every sequence, by id (read-only; for hot loops)."""
+        return self._local
 
     def distributed(self, sid: int) -> float:
         """Compute seconds of the sequence on each CP rank when distributed (no comm)."""

@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.plan import DISTRIBUTED
 
-_SECOND_START_SLACK = 1.25
+_SECOND_START_SLACK = 1.0
 """The paper-rule construction is refined only if it starts within this factor of the first."""
 
 _REL_GAIN = 1e-9
@@ -62,6 +62,7 @@ class CpGroupState:
         self.dist_compute = 0.0  # per-rank compute seconds of the distributed sequences
         self.distributed: list[int] = []
         self.chosen_shards = 0  # sequences that fit whole but were sharded by choice
+        self.chosen_local_max = 0.0  # largest whole-rank cost among those
 
     # --------------------------------------------------------------------- mutations
     def put_local(self, sid: int, rank: int) -> None:
@@ -185,20 +186,20 @@ def place_micro_batch(
         fits = sum(costs.lengths[i] for i in ids) <= bucket_size
         return (0,) * len(ids) if fits else None
     # Two constructions, each refined by local search; the better estimate wins. The second
-    # shards only what memory forces (the paper's rule). It is skipped when the first sharded
-    # nothing by choice (it would build the same placement), and its local search is skipped
-    # when it starts more than _SECOND_START_SLACK times slower than the first ended (single
-    # moves do not recover such a gap; this bounds the planning time on long-sequence data).
+    # shards only what memory forces (the paper's rule) and is refined only if it starts no
+    # slower than the first ended (single moves rarely recover a gap; this bounds the planning
+    # time). It is not built when the first sharded nothing by choice (it would be the same
+    # placement), nor when a sequence the first sharded by choice would alone, kept whole,
+    # take as long as the first's whole micro-batch (then it cannot start faster).
     best = _construct(ids, costs, bucket_size, look_ahead=True)
     if best is not None:
-        chosen = best.chosen_shards
+        chosen, chosen_max = best.chosen_shards, best.chosen_local_max
         _improve(best, max_moves=2 * len(ids) + costs.cp_size)
-        if chosen == 0:
+        if chosen == 0 or chosen_max >= best.estimate():
             return best.placement(ids)
-    other = _construct(ids, costs, bucket_size, look_ahead=False)
-    if other is not None and (
-        best is None or other.estimate() < _SECOND_START_SLACK * best.estimate()
-    ):
+    give_up = None if best is None else _SECOND_START_SLACK * best.estimate()
+    other = _construct(ids, costs, bucket_size, look_ahead=False, give_up_at=give_up)
+    if other is not None and (give_up is None or other.estimate() < give_up):
         _improve(other, max_moves=2 * len(ids) + costs.cp_size)
         if best is None or other.estimate() < best.estimate():
             best = other
@@ -206,9 +207,18 @@ def place_micro_batch(
 
 
 def _construct(
-    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, look_ahead: bool
+    ids: Sequence[int],
+    costs: SequenceCosts,
+    bucket_size: int,
+    look_ahead: bool,
+    give_up_at: float | None = None,
 ) -> CpGroupState | None:
-    """First placement: forced shards, then the longest-first greedy (``None``: does not fit)."""
+    """First placement: forced shards, then the longest-first greedy.
+
+    Returns ``None`` when the micro-batch does not fit, or when the slowest rank plus the
+    distributed compute reaches ``give_up_at`` while placing (the construction is then not
+    worth finishing).
+    """
     lengths = costs.lengths
     state = CpGroupState(costs, bucket_size)
     rest = []
@@ -217,12 +227,14 @@ def _construct(
             state.put_distributed(sid)
         else:
             rest.append(sid)
-    if state.reserved > bucket_size or not _greedy(state, rest, look_ahead):
+    if state.reserved > bucket_size or not _greedy(state, rest, look_ahead, give_up_at):
         return None
     return state
 
 
-def _greedy(state: CpGroupState, rest: Sequence[int], look_ahead: bool) -> bool:
+def _greedy(
+    state: CpGroupState, rest: Sequence[int], look_ahead: bool, give_up_at: float | None = None
+) -> bool:
     """Place ``rest`` (longest first), choosing local or distributed by a look-ahead estimate.
 
     The estimate of the finished micro-batch is the larger of the slowest rank so far and the
@@ -231,27 +243,33 @@ def _greedy(state: CpGroupState, rest: Sequence[int], look_ahead: bool) -> bool:
     ties; a sequence that fits no rank whole is distributed, or a local one is rolled back.
 
     Returns:
-        ``False`` when the micro-batch cannot fit.
+        ``False`` when the micro-batch cannot fit, or when the estimate so far (slowest rank
+        plus distributed compute) reaches ``give_up_at``.
     """
+    if give_up_at is None:
+        give_up_at = math.inf
     costs, n, cap = state.costs, state.n, state.cap
     lengths = costs.lengths
     tokens, linear, attn, where = state.tokens, state.linear, state.attn, state.where
     # Linear and attention seconds of the sequences after position i (all assumed local).
     tail_lin = [0.0] * (len(rest) + 1)
     tail_att = [0.0] * (len(rest) + 1)
+    lin_of, att_of = costs.linear_table, costs.local_attention_table
     for i in range(len(rest) - 1, -1, -1):
-        tail_lin[i] = tail_lin[i + 1] + costs.linear(rest[i])
-        tail_att[i] = tail_att[i + 1] + costs.local_attention(rest[i])
+        tail_lin[i] = tail_lin[i + 1] + lin_of[rest[i]]
+        tail_att[i] = tail_att[i + 1] + att_of[rest[i]]
     comm = costs.comm(state.dist_tokens)
-    times = state.rank_times(comm)
+    times: list[float] | None = state.rank_times(comm)
     # max over ranks of linear + max(c, attention) == max(max_lin + c, max_lin_att) for any c.
     max_lin = max(linear)
     max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
     sum_lin, sum_att = sum(linear), sum(attn)
     for i, sid in enumerate(rest):
         s = lengths[sid]
-        lin_k, att_k = costs.linear(sid), costs.local_attention(sid)
+        lin_k, att_k = lin_of[sid], att_of[sid]
         while True:
+            if times is None:  # the communication changed: every rank's time did
+                times = state.rank_times(comm)
             rank = times.index(min(times))  # first minimum: lowest rank on ties
             if tokens[rank] + state.reserved + s > cap:
                 rank = _least_loaded_with_room(state, sid, times)
@@ -283,6 +301,7 @@ def _greedy(state: CpGroupState, rest: Sequence[int], look_ahead: bool) -> bool:
                 ):
                     go_local = False
                     state.chosen_shards += 1
+                    state.chosen_local_max = max(state.chosen_local_max, lin_k + att_k)
             if go_local:
                 tokens[rank] += s
                 lin = linear[rank] = linear[rank] + lin_k
@@ -294,16 +313,18 @@ def _greedy(state: CpGroupState, rest: Sequence[int], look_ahead: bool) -> bool:
                 max_lin_att = lin + a if lin + a > max_lin_att else max_lin_att
                 sum_lin += lin_k
                 sum_att += att_k
+                if max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at:
+                    return False
                 break
             if rank >= 0 or state.can_distribute(sid):  # rank >= 0: checked above
                 state.put_distributed(sid)  # local ranks unchanged: only comm moves
                 comm = costs.comm(state.dist_tokens)
-                times = state.rank_times(comm)
+                times = None
                 break
             if not state.roll_back():
                 return False
             comm = costs.comm(state.dist_tokens)
-            times = state.rank_times(comm)
+            times = None
             max_lin = max(linear)
             max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
             sum_lin, sum_att = sum(linear), sum(attn)

@@ -25,14 +25,15 @@ Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
 
 def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[list[int]]:
     """Balance whole sequences over DP ranks by estimated work (LPT, deterministic ties)."""
-    work = {sid: costs.local(sid) for sid in ids}
-    order = sorted(ids, key=lambda i: (-work[i], i))
-    heap = [(0.0, 0, rank) for rank in range(dp_size)]  # (work, count, rank)
+    work = costs.local_table
+    # Descending work; the sort is stable, so equal work keeps ascending ids.
+    order = sorted(sorted(ids), key=work.__getitem__, reverse=True)
+    heap = [(0.0, rank) for rank in range(dp_size)]  # (work so far, rank): ties -> lowest rank
     bins: list[list[int]] = [[] for _ in range(dp_size)]
     for sid in order:
-        load, count, rank = heap[0]
+        load, rank = heap[0]
         bins[rank].append(sid)
-        heapq.heapreplace(heap, (load + work[sid], count + 1, rank))
+        heapq.heapreplace(heap, (load + work[sid], rank))
     return bins
 
 
