@@ -181,3 +181,14 @@ def test_bad_arguments_raise_with_the_fix(kwargs: dict, error: type, match: str)
     lengths = args.pop("lengths")
     with pytest.raises(error, match=match):
         plan_global_batch(lengths, **args)
+
+
+@settings(max_examples=30, deadline=None)
+@given(batch=batches())
+def test_sorted_gives_each_dp_rank_a_run_of_neighbours(batch) -> None:
+    lengths, dp, cp, c = batch
+    plan = plan_global_batch(lengths, dp_size=dp, cp_size=cp, bucket_size=c, policy="sorted")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    runs = [[sid for mb in mbs for sid in mb.sequence_ids] for mbs in plan.micro_batches]
+    assert [sid for run in runs for sid in run] == order
+    assert max(map(len, runs)) - min(map(len, runs)) <= 1

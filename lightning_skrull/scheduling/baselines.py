@@ -5,10 +5,11 @@
   that order up to the per-rank token budget. DeepSpeed-style static CP with packing.
 * ``static_unpacked`` (not a planner policy; used by the benchmark): the same with one sequence
   per micro-batch, the paper's DeepSpeed baseline as we read it.
-* ``sorted``: LongAlign sorted batching. The global batch is sorted by length, neighbours are
-  packed into micro-batches up to the budget (all distributed), and micro-batch ``i`` goes to DP
-  rank ``i % dp``. LongAlign shuffles the batches; inside one global batch their order does not
-  change the time, so the planner deals them deterministically instead.
+* ``sorted``: LongAlign sorted batching. The global batch is sorted by length and cut into
+  ``dp`` runs of neighbours (as equal in count as possible, the first runs one longer), DP rank
+  ``d`` takes run ``d`` and packs it into micro-batches up to the budget (all distributed).
+  LongAlign shuffles its batches; inside one global batch that order does not change the time,
+  so the planner deals them deterministically.
 * ``round_robin``: the paper's Algorithm 4 on data-order micro-batches: shortest first, each
   sequence local on the rank with most free tokens, else distributed, else the corrected
   roll-back.
@@ -70,11 +71,15 @@ def plan_static_unpacked(lengths: Sequence[int], dp_size: int) -> list[list[Micr
 def plan_sorted(
     lengths: Sequence[int], dp_size: int, cp_size: int, bucket_size: int
 ) -> list[list[MicroBatchPlan]]:
-    """LongAlign sorted batching: sort, pack neighbours, deal micro-batches over DP ranks."""
+    """LongAlign sorted batching: sort, give each DP rank a run of neighbours, pack them."""
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    ranks: list[list[MicroBatchPlan]] = [[] for _ in range(dp_size)]
-    for i, mb in enumerate(pack_distributed(order, lengths, cp_size, bucket_size)):
-        ranks[i % dp_size].append(mb)
+    base, extra = divmod(len(order), dp_size)
+    ranks: list[list[MicroBatchPlan]] = []
+    start = 0
+    for rank in range(dp_size):
+        stop = start + base + (1 if rank < extra else 0)
+        ranks.append(pack_distributed(order[start:stop], lengths, cp_size, bucket_size))
+        start = stop
     return ranks
 
 

@@ -320,6 +320,8 @@ def _greedy(
                 state.put_distributed(sid)  # local ranks unchanged: only comm moves
                 comm = costs.comm(state.dist_tokens)
                 times = None
+                if max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at:
+                    return False
                 break
             if not state.roll_back():
                 return False
