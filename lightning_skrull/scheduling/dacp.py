@@ -9,14 +9,16 @@ communication), and moved between ranks when that lowers the slowest rank.
 Steps, for a micro-batch of sequences and a CP group of ``N`` ranks with ``C`` tokens each:
 
 1. Sequences longer than ``C`` must be distributed.
-2. Longest first, a sequence whose local work exceeds the mean work per rank is distributed
-   when the estimate says the micro-batch gets faster.
-3. The others are placed longest first on the CP rank with the lowest estimated time that has
-   room (LPT). A sequence that fits nowhere is distributed if every rank has room for its
-   shard, else a local sequence is rolled back to distributed and the placement retried.
-4. Local search on the slowest rank: move one of its sequences to another rank, distribute one,
-   or bring a distributed sequence back to a rank, whichever lowers the estimated micro-batch
-   time most; repeat until nothing helps.
+2. Longest first, each sequence goes whole to the least-loaded rank with room, or is
+   distributed, whichever gives the lower look-ahead estimate of the finished micro-batch
+   (slowest rank so far vs. mean rank time once everything left is placed). A sequence that
+   fits no rank whole is distributed if every rank has room for its shard, else a local
+   sequence is rolled back to distributed and the sequence retried.
+3. Local search on the slowest rank: move one of its sequences to another rank, distribute
+   one, or bring a distributed sequence back whole, whichever lowers the estimated time most;
+   repeat until nothing helps.
+4. The same with the paper's rule in step 2 (shard only when memory forces it), kept if
+   faster; skipped or abandoned when it cannot win (see :func:`place_micro_batch`).
 
 The roll-back is the corrected one: turning local sequence ``k`` on rank ``t`` into a
 distributed one frees ``S_k - ceil(S_k/N)`` tokens on ``t`` and costs every other rank

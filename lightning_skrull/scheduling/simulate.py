@@ -111,8 +111,8 @@ def lower_bound(
     is a small linear programme solved exactly (greedy, fractional-knapsack style): a sequence
     is distributed when that saves compute, and it may use only as much communication as the
     local attention left in the batch can hide. Sequences longer than ``bucket_size`` are
-    always distributed. Communication latency and tile waste of local placement's imbalance
-    are not charged; the micro-batch count is the fewest the token budget allows
+    always distributed. Communication latency is not charged, nor the imbalance that whole
+    sequences leave between CP ranks; the micro-batch count is the fewest the token budget allows
     (``ceil(sum of tokens / (cp_size * bucket_size))`` over all DP ranks), each paying the
     fixed overhead. Everything is divided evenly over the ``dp_size`` DP ranks.
 
