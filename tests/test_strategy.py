@@ -21,6 +21,7 @@ from test_strategy_multiprocess import (
     PlainLM,
     make_data,
     max_diff,
+    reference_loss,
     reference_training,
 )
 
@@ -236,7 +237,8 @@ def test_world_of_one_fit_equals_single_process(
     model = module_cls()
     # one rank holds whole sequences (up to 69 tokens); 80 tokens make 4-5 micro-batches a step
     trainer = _trainer(SkrullStrategy(bucket_size=80), max_steps=steps)
-    trainer.fit(model, _data())
+    data = _data(test_data=make_data(5, seed=2))
+    trainer.fit(model, data)
     ref, losses = reference_training(steps)
     params = {k: v.detach().numpy() for k, v in model.model.state_dict().items()}
     assert max_diff(params, ref) < PARAM_ATOL  # see PARAM_ATOL: float32 summation order
@@ -244,3 +246,6 @@ def test_world_of_one_fit_equals_single_process(
     # several micro-batches per step, so the gradient stash across zero_grad was exercised
     assert trainer.callback_metrics["skrull/micro_batches_max"] >= 2
     assert trainer.callback_metrics["tokens_per_s"] > 0
+    # trainer.test runs the test_step per micro-batch; test_loss is the token mean of the set
+    test_loss = trainer.test(model, data, verbose=False)[0]["test_loss"]
+    assert test_loss == pytest.approx(reference_loss(params, make_data(5, seed=2)), rel=1e-5)

@@ -79,6 +79,9 @@ class PlainLM(L.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.model(**batch).loss
 
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
@@ -166,6 +169,9 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     model, _, recorder = _fit(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), 3)
     out["zero2"] = _params(model)
     out["zero2_runs"] = [s["run"] for s in recorder.steps]
+    # a standalone validate on ZeRO-2 (DeepSpeed's inference engine) gives the same loss
+    zero2_val = _trainer(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET))
+    out["zero2_val_loss"] = zero2_val.validate(evaluator, val)[0]["val_loss"]
 
     # bf16-mixed: the autocast context covers every micro-batch
     model, trainer, _ = _fit(
@@ -261,13 +267,13 @@ def reference_training(
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}, losses
 
 
-def reference_validation(params: dict[str, np.ndarray]) -> float:
-    """Mean token loss of the validation samples under ``params``."""
+def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[int]]]) -> float:
+    """Mean token loss of ``samples`` under ``params``, one process."""
     model = _reference_model()
     model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
     total, tokens = 0.0, 0
     with torch.no_grad():
-        for sample in make_data(11, seed=1):
+        for sample in samples:
             loss, n = _token_loss_sum(model, sample)
             total, tokens = total + float(loss), tokens + n
     return total / tokens
@@ -317,11 +323,12 @@ def test_zero2_dp2_cp2_equals_single_process(four_ranks: list[dict[str, Any]]) -
 def test_validation_loss_and_perplexity_equal_single_process(
     four_ranks: list[dict[str, Any]],
 ) -> None:
-    expected = reference_validation(four_ranks[0]["ddp"])
+    expected = reference_loss(four_ranks[0]["ddp"], make_data(11, seed=1))
     for out in four_ranks:
         # float32 sums over 11 samples in another order: 1e-5 relative
         assert out["val_loss"] == pytest.approx(expected, rel=1e-5)
         assert out["val_ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
+        assert out["zero2_val_loss"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.multiprocess

@@ -402,6 +402,8 @@ class SkrullDataModule(pl.LightningDataModule):
         val_global_batch_size: sequences per validation step (default ``global_batch_size``).
         val_split: hold out this many training samples (seeded by ``seed``) for validation,
             instead of ``val_data``.
+        test_data: samples for ``trainer.test``, any form ``train_data`` takes (batched like
+            validation).
         drop_last: drop the last partial global batch of each training epoch.
         num_workers: DataLoader workers per rank building batches ahead.
         tokenizer: HF tokenizer (or its name / path) for chat samples; its chat template is
@@ -423,6 +425,7 @@ class SkrullDataModule(pl.LightningDataModule):
         val_data: SFTData = None,
         val_global_batch_size: int | None = None,
         val_split: int = 0,
+        test_data: SFTData = None,
         drop_last: bool = False,
         num_workers: int = 0,
         tokenizer: Any = None,
@@ -446,11 +449,13 @@ class SkrullDataModule(pl.LightningDataModule):
         )
         self.train_data = train_data
         self.val_data = val_data
+        self.test_data = test_data
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.truncate = truncate
         self.train_dataset: SFTDataset | SampleView | None = None
         self.val_dataset: SFTDataset | SampleView | None = None
+        self.test_dataset: SFTDataset | None = None
         self._bucket_size: int | None = None
 
     # ------------------------------------------------------------------ Lightning hooks
@@ -471,6 +476,8 @@ class SkrullDataModule(pl.LightningDataModule):
                 self.train_dataset = dataset
         if self.val_data is not None and self.val_dataset is None:
             self.val_dataset = _load(self.val_data, self.tokenizer, self.chat_template_kwargs)
+        if self.test_data is not None and self.test_dataset is None:
+            self.test_dataset = _load(self.test_data, self.tokenizer, self.chat_template_kwargs)
 
     def train_dataloader(self) -> SkrullDataLoader:
         """This rank's loader of training global batches."""
@@ -494,6 +501,15 @@ class SkrullDataModule(pl.LightningDataModule):
         )
         return self._loader(self.val_dataset, sampler, "val_dataloader")
 
+    def test_dataloader(self) -> SkrullDataLoader | list[Any]:
+        """This rank's loader of test global batches (dataset order, every sample once)."""
+        if self.test_dataset is None:
+            return []
+        sampler = GlobalBatchSampler(
+            len(self.test_dataset), self.config.validation_batch_size, shuffle=False
+        )
+        return self._loader(self.test_dataset, sampler, "test_dataloader")
+
     # ------------------------------------------------------------------ internals
     def _strategy(self, hook: str) -> SkrullStrategyMixin:
         from lightning_skrull.strategy import SkrullStrategyMixin
@@ -516,7 +532,9 @@ class SkrullDataModule(pl.LightningDataModule):
     def _resolve_bucket_size(self, strategy: SkrullStrategyMixin) -> int:
         if self._bucket_size is None:
             longest = max(
-                max(d.lengths) for d in (self.train_dataset, self.val_dataset) if d is not None
+                max(d.lengths)
+                for d in (self.train_dataset, self.val_dataset, self.test_dataset)
+                if d is not None
             )
             self._bucket_size = strategy.skrull_config.resolve_bucket_size(longest)
         return self._bucket_size
