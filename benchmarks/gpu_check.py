@@ -1,0 +1,481 @@
+"""GPU check: backends agree, step throughput under skrull and static, memory against the budget.
+
+Run through ``benchmarks/gpu_check.sh`` on one NVIDIA GPU (only PyTorch and this package
+needed; flash-attn is used when installed). Three checks, one summary block, one JSON file:
+
+1. **Backends agree.** The ``flash`` and ``sdpa`` backends give the same attention output and
+   input gradients on the same packed layout (local sequences and sequences on the distributed
+   path, bf16), and the Skrull model loss with each backend equals the plain Hugging Face model
+   run one sequence at a time. Without flash-attn only the second part runs.
+2. **Throughput.** Training steps (forward, backward, AdamW) of a Qwen2.5-0.5B-shaped model with
+   random bf16 weights at CP=1, the same global batches under ``skrull`` and ``static``,
+   interleaved; median step time and tokens/s per policy, for a Wikipedia-like and a
+   ChatQA2-like global batch (the paper's length shares, lengths cut to the bucket).
+3. **Memory.** Peak CUDA memory of one-sequence steps at three token counts is fitted with
+   :func:`lightning_skrull.memory.fit_memory_model`; the fit's prediction for the largest
+   micro-batch of the throughput steps is compared with their measured peak, and
+   :func:`lightning_skrull.memory.choose_bucket_size` gives the bucket this GPU would hold.
+
+``--device cpu --tiny`` runs every code path with a tiny model on CPU in seconds (the memory
+check needs CUDA and reports ``n/a``); the test suite runs it that way. A deadline
+(``--budget-s``) stops the throughput loop early rather than overrunning; what ran is reported.
+
+Usage::
+
+    bash benchmarks/gpu_check.sh                      # JSON to $OUT/gpu_check.json or benchmarks/out/
+    python benchmarks/gpu_check.py --device cpu --tiny --json /tmp/gpu_check.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+QWEN2_5_0_5B: dict[str, Any] = {
+    "vocab_size": 151_936,
+    "hidden_size": 896,
+    "intermediate_size": 4864,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 14,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "max_position_embeddings": 32_768,
+    "rope_theta": 1_000_000.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "use_cache": False,
+}
+"""Qwen2.5-0.5B's shape (random weights; nothing is downloaded)."""
+
+TINY: dict[str, Any] = {
+    **QWEN2_5_0_5B,
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "max_position_embeddings": 1024,
+}
+"""A model for running every code path on CPU in seconds."""
+
+# Cumulative shares of sequences under 1K / 4K / 8K / 32K / 128K tokens (the paper's Table 1).
+SHARES = {
+    "Wikipedia": (0.879, 0.993, 0.999, 0.9999, 1.0),
+    "ChatQA2-Long-SFT": (0.219, 0.315, 0.404, 0.999, 1.0),
+}
+EDGES = (1_024, 4_096, 8_192, 32_768, 131_072)
+POLICIES = ("skrull", "static")
+
+# bf16 keeps 8 mantissa bits: two correct kernels that sum in different orders differ by a few
+# bf16 ulps of values of order 1 (measured up to ~1e-2 on attention outputs of flash-attn vs
+# PyTorch's kernels). The loss is a mean over thousands of tokens, so it agrees more closely.
+BF16_ATOL = 3e-2
+BF16_LOSS_RTOL = 1e-2
+# float32 (the CPU run): the packed computation sums the same terms in another order.
+FP32_LOSS_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Sizes of one run."""
+
+    model: dict[str, Any]
+    dtype: torch.dtype
+    bucket_size: int
+    batch_sizes: dict[str, int]
+    steps: int
+    scale: int  # lengths of the paper's table are divided by this
+
+
+def settings(tiny: bool, device: torch.device, bucket: int | None, steps: int) -> Settings:
+    """Sizes for the device: the paper's bucket (26K for 0.5B on 80 GB) scaled to its memory."""
+    if tiny:
+        return Settings(TINY, torch.float32, bucket or 256, {"Wikipedia": 8, "ChatQA2-Long-SFT": 4},
+                        min(steps, 2), 128)  # fmt: skip
+    if bucket is None:
+        total = (
+            torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 0
+        )
+        bucket = max(2048, min(26_000, int(26_000 * total / 80e9)) // 128 * 128)
+    return Settings(QWEN2_5_0_5B, torch.bfloat16, bucket, {"Wikipedia": 64, "ChatQA2-Long-SFT": 8},
+                    steps, 1)  # fmt: skip
+
+
+def sample_lengths(name: str, n: int, cap: int, scale: int, rng: random.Random) -> list[int]:
+    """``n`` lengths with the paper's shares (log-uniform inside a band), divided by ``scale``
+    and cut to ``cap``."""
+    shares = SHARES[name]
+    bands = []
+    low = 64
+    for i, edge in enumerate(EDGES):
+        share = shares[i] - (shares[i - 1] if i else 0.0)
+        bands.append((low, edge, share))
+        low = edge
+    out = []
+    for _ in range(n):
+        u = rng.random()
+        for lo, hi, share in bands:
+            if u < share or (lo, hi, share) == bands[-1]:
+                break
+            u -= share
+        length = int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) // scale
+        out.append(max(2, min(length, cap)))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _model(config: dict[str, Any], dtype: torch.dtype, device: torch.device, attn: str) -> Any:
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    cfg = Qwen2Config(**config, attn_implementation=attn)
+    return Qwen2ForCausalLM(cfg).to(device=device, dtype=dtype)
+
+
+# --------------------------------------------------------------------------- 1. backends
+def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
+    """Flash vs SDPA on the same layout, and the Skrull model loss vs plain HF."""
+    from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
+    from lightning_skrull.attention.flash import flash_attn_available
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.engine import micro_batch_context
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+
+    rng = random.Random(0)
+    lengths = [rng.randint(2, s.bucket_size // 4) for _ in range(6)]
+    # Half local, half on the distributed path (at CP=1 a distributed sequence runs as its two
+    # zigzag chunks, the second against the gathered prefix: the code path CP>1 uses).
+    placement = tuple(0 if i % 2 else DISTRIBUTED for i in range(len(lengths)))
+    mb = MicroBatchPlan(tuple(range(len(lengths))), placement)
+    plan = GlobalBatchPlan(
+        ((mb,),), dp_size=1, cp_size=1, bucket_size=sum(lengths), policy="skrull"
+    )
+    out: dict[str, Any] = {"lengths": lengths, "flash_available": flash_attn_available()}
+    flash = device.type == "cuda" and out["flash_available"]
+    if flash:
+        from lightning_skrull.attention.flash import flash_attention
+        from lightning_skrull.attention.sdpa import sdpa_attention
+
+        layout = build_rank_layout(mb.sequence_ids, mb.placement, lengths, cp_rank=0, cp_size=1)
+        heads, kv_heads = s.model["num_attention_heads"], s.model["num_key_value_heads"]
+        dim = s.model["head_dim"]
+        g = torch.Generator(device=device).manual_seed(0)
+        t = layout.num_tokens
+
+        def rand(h: int) -> torch.Tensor:
+            x = torch.randn((t, h, dim), generator=g, device=device, dtype=torch.bfloat16)
+            return x.requires_grad_()
+
+        q, k, v = rand(heads), rand(kv_heads), rand(kv_heads)
+        results = {}
+        for name, fn in (("flash", flash_attention), ("sdpa", sdpa_attention)):
+            ctx = SkrullAttentionContext.build(layout, group=None, backend=name, device=device)
+            o = fn(q, k, v, ctx)
+            grads = torch.autograd.grad(o.float().square().sum(), (q, k, v))
+            results[name] = (o.detach(), grads)
+        diff = (results["flash"][0].float() - results["sdpa"][0].float()).abs().max().item()
+        gdiff = max(
+            ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+            for a, b in zip(results["flash"][1], results["sdpa"][1])
+        )
+        out["flash_vs_sdpa_max_abs_diff"] = diff
+        out["flash_vs_sdpa_max_rel_grad_diff"] = gdiff
+        out["flash_vs_sdpa_ok"] = diff <= BF16_ATOL and gdiff <= BF16_ATOL
+    else:
+        out["flash_vs_sdpa_ok"] = None
+        out["flash_vs_sdpa_skipped"] = (
+            "flash-attn is not installed" if device.type == "cuda" else "flash-attn needs CUDA"
+        )
+    # The Skrull model (each backend) against the plain HF model, one sequence at a time.
+    g = torch.Generator().manual_seed(1)
+    vocab = s.model["vocab_size"]
+    samples = [{"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in lengths]
+    plain = _model(s.model, s.dtype, device, "sdpa")
+    with torch.no_grad():
+        total = sum(
+            plain(input_ids=ids, labels=ids).loss.float() * (ids.shape[1] - 1)
+            for ids in (torch.tensor(x["input_ids"], device=device)[None] for x in samples)
+        )
+    reference = float(total) / sum(n - 1 for n in lengths)
+    batch = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1).to(device)
+    rtol = BF16_LOSS_RTOL if s.dtype == torch.bfloat16 else FP32_LOSS_RTOL
+    out["reference_loss"] = reference
+    for backend in ("sdpa", "flash") if flash else ("sdpa",):
+        model = prepare_model(_model(s.model, s.dtype, device, "sdpa"), backend=backend)
+        with torch.no_grad(), micro_batch_context(batch.micro_batches[0], None, backend):
+            loss = float(model(**batch.micro_batches[0].inputs).loss)
+        out[f"{backend}_loss"] = loss
+        out[f"{backend}_loss_ok"] = abs(loss - reference) <= rtol * abs(reference)
+    return out
+
+
+# --------------------------------------------------------------------------- 2. throughput
+def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """Median step time and tokens/s of ``skrull`` and ``static`` at CP=1, interleaved."""
+    from lightning_skrull.data.collate import tokens_per_cp_rank
+    from lightning_skrull.distributed import ParallelLayout
+    from lightning_skrull.engine import train_step
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.scheduling import CostModel
+
+    layout = ParallelLayout(rank=0, world_size=1, dp_size=1, cp_size=1, dp_rank=0, cp_rank=0)
+    model = prepare_model(_model(s.model, s.dtype, device, "sdpa"), backend="auto")
+    cost_model = CostModel.from_hf_config(model.config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    rng = random.Random(0)
+    vocab = s.model["vocab_size"]
+    from lightning_skrull.attention import resolve_backend
+
+    out: dict[str, Any] = {
+        "bucket_size": s.bucket_size,
+        "attention_backend": resolve_backend("auto", device),
+        "datasets": {},
+    }
+    peak = 0
+    peak_tokens = 0
+    for name, size in s.batch_sizes.items():
+        batches = []
+        for _ in range(1 + s.steps):  # the first is a warm-up
+            lengths = sample_lengths(name, size, s.bucket_size, s.scale, rng)
+            batches.append(
+                [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
+            )
+        times: dict[str, list[float]] = {p: [] for p in POLICIES}
+        tokens: dict[str, list[int]] = {p: [] for p in POLICIES}
+        skipped = 0
+        for k, samples in enumerate(batches):
+            for policy in POLICIES if k % 2 == 0 else POLICIES[::-1]:
+                if time.monotonic() > deadline:
+                    skipped += 1
+                    continue
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats(device)
+                _sync(device)
+                t = time.perf_counter()
+                result = train_step(
+                    model,
+                    optimizer,
+                    samples,
+                    layout=layout,
+                    bucket_size=s.bucket_size,
+                    policy=policy,
+                    cost_model=cost_model,
+                    verify_plan=False,
+                )
+                _sync(device)
+                elapsed = time.perf_counter() - t
+                lengths = [len(x["input_ids"]) for x in samples]
+                most = max(
+                    tokens_per_cp_rank(mb, lengths, 1)[0] for mb in result.plan.micro_batches[0]
+                )
+                if device.type == "cuda" and k > 0:
+                    step_peak = torch.cuda.max_memory_allocated(device)
+                    if step_peak > peak:
+                        peak, peak_tokens = step_peak, most
+                if k > 0:
+                    times[policy].append(elapsed)
+                    tokens[policy].append(sum(lengths))
+        cell: dict[str, Any] = {"global_batch": size, "skipped_steps": skipped}
+        for policy in POLICIES:
+            if times[policy]:
+                rates = [n / t for n, t in zip(tokens[policy], times[policy])]
+                cell[policy] = {
+                    "steps": len(times[policy]),
+                    "median_step_s": statistics.median(times[policy]),
+                    "median_tokens_per_s": statistics.median(rates),
+                    "tokens_per_step": statistics.median(tokens[policy]),
+                }
+        if all(p in cell for p in POLICIES):
+            cell["skrull_speedup"] = (
+                cell["static"]["median_step_s"] / cell["skrull"]["median_step_s"]
+            )
+        out["datasets"][name] = cell
+    out["peak_bytes"] = peak or None
+    out["peak_micro_batch_tokens"] = peak_tokens or None
+    del model, optimizer
+    return out
+
+
+# --------------------------------------------------------------------------- 3. memory
+def check_memory(s: Settings, device: torch.device, throughput: dict[str, Any]) -> dict[str, Any]:
+    """Fit peak memory against tokens and compare with the throughput steps' peak."""
+    from lightning_skrull.distributed import ParallelLayout
+    from lightning_skrull.engine import train_step
+    from lightning_skrull.memory import choose_bucket_size, fit_memory_model, probe_peak_memory
+    from lightning_skrull.models import prepare_model
+
+    if device.type != "cuda":
+        return {"skipped": "peak memory is measured on CUDA only"}
+    layout = ParallelLayout(rank=0, world_size=1, dp_size=1, cp_size=1, dp_rank=0, cp_rank=0)
+    model = prepare_model(_model(s.model, s.dtype, device, "sdpa"), backend="auto")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vocab = s.model["vocab_size"]
+
+    def run(tokens: int) -> None:
+        sample = {"input_ids": torch.randint(0, vocab, (tokens,)).tolist()}
+        train_step(model, optimizer, [sample], layout=layout, bucket_size=s.bucket_size)
+
+    run(s.bucket_size // 8)  # optimizer state exists from here on, as in the measured steps
+    probes = [s.bucket_size // 4, s.bucket_size // 2, 3 * s.bucket_size // 4]
+    peaks = probe_peak_memory(run, probes, device=device)
+    fit = fit_memory_model(probes, peaks)
+    capacity = torch.cuda.get_device_properties(device).total_memory
+    out: dict[str, Any] = {
+        "probe_tokens": probes,
+        "probe_peak_bytes": peaks,
+        "alpha_bytes_per_token": fit.alpha,
+        "beta_bytes": fit.beta,
+        "fit_max_relative_error": fit.max_relative_error,
+        "predicted_at_bucket_bytes": fit.predict(s.bucket_size),
+        "device_bytes": capacity,
+    }
+    try:
+        out["largest_bucket_for_device"] = choose_bucket_size(fit, capacity)
+    except ValueError as err:
+        out["largest_bucket_for_device"] = None
+        out["bucket_error"] = str(err)
+    measured, tokens = throughput.get("peak_bytes"), throughput.get("peak_micro_batch_tokens")
+    if measured and tokens:
+        predicted = fit.predict(tokens)
+        out["throughput_peak_bytes"] = measured
+        out["throughput_peak_tokens"] = tokens
+        out["predicted_for_those_tokens_bytes"] = predicted
+        out["prediction_error"] = (predicted - measured) / measured
+    return out
+
+
+# --------------------------------------------------------------------------- report
+def summary(report: dict[str, Any]) -> str:
+    """The human-readable block printed at the end."""
+    gib = 2**30
+    b = report["backends"]
+    lines = ["===== lightning-skrull GPU check =====", f"device: {report['device_name']}"]
+    if b["flash_vs_sdpa_ok"] is None:
+        lines.append(f"flash vs sdpa: skipped ({b['flash_vs_sdpa_skipped']})")
+    else:
+        lines.append(
+            f"flash vs sdpa: {'OK' if b['flash_vs_sdpa_ok'] else 'MISMATCH'} (max |out diff| "
+            f"{b['flash_vs_sdpa_max_abs_diff']:.2e}, max rel grad diff "
+            f"{b['flash_vs_sdpa_max_rel_grad_diff']:.2e}, tolerance {BF16_ATOL})"
+        )
+    for backend in ("sdpa", "flash"):
+        if f"{backend}_loss" in b:
+            ok = "OK" if b[f"{backend}_loss_ok"] else "MISMATCH"
+            lines.append(
+                f"skrull loss ({backend}) vs plain HF: {ok} ({b[f'{backend}_loss']:.6f} vs "
+                f"{b['reference_loss']:.6f})"
+            )
+    t = report["throughput"]
+    lines.append(
+        f"throughput at CP=1, bucket {t['bucket_size']} tokens, {t['attention_backend']} attention:"
+    )
+    for name, cell in t["datasets"].items():
+        parts = []
+        for p in POLICIES:
+            if p in cell:
+                c = cell[p]
+                parts.append(
+                    f"{p} {c['median_step_s']:.3f} s/step {c['median_tokens_per_s']:,.0f} tok/s"
+                )
+        speed = f", skrull {cell['skrull_speedup']:.2f}x" if "skrull_speedup" in cell else ""
+        skipped = (
+            f" ({cell['skipped_steps']} steps skipped: deadline)" if cell["skipped_steps"] else ""
+        )
+        lines.append(
+            f"  {name} ({cell['global_batch']} seq): " + "; ".join(parts) + speed + skipped
+        )
+    m = report["memory"]
+    if "skipped" in m:
+        lines.append(f"memory: skipped ({m['skipped']})")
+    else:
+        lines.append(
+            f"memory: {m['alpha_bytes_per_token'] / 2**20:.3f} MiB/token + "
+            f"{m['beta_bytes'] / gib:.2f} GiB (fit error {m['fit_max_relative_error']:.1%}); "
+            f"predicted at bucket {m['predicted_at_bucket_bytes'] / gib:.2f} GiB of "
+            f"{m['device_bytes'] / gib:.0f} GiB; largest bucket for this device "
+            f"{m['largest_bucket_for_device']}"
+        )
+        if "prediction_error" in m:
+            lines.append(
+                f"  throughput steps: peak {m['throughput_peak_bytes'] / gib:.2f} GiB at "
+                f"{m['throughput_peak_tokens']} tokens/micro-batch, predicted "
+                f"{m['predicted_for_those_tokens_bytes'] / gib:.2f} GiB "
+                f"({m['prediction_error']:+.1%})"
+            )
+    lines.append(f"passed: {report['passed']}  ({report['wall_s']:.0f} s)")
+    lines.append("=" * 38)
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """All checks; returns the report (also written as JSON)."""
+    start = time.monotonic()
+    device = torch.device(args.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device: run on a GPU, or pass --device cpu --tiny")
+    s = settings(args.tiny, device, args.bucket, args.steps)
+    report: dict[str, Any] = {
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "tiny": args.tiny,
+        "model": {k: v for k, v in s.model.items() if isinstance(v, (int, float, bool))},
+        "dtype": str(s.dtype),
+    }
+    report["backends"] = check_backends(s, device)
+    report["throughput"] = check_throughput(s, device, start + args.budget_s)
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    report["memory"] = check_memory(s, device, report["throughput"])
+    b = report["backends"]
+    report["passed"] = bool(
+        b["flash_vs_sdpa_ok"] is not False
+        and all(v for k, v in b.items() if k.endswith("_loss_ok"))
+        and all(p in c for c in report["throughput"]["datasets"].values() for p in POLICIES)
+    )
+    report["wall_s"] = time.monotonic() - start
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run, print the summary, write the JSON; exit 1 if a check failed."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:1, or cpu")
+    parser.add_argument("--tiny", action="store_true", help="tiny model and sizes (CPU test)")
+    parser.add_argument("--bucket", type=int, default=None, help="tokens per micro-batch")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps per policy and set")
+    parser.add_argument("--budget-s", type=float, default=360.0, help="stop measuring after this")
+    default_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
+    parser.add_argument("--json", type=Path, default=default_dir / "gpu_check.json")
+    args = parser.parse_args(argv)
+    report = run(args)
+    print(summary(report), flush=True)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1, default=str))
+    print(f"wrote {args.json}")
+    return 0 if report["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

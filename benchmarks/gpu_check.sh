@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# GPU check of lightning-skrull on one NVIDIA GPU, in under 8 minutes.
+#
+# Needs only PyTorch (a CUDA build) and this package installed (`pip install -e .`); flash-attn
+# is used when it is installed. Checks that the flash and SDPA attention backends agree, measures
+# tokens/s of a Qwen2.5-0.5B-shaped random model under the skrull and static policies at CP=1,
+# and compares peak CUDA memory with the fitted per-token memory model. Prints one summary block
+# and writes JSON to $OUT/gpu_check.json (or benchmarks/out/gpu_check.json, or --json PATH).
+#
+#   bash benchmarks/gpu_check.sh                     # on a GPU machine
+#   bash benchmarks/gpu_check.sh --json /tmp/g.json  # other arguments go to gpu_check.py
+#   bash benchmarks/gpu_check.sh --device cpu --tiny # every code path on CPU, in seconds
+#
+# Exit status: 0 all checks passed, 1 a check failed, 2 no CUDA device, 124 time limit hit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+device=cuda
+prev_arg=""
+for arg in "$@"; do
+    case "$prev_arg${arg}" in
+        --devicecpu | --device=cpu) device=cpu ;;
+    esac
+    prev_arg="$arg"
+done
+
+if [ "$device" != cpu ]; then
+    if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+        echo "gpu_check: no CUDA device visible to torch; run on a GPU machine" \
+            "(or pass --device cpu --tiny to try the code paths on CPU)" >&2
+        exit 2
+    fi
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
+fi
+python -c "from importlib.metadata import version as v; print('torch', v('torch'), '| lightning-skrull', v('lightning-skrull'))"
+
+# The Python side stops measuring at --budget-s (360 s by default) and reports what ran; the
+# outer limit only catches a hang.
+exec timeout 470 python benchmarks/gpu_check.py "$@"
