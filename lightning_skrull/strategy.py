@@ -10,8 +10,8 @@ CPU, NCCL on GPU, launched the way Lightning launches DDP) plus:
 - a ``training_step`` that takes this rank's :class:`~lightning_skrull.data.collate.RankBatch`
   (from :class:`~lightning_skrull.data.datamodule.SkrullDataModule`) and runs the
   LightningModule's own ``training_step`` once per micro-batch inside that micro-batch's attention
-  context. Micro-batches ``1..n-1`` run forward and backward right there under DDP ``no_sync``;
-  the last one's loss goes back to Lightning, whose backward syncs the gradients once. DP ranks
+  context. All micro-batches but the last run forward and backward right there under DDP
+  ``no_sync``; the last one's loss goes back to Lightning, whose backward syncs the gradients once. DP ranks
   may have different micro-batch counts: only the last backward communicates.
 
 :class:`SkrullZero2Strategy` (``"skrull_zero2"``, in :mod:`lightning_skrull.zero`) does the same
@@ -435,16 +435,14 @@ class SkrullStrategyMixin:
 
         ``share`` is this rank's sum of micro-batch losses, i.e. its token-loss sum over
         ``T / W``; its mean over the ``W`` ranks is the global token mean. Logged with
-        ``batch_size = T / W``, Lightning's epoch-level weighted mean over batches and ranks is
-        the token mean over the whole epoch.
+        ``batch_size = T``, Lightning's epoch-level weighted mean over batches and ranks is the
+        token mean over the whole epoch.
         """
         if not self._skrull_config.log_stats:
             return
         module = self.lightning_module  # type: ignore[attr-defined]
         if module is None or module._trainer is None:
             return
-        world = rank_batch.world_size
-        tokens_share = max(rank_batch.num_supervised_tokens, 1) / world
         on_step = stage == "train"
         module.log(
             LOSS_KEYS[stage],
@@ -453,7 +451,7 @@ class SkrullStrategyMixin:
             on_epoch=not on_step,
             prog_bar=True,
             sync_dist=True,
-            batch_size=tokens_share,  # type: ignore[arg-type]
+            batch_size=max(rank_batch.num_supervised_tokens, 1),
         )
         if stage != "train" or stats is None:
             return
