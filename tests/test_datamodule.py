@@ -3,6 +3,8 @@ the ranks (planning and collating are pure, so no process group is needed)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as L
 import pytest
 import torch
@@ -235,3 +237,17 @@ def test_no_validation_without_val_data() -> None:
     dm = SkrullDataModule(train_data=make_samples(), global_batch_size=4)
     dm.setup("fit")
     assert dm.val_dataloader() == []
+
+
+def test_chat_samples_with_a_tokenizer_path(tmp_path: Path) -> None:
+    from test_data_chat import CONVERSATION, PLAIN_TEMPLATE, make_tokenizer
+
+    tokenizer = make_tokenizer(PLAIN_TEMPLATE)
+    tokenizer.save_pretrained(tmp_path)
+    chats = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:4]}]
+    dm = SkrullDataModule(train_data=chats, global_batch_size=2, tokenizer=str(tmp_path))
+    dm.setup("fit")
+    expected = load_sft_data(chats, tokenizer=tokenizer)  # the tokenizer object itself
+    assert dm.train_dataset is not None
+    assert [dm.train_dataset[i] for i in range(2)] == [expected[i] for i in range(2)]
+    assert any(label == -100 for label in dm.train_dataset[0]["labels"])  # prompts masked
