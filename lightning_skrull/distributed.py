@@ -68,11 +68,18 @@ def check_world(world_size: int, cp_size: int) -> None:
     """Check that a world of ``world_size`` ranks splits into CP groups of ``cp_size``.
 
     Raises:
-        ValueError: ``cp_size < 1`` or ``world_size % cp_size != 0``, with the sizes that would
-            work.
+        ValueError: ``cp_size < 1``, ``cp_size > world_size`` or ``world_size % cp_size != 0``,
+            with the sizes that would work.
     """
     if not isinstance(cp_size, int) or isinstance(cp_size, bool) or cp_size < 1:
         raise ValueError(f"cp_size must be an integer >= 1, got {cp_size!r}.")
+    if cp_size > world_size:
+        raise ValueError(
+            f"the world has {world_size} rank(s), which is not a multiple of cp_size {cp_size}: "
+            f"cp_size is larger than the world, and one CP group needs cp_size processes. Start "
+            f"at least {cp_size} processes (Trainer devices * num_nodes) or pick cp_size from "
+            f"{[d for d in range(1, world_size + 1) if world_size % d == 0]}."
+        )
     if world_size % cp_size != 0:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(
