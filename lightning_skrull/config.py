@@ -9,13 +9,16 @@ construct them directly; they document the knobs in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     from lightning_skrull.scheduling.cost_model import CostModel
 
 POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
 """Scheduling policies the planner knows (see ``scheduling.plan_global_batch``)."""
+
+AUTO_BUCKET = "auto"
+"""``bucket_size="auto"``: measure the budget from peak memory at setup (CUDA only)."""
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 """Attention kernels: ``"auto"`` picks flash-attn on CUDA when it is installed, else SDPA."""
@@ -33,12 +36,14 @@ class SkrullConfig:
     """Ranks in one context-parallel (CP) group. The world (``devices * num_nodes``) must be a
     multiple of it; ``dp_size = world_size // cp_size``. CP groups are consecutive ranks."""
 
-    bucket_size: int | None = None
+    bucket_size: int | Literal["auto"] | None = None
     """Token budget of one CP rank in one micro-batch (the paper's ``C``); it bounds activation
-    memory. A sequence longer than ``cp_size * bucket_size`` cannot be placed and raises
-    ``ValueError`` naming it. ``None``: the smallest budget that holds the longest sequence of
-    the data, ``ceil(longest / cp_size)``, chosen by the data module (no memory bound: set it
-    for real runs)."""
+    memory and must be at least ``cp_size``. A sequence longer than ``cp_size * bucket_size``
+    cannot be placed and raises ``ValueError`` naming it. ``None``: the smallest budget that
+    holds the longest sequence of the data, ``ceil(longest / cp_size)``, chosen by the data
+    module (no memory bound: set it for real runs). ``"auto"`` (CUDA, ``SkrullStrategy``):
+    measured at setup from the peak memory of a few probe steps, the largest budget that keeps
+    10% of the device free; the fit is logged."""
 
     policy: str = "skrull"
     """Scheduling policy: ``"skrull"`` (GDS + DACP), ``"dacp"``, ``"static"`` (every sequence
@@ -70,12 +75,21 @@ class SkrullConfig:
                 f"cp_size={self.cp_size!r} is invalid; it must be an int >= 1 "
                 "(1 = no context parallelism)."
             )
-        if self.bucket_size is not None and (not _is_int(self.bucket_size) or self.bucket_size < 1):
-            raise ValueError(
-                f"bucket_size={self.bucket_size!r} is invalid; it is the token budget of one CP "
-                "rank in one micro-batch and must be an int >= 1 (typically the longest "
-                "sequence divided by cp_size, or more)."
-            )
+        if self.bucket_size is not None and self.bucket_size != AUTO_BUCKET:
+            if not _is_int(self.bucket_size) or self.bucket_size < 1:
+                raise ValueError(
+                    f"bucket_size={self.bucket_size!r} is invalid; it is the token budget of one "
+                    "CP rank in one micro-batch and must be an int >= 1 (typically the longest "
+                    "sequence divided by cp_size, or more), 'auto' or None."
+                )
+            if self.bucket_size < self.cp_size:
+                raise ValueError(
+                    f"bucket_size={self.bucket_size} is smaller than cp_size={self.cp_size}; "
+                    "bucket_size is the token budget of ONE CP rank, so a sequence sharded over "
+                    f"the group could hold at most {self.bucket_size * self.cp_size} tokens. "
+                    "Give bucket_size >= cp_size (typically thousands of tokens), or check that "
+                    "cp_size and bucket_size are not swapped."
+                )
         if self.policy not in POLICIES:
             raise ValueError(f"policy={self.policy!r} is unknown; choose one of {POLICIES}.")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -105,9 +119,15 @@ class SkrullConfig:
         Whether every sample fits ``cp_size * bucket_size`` is checked with the data (the data
         module validates it and names the first sample that does not fit).
         """
+        if self.bucket_size == AUTO_BUCKET:
+            raise RuntimeError(
+                "bucket_size='auto' is measured when the strategy sets up on the GPU; the "
+                "resolved value is in strategy.skrull_config.bucket_size after setup. Let the "
+                "Trainer set up the strategy before building loaders."
+            )
         if self.bucket_size is None:
             return -(-longest_sequence // self.cp_size)
-        return self.bucket_size
+        return int(self.bucket_size)
 
 
 @dataclass(kw_only=True)

@@ -13,7 +13,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+    from torch.distributed import ProcessGroup
+
+AUTO_PROBE_TOKENS = (512, 1024, 2048, 4096)
+"""Tokens per rank of the probe steps of ``bucket_size="auto"`` (small, so no probe runs out
+of memory on a device that can train the model at all; the fit extrapolates)."""
+
+AUTO_SAFETY_MARGIN = 0.1
+"""Share of the device memory ``bucket_size="auto"`` keeps free (allocator fragmentation, fit
+error, memory that grows during training)."""
+
+AUTO_MULTIPLE_OF = 128
+"""``bucket_size="auto"`` is rounded down to a multiple of this many tokens."""
+
+NONLINEAR_FIT_ERROR = 0.05
+"""A fit off by more than this share at a probe point is logged as a warning: memory then grows
+faster than linearly in tokens and the extrapolated bucket may not fit."""
 
 
 @dataclass(frozen=True)
@@ -130,3 +151,165 @@ def probe_peak_memory(
         torch.cuda.synchronize(device)
         peaks.append(int(torch.cuda.max_memory_allocated(device)))
     return peaks
+
+
+def auto_bucket_size(
+    run_step: Callable[[int], None],
+    capacity_bytes: float,
+    *,
+    token_counts: Sequence[int] = AUTO_PROBE_TOKENS,
+    safety_margin: float = AUTO_SAFETY_MARGIN,
+    multiple_of: int = AUTO_MULTIPLE_OF,
+    measure: Callable[[Callable[[int], None], Sequence[int]], Sequence[float]] | None = None,
+) -> tuple[int, MemoryFit]:
+    """Probe, fit and choose: the ``bucket_size="auto"`` procedure on one rank.
+
+    Args:
+        run_step: one full training step with that many tokens on this rank.
+        capacity_bytes: device memory this process may use.
+        token_counts: the probe sizes (at least two distinct).
+        safety_margin: share of ``capacity_bytes`` kept free.
+        multiple_of: round the bucket down to a multiple of this.
+        measure: ``measure(run_step, token_counts) -> peak bytes per probe``; default
+            :func:`probe_peak_memory` (CUDA).
+
+    Returns:
+        ``(bucket_size, fit)``.
+
+    Raises:
+        RuntimeError: no CUDA (with the default ``measure``).
+        ValueError: the fit or the choice fails (see :func:`fit_memory_model`,
+            :func:`choose_bucket_size`).
+    """
+    measure = probe_peak_memory if measure is None else measure
+    peaks = list(measure(run_step, token_counts))
+    fit = fit_memory_model(list(token_counts), peaks)
+    bucket = choose_bucket_size(
+        fit, capacity_bytes, safety_margin=safety_margin, multiple_of=multiple_of
+    )
+    return bucket, fit
+
+
+def describe_fit(
+    fit: MemoryFit,
+    bucket_size: int,
+    capacity_bytes: float,
+    token_counts: Sequence[int],
+    *,
+    safety_margin: float = AUTO_SAFETY_MARGIN,
+) -> str:
+    """One log line: the fitted line, its error, the capacity and the chosen bucket."""
+    return (
+        f"bucket_size='auto': peak memory = {fit.alpha / 2**10:.1f} KiB/token * tokens + "
+        f"{fit.beta / 2**30:.2f} GiB (largest error {fit.max_relative_error:.1%} over probes "
+        f"of {list(token_counts)} tokens per rank); {capacity_bytes / 2**30:.2f} GiB usable, "
+        f"{safety_margin:.0%} kept free -> bucket_size={bucket_size} tokens per rank "
+        f"(predicted peak {fit.predict(bucket_size) / 2**30:.2f} GiB)."
+    )
+
+
+class ProbeStep:
+    """One probe training step of ``tokens`` tokens per rank, leaving the model as it was.
+
+    The probe is the worst case for memory at a given bucket: a single sequence of
+    ``cp_size * tokens`` tokens distributed over the CP group, so every rank holds ``tokens``
+    tokens and gathers the whole sequence's keys and values. Forward and backward run on the
+    bare Hugging Face model (no DDP communication; the CP group's attention collectives run, so
+    every rank of a CP group must probe together). The optimizer steps with learning rate 0
+    and zero gradients, so its state is allocated (and measured) while no parameter changes;
+    :meth:`restore` then empties the state and the gradients again.
+
+    Args:
+        model: the prepared Hugging Face causal LM.
+        optimizer: the training optimizer, or ``None``.
+        cp_rank: this process's rank in its CP group.
+        cp_size: ranks per CP group.
+        cp_group: the CP process group (``None`` when ``cp_size == 1``).
+        backend: attention backend.
+        device: the model's device.
+        vocab_size: token ids are drawn below it.
+        autocast: context of the precision plugin around forward and backward.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None,
+        *,
+        cp_rank: int,
+        cp_size: int,
+        cp_group: ProcessGroup | None,
+        backend: str,
+        device: torch.device,
+        vocab_size: int,
+        autocast: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    ) -> None:
+        self.model = model
+        self.optimizer = optimizer
+        self.cp_rank = cp_rank
+        self.cp_size = cp_size
+        self.cp_group = cp_group
+        self.backend = backend
+        self.device = device
+        self.vocab_size = vocab_size
+        self.autocast = autocast
+
+    def __call__(self, tokens: int) -> None:
+        import torch
+
+        from lightning_skrull.data.collate import collate_rank
+        from lightning_skrull.engine import micro_batch_context
+        from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+
+        length = tokens * self.cp_size
+        generator = torch.Generator().manual_seed(tokens)
+        ids = torch.randint(0, self.vocab_size, (length,), generator=generator).tolist()
+        plan = GlobalBatchPlan(
+            micro_batches=((MicroBatchPlan((0,), (DISTRIBUTED,)),),),
+            dp_size=1,
+            cp_size=self.cp_size,
+            bucket_size=tokens,
+            policy="probe",
+        )
+        batch = collate_rank(
+            [{"input_ids": ids}], plan, dp_rank=0, cp_rank=self.cp_rank, world_size=self.cp_size
+        )
+        mb = batch.micro_batches[0].to(self.device)
+        with micro_batch_context(mb, self.cp_group, self.backend):
+            with self.autocast():
+                loss = self.model(**mb.inputs).loss
+            loss.backward()
+        del loss
+        if self.optimizer is not None:
+            self._step_without_change(self.optimizer)
+
+    @staticmethod
+    def _step_without_change(optimizer: torch.optim.Optimizer) -> None:
+        import torch
+
+        saved = []
+        for group in optimizer.param_groups:
+            lr = group["lr"]
+            saved.append(lr.clone() if isinstance(lr, torch.Tensor) else lr)
+            if isinstance(lr, torch.Tensor):
+                lr.fill_(0.0)
+            else:
+                group["lr"] = 0.0
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.zero_()
+        try:
+            optimizer.step()
+        finally:
+            for group, lr in zip(optimizer.param_groups, saved, strict=True):
+                if isinstance(group["lr"], torch.Tensor):
+                    group["lr"].copy_(lr)
+                else:
+                    group["lr"] = lr
+
+    def restore(self) -> None:
+        """Drop the gradients and the optimizer state the probes created."""
+        for p in self.model.parameters():
+            p.grad = None
+        if self.optimizer is not None:
+            self.optimizer.state.clear()
