@@ -13,6 +13,7 @@ here, once per step).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -152,24 +153,75 @@ def _buckets(params: Sequence[nn.Parameter]) -> Iterator[list[nn.Parameter]]:
 
 
 def check_same_plan(
-    plan: GlobalBatchPlan, device: torch.device, group: ProcessGroup | None
+    plan: GlobalBatchPlan,
+    device: torch.device,
+    group: ProcessGroup | None,
+    *,
+    fingerprint: int = 0,
 ) -> None:
-    """Raise on every rank if the ranks of ``group`` did not compute the same plan.
+    """Raise on every rank if the ranks of ``group`` did not plan the same global batch.
 
-    One all-reduce of two integers; a mismatch would otherwise hang in the CP collectives.
+    One all-reduce of two integers (the maximum of the digest and of its negation); a mismatch
+    would otherwise hang in the CP collectives or train silently on mixed data.
+
+    Args:
+        plan: this rank's plan of the global batch.
+        device: where the all-reduced tensor lives (the process group's device).
+        group: the ranks that must agree (the whole world).
+        fingerprint: :attr:`RankBatch.fingerprint` of the global batch's contents, so that
+            ranks whose samples differ but have the same lengths are caught too.
 
     Raises:
-        RuntimeError: the plans differ (different samples, sizes or planner inputs per rank).
+        RuntimeError: the plans or the samples differ between ranks.
     """
-    digest = int(plan.digest()[:15], 16)
+    text = f"{plan.digest()}:{fingerprint}"
+    digest = int(hashlib.sha256(text.encode()).hexdigest()[:15], 16)
     t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
     if int(t[0]) != digest or -int(t[1]) != digest:
         raise RuntimeError(
-            "the ranks planned different global batches; every rank must receive the same "
-            "samples (same sampler seed and epoch) and the same dp_size, cp_size, bucket_size, "
-            "policy and cost model."
+            f"rank {dist.get_rank()}: the ranks planned different global batches or hold "
+            "different samples for it (plan and content digests differ); training on would "
+            "mix data or hang. Every rank must read the same data in the same order (e.g. the "
+            "same files, sorted the same way, on every node), with the same sampler seed, "
+            "global_batch_size, cp_size, bucket_size, policy and cost model."
         )
+
+
+def check_token_ids(
+    samples: Sequence[Mapping[str, Any]],
+    vocab_size: int,
+    sample_indices: Sequence[int] | None = None,
+) -> None:
+    """Refuse token ids and labels outside the model's vocabulary, before the embedding.
+
+    An id out of range would raise deep inside the embedding on CPU and trigger a device-side
+    assert on CUDA; a label out of range would do the same in the loss.
+
+    Raises:
+        ValueError: an input id outside ``[0, vocab_size)`` or a label outside it that is not
+            ``-100``, naming the sample, the position, the value and the fix.
+    """
+    for i, sample in enumerate(samples):
+        name = f"sample {i}" if sample_indices is None else f"sample {sample_indices[i]}"
+        for key in ("input_ids", "labels"):
+            value = sample.get(key)
+            if value is None:
+                continue
+            t = torch.as_tensor(value)
+            if t.dim() != 1 or t.dtype.is_floating_point:
+                continue  # malformed samples are named by the collate step
+            bad = (t < 0) | (t >= vocab_size)
+            if key == "labels":
+                bad &= t != -100
+            if bool(bad.any()):
+                pos = int(bad.nonzero()[0, 0])
+                raise ValueError(
+                    f"{name}: {key}[{pos}] = {int(t[pos])} is outside the model's vocabulary "
+                    f"[0, {vocab_size}){' (or -100)' if key == 'labels' else ''}. Fix: tokenise "
+                    "with the model's own tokenizer, or resize the model's embeddings "
+                    "(model.resize_token_embeddings) to cover the added tokens."
+                )
 
 
 def check_sequence_lengths(model: nn.Module, lengths: Sequence[int]) -> None:
@@ -232,7 +284,8 @@ def train_step(
         RuntimeError: the model is not prepared, or the ranks planned differently.
         FloatingPointError: the loss is not finite (the optimizer step is skipped).
         ValueError: an empty global batch, a plan for other sizes, a sequence longer than the
-            CP group's capacity or the model's sliding window, or malformed samples.
+            CP group's capacity or the model's sliding window, a token id or label outside the
+            model's vocabulary, or malformed samples.
     """
     if not is_prepared(model):
         raise RuntimeError(
@@ -245,6 +298,9 @@ def train_step(
         raise ValueError("the global batch has no sample; give at least one.")
     lengths = [sample_length(s, i) for i, s in enumerate(samples)]
     check_sequence_lengths(model, lengths)
+    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(vocab_size, int):
+        check_token_ids(samples, vocab_size, sample_indices)
     if plan is None:
         plan = plan_global_batch(
             lengths,
@@ -260,8 +316,6 @@ def train_step(
             f"{layout.dp_size} x {layout.cp_size}; plan with the layout's sizes."
         )
     device = _model_device(model)
-    if verify_plan and layout.world_size > 1:
-        check_same_plan(plan, device, layout.world_group)
     batch = collate_rank(
         samples,
         plan,
@@ -270,6 +324,8 @@ def train_step(
         world_size=layout.world_size,
         sample_indices=sample_indices,
     ).to(device)
+    if verify_plan and layout.world_size > 1:
+        check_same_plan(plan, device, layout.world_group, fingerprint=batch.fingerprint)
     local = forward_backward(model, batch, cp_group=layout.cp_group, backend=backend)
     all_reduce_gradients(model.parameters(), world_size=layout.world_size, group=layout.world_group)
     if layout.world_size > 1:

@@ -37,13 +37,14 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_skrull.config import SkrullConfig
+from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
     from lightning_skrull.data.collate import MicroBatch, RankBatch
     from lightning_skrull.distributed import ParallelLayout
+    from lightning_skrull.memory import MemoryFit
     from lightning_skrull.scheduling.cost_model import CostModel
 
 _NO_FORWARD_BUFFER_SYNC = (
@@ -167,6 +168,18 @@ class SkrullStrategyMixin:
                 "its micro-batches are already accumulated. Set SkrullDataModule("
                 "global_batch_size=...) to the number of sequences per step instead."
             )
+        config = self._skrull_config
+        if config.attention_backend == "flash" and device_type != "cuda":
+            raise ValueError(
+                f"attention_backend='flash' needs CUDA (flash-attn kernels), but the Trainer "
+                f"runs on {device_type}; use attention_backend='sdpa' or 'auto' there."
+            )
+        if config.bucket_size == AUTO_BUCKET and device_type != "cuda":
+            raise ValueError(
+                f"bucket_size='auto' measures CUDA peak memory, but the Trainer runs on "
+                f"{device_type}; give bucket_size as a number of tokens per CP rank (or None to "
+                "fit the longest sequence of the data)."
+            )
         module = trainer.lightning_module
         if not module.automatic_optimization:
             raise ValueError(
@@ -183,7 +196,9 @@ class SkrullStrategyMixin:
         config = self._skrull_config
         module = self.lightning_module  # type: ignore[attr-defined]
         hf_model = find_hf_model(module, attribute=config.model_attribute)
-        longest = None if config.bucket_size is None else config.cp_size * config.bucket_size
+        longest = None
+        if isinstance(config.bucket_size, int):
+            longest = config.cp_size * config.bucket_size
         prepare_model(hf_model, backend=config.attention_backend, max_sequence_length=longest)
         if self._skrull_config.cost_model is not None:
             self._skrull_cost_model = self._skrull_config.cost_model
@@ -232,7 +247,85 @@ class SkrullStrategyMixin:
         from lightning_skrull.engine import check_same_plan
 
         device = self.root_device  # type: ignore[attr-defined]
-        check_same_plan(rank_batch.plan, device, self.parallel_layout.world_group)
+        check_same_plan(
+            rank_batch.plan,
+            device,
+            self.parallel_layout.world_group,
+            fingerprint=rank_batch.fingerprint,
+        )
+
+    def _measure_bucket_size(self) -> None:
+        """Resolve ``bucket_size="auto"`` from probe steps on this device (CUDA only).
+
+        Every rank probes (its CP group together), fits ``peak = alpha * tokens + beta`` and
+        chooses a bucket; the smallest over the world is kept, so every rank plans alike.
+        """
+        import dataclasses
+        import logging
+
+        import torch.distributed as dist
+
+        from lightning_skrull.memory import (
+            AUTO_PROBE_TOKENS,
+            AUTO_SAFETY_MARGIN,
+            NONLINEAR_FIT_ERROR,
+            ProbeStep,
+            auto_bucket_size,
+            describe_fit,
+        )
+        from lightning_skrull.models.patching import find_hf_model
+
+        log = logging.getLogger(__name__)
+        config = self._skrull_config
+        layout = self.parallel_layout
+        device = self.root_device  # type: ignore[attr-defined]
+        module = self.lightning_module  # type: ignore[attr-defined]
+        hf_model = find_hf_model(module, attribute=config.model_attribute)
+        optimizers = self.optimizers  # type: ignore[attr-defined]
+        precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
+        probe = ProbeStep(
+            hf_model,
+            optimizers[0] if optimizers else None,
+            cp_rank=layout.cp_rank,
+            cp_size=layout.cp_size,
+            cp_group=layout.cp_group,
+            backend=config.attention_backend,
+            device=device,
+            vocab_size=int(hf_model.config.vocab_size),
+            autocast=precision.train_step_context,
+        )
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(device)
+        capacity = free + torch.cuda.memory_reserved(device)
+        try:
+            bucket, fit = auto_bucket_size(probe, capacity)
+        finally:
+            probe.restore()
+            torch.cuda.empty_cache()
+        chosen = torch.tensor([bucket], dtype=torch.int64, device=device)
+        if layout.world_size > 1:
+            dist.all_reduce(chosen, op=dist.ReduceOp.MIN, group=layout.world_group)
+        bucket = int(chosen)
+        self._memory_fit = fit
+        self._skrull_config = dataclasses.replace(config, bucket_size=bucket)
+        message = describe_fit(fit, bucket, capacity, AUTO_PROBE_TOKENS)
+        if layout.rank == 0:
+            log.info(message)
+        if fit.max_relative_error > NONLINEAR_FIT_ERROR and layout.rank == 0:
+            log.warning(
+                "bucket_size='auto': the linear memory fit is off by %.1f%% at a probe point "
+                "(more than %.0f%%): memory grows faster than linearly in tokens, so the chosen "
+                "bucket may not fit. Give bucket_size explicitly (margin %.0f%%).",
+                100 * fit.max_relative_error,
+                100 * NONLINEAR_FIT_ERROR,
+                100 * AUTO_SAFETY_MARGIN,
+            )
+
+    @property
+    def memory_fit(self) -> MemoryFit | None:
+        """The fitted memory model of ``bucket_size="auto"`` (``None`` before setup or when
+        the bucket was given)."""
+        return getattr(self, "_memory_fit", None)
 
     @staticmethod
     def _loss_of(output: Any, hook: str, index: int) -> Tensor | None:
@@ -374,6 +467,8 @@ class SkrullStrategyMixin:
         self._check_trainer(trainer)
         self._prepare_hf_model()
         super().setup(trainer)  # type: ignore[misc]
+        if self._skrull_config.bucket_size == AUTO_BUCKET:
+            self._measure_bucket_size()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -495,8 +590,9 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
 
     Args:
         cp_size: ranks in one context-parallel group; must divide the world size.
-        bucket_size: token budget of one CP rank in one micro-batch (``None``: fit the longest
-            sequence of the data, no memory bound).
+        bucket_size: token budget of one CP rank in one micro-batch, at least ``cp_size``
+            (``None``: fit the longest sequence of the data, no memory bound; ``"auto"``: measured
+            on CUDA at setup, see :class:`~lightning_skrull.config.SkrullConfig`).
         policy: scheduling policy (``"skrull"``, ``"dacp"``, ``"static"``, ``"sorted"``,
             ``"round_robin"``).
         attention_backend: ``"auto"``, ``"sdpa"`` or ``"flash"``.
@@ -521,7 +617,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
     def __init__(
         self,
         cp_size: int = 1,
-        bucket_size: int | None = None,
+        bucket_size: int | Literal["auto"] | None = None,
         policy: str = "skrull",
         *,
         attention_backend: str = "auto",

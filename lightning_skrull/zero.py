@@ -119,6 +119,13 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             verify_plans=verify_plans,
             log_stats=log_stats,
         )
+        if bucket_size == "auto":
+            raise ValueError(
+                "bucket_size='auto' is measured by SkrullStrategy (DDP) only: ZeRO-2 reduces "
+                "gradients inside every backward, so its probe steps cannot run apart from the "
+                "engine. Give bucket_size as a number of tokens per CP rank (measure it once "
+                "with SkrullStrategy(bucket_size='auto') on the same GPU)."
+            )
         stage = deepspeed_kwargs.pop("stage", 2)
         if stage != 2:
             raise ValueError(

@@ -25,6 +25,7 @@ cannot run a forward on zero tokens, and the placeholder adds zero loss and zero
 
 from __future__ import annotations
 
+import zlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -101,6 +102,9 @@ class RankBatch:
         dp_rank: this rank's DP rank.
         cp_rank: this rank's CP rank.
         world_size: ranks over which gradients are averaged (``dp_size * cp_size``).
+        fingerprint: CRC-32 of the whole global batch's lengths, token ids and labels (every
+            sample, not only this rank's): equal on every rank exactly when all ranks hold the
+            same samples; checked with the plan before the first collective of a step.
     """
 
     micro_batches: list[MicroBatch]
@@ -110,6 +114,7 @@ class RankBatch:
     dp_rank: int
     cp_rank: int
     world_size: int
+    fingerprint: int = 0
 
     def __len__(self) -> int:
         return len(self.micro_batches)
@@ -286,11 +291,15 @@ def collate_rank(
     _check_plan(plan, len(samples), lengths)
 
     num_supervised = 0
+    fingerprint = zlib.crc32(repr(lengths).encode())
     token_ids: dict[int, torch.Tensor] = {}
     shifted: dict[int, torch.Tensor] = {}
     mine = {s for mb in plan.micro_batches[dp_rank] for s in mb.sequence_ids}
     for i, sample in enumerate(samples):
         ids, labels = _sample_tensors(sample, i)
+        fingerprint = zlib.crc32(
+            labels.contiguous().numpy(), zlib.crc32(ids.contiguous().numpy(), fingerprint)
+        )
         num_supervised += int((labels != IGNORE_INDEX).sum())
         if i in mine:
             token_ids[i], shifted[i] = ids, labels
@@ -313,6 +322,7 @@ def collate_rank(
         dp_rank=dp_rank,
         cp_rank=cp_rank,
         world_size=world_size,
+        fingerprint=fingerprint,
     )
 
 

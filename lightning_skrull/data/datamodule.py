@@ -557,6 +557,14 @@ class SkrullDataModule(pl.LightningDataModule):
         self, dataset: SFTDataset, sampler: GlobalBatchSampler, hook: str
     ) -> SkrullDataLoader:
         strategy = self._strategy(hook)
+        if hook == "train_dataloader" and sampler.global_batch_size < strategy.dp_size:
+            raise ValueError(
+                f"global_batch_size={sampler.global_batch_size} is smaller than the "
+                f"{strategy.dp_size} DP ranks (world size / cp_size): some DP ranks would get no "
+                "sequence in any step and only idle. Set global_batch_size >= "
+                f"{strategy.dp_size} (any number works; more sequences per DP rank balance "
+                "better), or use fewer processes or a larger cp_size."
+            )
         bucket = self._resolve_bucket_size(strategy)
         self._validate(dataset, strategy, bucket)
         planner = RankPlanner(
