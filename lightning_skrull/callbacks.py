@@ -18,6 +18,7 @@ from typing_extensions import override
 
 if TYPE_CHECKING:
     from lightning_skrull.data.datamodule import SkrullBatch
+    from lightning_skrull.scheduling.cost_model import CostModel
 
 DEFAULT_SUBDIR = "plans"
 """Folder, under the logger's directory, that receives the pictures."""
@@ -41,6 +42,9 @@ class PlanPictureCallback(pl.Callback):
             version folder, or ``default_root_dir`` without a logger).
         dp_ranks: DP ranks to draw (default all; with many DP ranks the picture gets tall).
         dpi: resolution of the PNG files.
+        estimates: label every micro-batch and DP rank with the time the strategy's cost model
+            estimates (its hardware constants: an H100 by default, so on other hardware the
+            labels rank plans correctly but are not wall time unless the model was fitted).
 
     Attributes:
         saved: the files this process wrote, in order (empty on every rank but 0).
@@ -56,6 +60,7 @@ class PlanPictureCallback(pl.Callback):
         dirpath: str | os.PathLike[str] | None = None,
         dp_ranks: Sequence[int] | None = None,
         dpi: int = 100,
+        estimates: bool = False,
     ) -> None:
         if isinstance(num_steps, bool) or not isinstance(num_steps, int) or num_steps < 0:
             raise ValueError(f"num_steps={num_steps!r} is invalid; give an int >= 0.")
@@ -65,6 +70,7 @@ class PlanPictureCallback(pl.Callback):
         self.dirpath = None if dirpath is None else Path(dirpath)
         self.dp_ranks = None if dp_ranks is None else tuple(dp_ranks)
         self.dpi = dpi
+        self.estimates = estimates
         self._resolved_dir: Path | None = None
         self._drawn = 0
         self.saved: list[Path] = []
@@ -98,16 +104,24 @@ class PlanPictureCallback(pl.Callback):
     ) -> None:
         if not trainer.is_global_zero or self._drawn >= self.num_steps:
             return
-        self.save_picture(batch, _training_lengths(trainer), trainer.global_step)
+        cost_model = getattr(trainer.strategy, "cost_model", None) if self.estimates else None
+        self.save_picture(batch, _training_lengths(trainer), trainer.global_step, cost_model)
         self._drawn += 1
 
-    def save_picture(self, batch: SkrullBatch, dataset_lengths: Sequence[int], step: int) -> Path:
+    def save_picture(
+        self,
+        batch: SkrullBatch,
+        dataset_lengths: Sequence[int],
+        step: int,
+        cost_model: CostModel | None = None,
+    ) -> Path:
         """Draw ``batch``'s plan and write it as ``step_<step>.png``; returns the file.
 
         Args:
             batch: a batch of the Skrull loader (``SkrullBatch``) of this step.
             dataset_lengths: token count of every sample of the dataset the batch came from.
             step: the optimizer step, for the file name and the title.
+            cost_model: label the picture with this model's time estimates (``None``: none).
 
         Raises:
             TypeError: ``batch`` is not a Skrull batch.
@@ -127,10 +141,10 @@ class PlanPictureCallback(pl.Callback):
         stats = batch.stats
         title = (
             f"step {step}: {plan.policy}, DP={plan.dp_size} x CP={plan.cp_size}, "
-            f"bucket {plan.bucket_size}; {stats.num_sequences} sequences, "
-            f"{stats.num_tokens} tokens, {stats.distributed_share:.0%} distributed"
+            f"bucket {plan.bucket_size}\n{stats.num_sequences} sequences, "
+            f"{stats.num_tokens} tokens, {stats.distributed_share:.0%} of them distributed"
         )
-        fig = plot_plan(plan, lengths, dp_ranks=self.dp_ranks, title=title)
+        fig = plot_plan(plan, lengths, dp_ranks=self.dp_ranks, title=title, cost_model=cost_model)
         directory = self.directory
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"step_{step:06d}.png"

@@ -7,16 +7,16 @@ package never depends on it.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, shard_tokens
+
+if TYPE_CHECKING:
+    from lightning_skrull.scheduling.cost_model import CostModel
 
 
 def _pyplot() -> Any:
     try:
-        import matplotlib
-
-        matplotlib.use("Agg", force=False)
         import matplotlib.pyplot as plt
     except ImportError as err:  # pragma: no cover - depends on the environment
         raise ImportError(
@@ -31,6 +31,7 @@ def plot_plan(
     *,
     dp_ranks: Sequence[int] | None = None,
     title: str | None = None,
+    cost_model: CostModel | None = None,
 ) -> Any:
     """Draw one global batch's plan and return the matplotlib ``Figure``.
 
@@ -45,6 +46,9 @@ def plot_plan(
         lengths: sequence lengths of the global batch (indexed by sequence id).
         dp_ranks: which DP ranks to draw (default: all).
         title: figure title (default: policy and sizes).
+        cost_model: when given, every micro-batch is labelled with its estimated time and
+            every DP rank with the sum of its micro-batches' (``CostModel.micro_batch_seconds``,
+            the terms :func:`~lightning_skrull.scheduling.simulate` adds up).
     """
     plt = _pyplot()
     from matplotlib.patches import Patch
@@ -96,8 +100,14 @@ def plot_plan(
                     heights[where] += lengths[sid]
         ax.axhline(plan.bucket_size, color="black", linestyle="--", linewidth=0.8)
         ticks = [m * (n + 1) + (n - 1) / 2 for m in range(len(mbs))]
-        ax.set_xticks(ticks, [f"mb {m}" for m in range(len(mbs))])
-        ax.set_ylabel(f"DP {dp_rank}\ntokens / CP rank")
+        labels = [f"mb {m}" for m in range(len(mbs))]
+        ylabel = f"DP {dp_rank}\ntokens / CP rank"
+        if cost_model is not None:
+            seconds = [cost_model.micro_batch_seconds(mb, lengths, n) for mb in mbs]
+            labels = [f"{label}\n{format_seconds(t)}" for label, t in zip(labels, seconds)]
+            ylabel = f"DP {dp_rank}, est. {format_seconds(sum(seconds))}\ntokens / CP rank"
+        ax.set_xticks(ticks, labels)
+        ax.set_ylabel(ylabel)
         ax.set_xlim(-1, max(most_mbs, 1) * (n + 1))
     axes[-1, 0].set_xlabel(f"micro-batches; each group = CP ranks 0..{n - 1}")
     fig.legend(
@@ -119,3 +129,12 @@ def plot_plan(
     fig.suptitle(title or f"{plan.policy}: DP={plan.dp_size} x CP={n}, bucket {plan.bucket_size}")
     fig.tight_layout(rect=(0, 0, 1, 0.88))
     return fig
+
+
+def format_seconds(seconds: float) -> str:
+    """``seconds`` in a short human unit (``"850 us"``, ``"12.5 ms"``, ``"3.20 s"``)."""
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} us"
+    if seconds < 1.0:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"

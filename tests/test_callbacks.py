@@ -30,13 +30,17 @@ def _batch(dataset: Any, indices: list[int], index: int) -> SkrullBatch:
         cp_rank=0,
         bucket_size=32,
         policy="skrull",
-        cost_model=CostModel(),
+        cost_model=COST_MODEL,
     )
     return planner([dataset[i] for i in indices], indices, 0, index)
 
 
+COST_MODEL = CostModel()
+
+
 def _trainer(tmp_path: Path, dataset: Any, *, rank_zero: bool = True) -> SimpleNamespace:
     return SimpleNamespace(
+        strategy=SimpleNamespace(cost_model=COST_MODEL),
         is_global_zero=rank_zero,
         global_step=0,
         log_dir=str(tmp_path / "version_0"),
@@ -45,15 +49,20 @@ def _trainer(tmp_path: Path, dataset: Any, *, rank_zero: bool = True) -> SimpleN
     )
 
 
-def test_saves_first_steps_with_the_batch_lengths(tmp_path: Path, monkeypatch) -> None:
-    drawn: list[tuple[Any, list[int]]] = []
+def _record_plot_plan(monkeypatch) -> list[tuple[Any, list[int], dict[str, Any]]]:
+    drawn: list[tuple[Any, list[int], dict[str, Any]]] = []
     real = viz.plot_plan
 
     def recording(plan: Any, lengths: list[int], **kwargs: Any) -> Any:
-        drawn.append((plan, list(lengths)))
+        drawn.append((plan, list(lengths), kwargs))
         return real(plan, lengths, **kwargs)
 
     monkeypatch.setattr(viz, "plot_plan", recording)
+    return drawn
+
+
+def test_saves_first_steps_with_the_batch_lengths(tmp_path: Path, monkeypatch) -> None:
+    drawn = _record_plot_plan(monkeypatch)
     dataset = _dataset()
     trainer = _trainer(tmp_path, dataset)
     callback = PlanPictureCallback(num_steps=1)
@@ -69,9 +78,24 @@ def test_saves_first_steps_with_the_batch_lengths(tmp_path: Path, monkeypatch) -
     assert sorted(p.name for p in expected.parent.iterdir()) == ["step_000000.png"]
     assert expected.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert len(drawn) == 1
-    plan, lengths = drawn[0]
+    plan, lengths, kwargs = drawn[0]
     assert lengths == [LENGTHS[i] for i in BATCHES[0]]
     assert sorted(plan.all_sequence_ids()) == list(range(len(BATCHES[0])))
+    assert kwargs["cost_model"] is None  # no time labels unless asked for
+
+
+def test_estimates_use_the_strategy_cost_model(tmp_path: Path, monkeypatch) -> None:
+    drawn = _record_plot_plan(monkeypatch)
+    dataset = _dataset()
+    trainer = _trainer(tmp_path, dataset)
+    callback = PlanPictureCallback(num_steps=2, estimates=True)
+    callback.on_train_start(trainer, None)  # type: ignore[arg-type]
+    for step, indices in enumerate(BATCHES):
+        trainer.global_step = step
+        callback.on_train_batch_start(trainer, None, _batch(dataset, indices, step), step)  # type: ignore[arg-type]
+    assert [p.name for p in callback.saved] == ["step_000000.png", "step_000001.png"]
+    assert [kwargs["cost_model"] for _, _, kwargs in drawn] == [COST_MODEL, COST_MODEL]
+    assert [lengths for _, lengths, _ in drawn] == [[LENGTHS[i] for i in b] for b in BATCHES]
 
 
 def test_other_ranks_write_nothing(tmp_path: Path) -> None:
