@@ -206,6 +206,18 @@ def regenerate(text: str) -> str:
     return text
 
 
+def console_examples(text: str) -> list[tuple[str, str]]:
+    """``(expression, shown output)`` of the ``>>>`` lines in the ```text blocks of ``text``."""
+    pairs: list[tuple[str, list[str]]] = []
+    for block in re.findall(r"^```text\n(.*?)^```", text, re.DOTALL | re.MULTILINE):
+        for line in block.splitlines():
+            if line.startswith(">>> "):
+                pairs.append((line[4:], []))
+            elif pairs:
+                pairs[-1][1].append(line)
+    return [(expr, "\n".join(out)) for expr, out in pairs]
+
+
 # --------------------------------------------------------------------------- tests
 @pytest.mark.parametrize("name", list(CLASSES))
 def test_every_argument_is_in_the_docstring(name: str) -> None:
@@ -233,6 +245,20 @@ def test_configuration_md_is_generated_from_the_docstrings() -> None:
     )
     stale = [name for name, body in blocks.items() if body != GENERATORS[name]() + "\n"]
     assert not stale, f"docs/configuration.md is out of date for {stale}; {FIX}"
+
+
+def test_console_examples_show_what_the_code_does() -> None:
+    examples = console_examples(DOC.read_text())
+    assert len(examples) >= 3  # the page's examples were found (else this test is vacuous)
+    namespace = {name: getattr(lightning_skrull, name) for name in lightning_skrull.__all__}
+    for expression, shown in examples:
+        try:
+            got = repr(eval(expression, namespace))
+        except (ValueError, TypeError) as err:
+            got = f"{type(err).__name__}: {err}"
+        assert got == shown, (
+            f"docs/configuration.md shows for {expression!r}:\n{shown}\ngot:\n{got}"
+        )
 
 
 def test_parser_reads_grouped_and_continued_entries() -> None:
