@@ -7,6 +7,7 @@ strategy registry, so ``Trainer(strategy="skrull")`` works after ``import lightn
 
 from __future__ import annotations
 
+from lightning_skrull.callbacks import PlanPictureCallback
 from lightning_skrull.config import DataConfig, SkrullConfig
 from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CostModel",
     "DataConfig",
+    "PlanPictureCallback",
     "SkrullBatch",
     "SkrullConfig",
     "SkrullDataModule",
