@@ -89,6 +89,7 @@ class SkrullStrategyMixin:
         self._step_start = None
         self._step_tokens = 0
         self._last_context: ExitStack | None = None
+        self._memory_fit: MemoryFit | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -325,7 +326,7 @@ class SkrullStrategyMixin:
     def memory_fit(self) -> MemoryFit | None:
         """The fitted memory model of ``bucket_size="auto"`` (``None`` before setup or when
         the bucket was given)."""
-        return getattr(self, "_memory_fit", None)
+        return self._memory_fit
 
     @staticmethod
     def _loss_of(output: Any, hook: str, index: int) -> Tensor | None:
