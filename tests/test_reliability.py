@@ -545,9 +545,12 @@ def test_soak_keeps_nothing_from_step_to_step(clean_world: None) -> None:
     first_counts, first_objects, first_rss = probe.readings[8]
     for step in (16, 24, 32):
         counts, objects, rss = probe.readings[step]
-        assert counts == first_counts, step  # exact: tensors, batches, contexts
-        # all gc-tracked objects: a retained batch would add hundreds; measured +-2 (interned
-        # strings and caches of the logging)
-        assert abs(objects - first_objects) < 50, step
+        tensors = counts.pop("Tensor")
+        assert tensors <= first_counts["Tensor"], step  # no tensor kept from step to step
+        assert counts == {k: v for k, v in first_counts.items() if k != "Tensor"}, step  # exact
+        # all gc-tracked objects must not grow: a retained batch would add hundreds per step.
+        # One-sided: earlier tests in the same process leave caches that may still shrink
+        # (measured: +-2 alone, -241 after the other tests of this file)
+        assert objects - first_objects < 50, step
         # resident memory after gc: measured within 1 MiB; a generous bound against allocator noise
         assert rss - first_rss < 32 * 2**20, step
