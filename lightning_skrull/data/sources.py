@@ -60,6 +60,21 @@ def _as_int64(array: np.ndarray, what: str) -> np.ndarray:
     return array.astype(np.int64, copy=False)
 
 
+def _check_shapes(ids: np.ndarray, labels: np.ndarray | None, where: str) -> None:
+    """Refuse a sample without tokens, or with a label count other than its token count."""
+    if ids.size == 0:
+        raise ValueError(
+            f"{where} has empty input_ids; every sample needs at least one token. Remove "
+            "the sample from the data."
+        )
+    if labels is not None and labels.shape != ids.shape:
+        raise ValueError(
+            f"{where} has {labels.size} labels for {ids.size} input_ids; give exactly one "
+            "label per token (-100 where the token is not supervised), or omit 'labels' "
+            "to supervise every token."
+        )
+
+
 class _Builder:
     """Accumulates per-sample arrays, then builds one :class:`SFTDataset`."""
 
@@ -84,17 +99,7 @@ class _Builder:
             ids = _to_ids(sample["input_ids"], "input_ids", where)
             raw_labels = sample.get("labels")
             labels = None if raw_labels is None else _to_ids(raw_labels, "labels", where)
-            if ids.size == 0:
-                raise ValueError(
-                    f"{where} has empty input_ids; every sample needs at least one token. Remove "
-                    "the sample from the data."
-                )
-            if labels is not None and labels.shape != ids.shape:
-                raise ValueError(
-                    f"{where} has {labels.size} labels for {ids.size} input_ids; give exactly one "
-                    "label per token (-100 where the token is not supervised), or omit 'labels' "
-                    "to supervise every token."
-                )
+            _check_shapes(ids, labels, where)
         elif "messages" in sample:
             if self.tokenizer is None:
                 raise ValueError(
@@ -134,16 +139,7 @@ class _Builder:
             )
             for i, (ids, labels) in enumerate(zip(ids_column, labels_column, strict=True)):
                 where = f"sample {start + i} ({source} row {i})"
-                if ids.size == 0:
-                    raise ValueError(
-                        f"{where} has empty input_ids; every sample needs at least one token. "
-                        "Remove the sample from the data."
-                    )
-                if labels is not None and labels.shape != ids.shape:
-                    raise ValueError(
-                        f"{where} has {labels.size} labels for {ids.size} input_ids; give exactly "
-                        "one label per token (-100 where the token is not supervised)."
-                    )
+                _check_shapes(ids, labels, where)
                 self.ids.append(ids)
                 self.labels.append(labels)
         elif "messages" in names:
