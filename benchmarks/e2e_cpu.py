@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
+import simulate_paper  # same directory: the Table 1 length sampler
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -76,8 +77,6 @@ POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
 DDP = "ddp (no CP)"
 LENGTH_SCALE = 16
 """Every length of the paper's Table 1 is divided by this."""
-SHORTEST = 4
-"""Shortest sample drawn (the paper's Table 1 has no lower edge; 64 / LENGTH_SCALE)."""
 BUCKET = 4096
 CP_SIZE = 2
 SEED = 1234
@@ -123,7 +122,6 @@ DATASETS = (
     # seconds on this machine (64 would make it tens of seconds).
     Dataset("ChatQA2-Long-SFT", (0.219, 0.315, 0.404, 0.999, 1.0), 99_000, False, 16),
 )
-EDGES = (1_024, 4_096, 8_192, 32_768, 131_072)
 
 
 @dataclass(frozen=True)
@@ -147,28 +145,11 @@ LAYOUTS = (
 
 
 def sample_lengths(dataset: Dataset, n: int, capacity: int, rng: random.Random) -> list[int]:
-    """``n`` lengths: a band by its share, then log-uniform inside it, all divided by the scale.
+    """``n`` lengths drawn as the planner simulation draws them, all divided by the scale.
 
     Lengths above ``capacity`` (one CP group's tokens) are cut to it.
     """
-    lows = (SHORTEST * LENGTH_SCALE, *EDGES[:-1])
-    highs = tuple(min(e, dataset.longest) for e in EDGES)
-    shares = [dataset.shares[0]] + [
-        dataset.shares[i] - dataset.shares[i - 1] for i in range(1, len(EDGES))
-    ]
-    bands = list(zip(lows, highs, shares))
-    if dataset.shares[-1] < 1.0:
-        bands.append((EDGES[-1], dataset.longest, 1.0 - dataset.shares[-1]))
-    out = []
-    for _ in range(n):
-        u = rng.random()
-        for lo, hi, share in bands:
-            if u < share or (lo, hi, share) == bands[-1]:
-                break
-            u -= share
-        length = math.exp(rng.uniform(math.log(lo), math.log(max(hi, lo + 1))))
-        out.append(max(1, min(int(length) // LENGTH_SCALE, capacity)))
-    return out
+    return simulate_paper.sample_lengths(dataset, n, capacity, rng, scale=LENGTH_SCALE)
 
 
 # --------------------------------------------------------------------------- work items

@@ -119,8 +119,13 @@ def settings() -> list[Setting]:
     ]
 
 
-def sample_lengths(dataset: Dataset, n: int, capacity: int, rng: random.Random) -> list[int]:
+def sample_lengths(
+    dataset: Dataset, n: int, capacity: int, rng: random.Random, *, scale: int = 1
+) -> list[int]:
     """Draw ``n`` lengths: a band by its published share, then log-uniform inside the band.
+
+    Every drawn length is divided by ``scale`` (the CPU benchmark runs the distributions scaled
+    down); ``dataset`` needs only ``shares`` and ``longest``.
 
     Lengths above ``capacity`` (one CP group's tokens) are cut to it: the paper does not say how
     it handled them, and the planner refuses them rather than dropping them silently.
@@ -141,7 +146,7 @@ def sample_lengths(dataset: Dataset, n: int, capacity: int, rng: random.Random) 
             if u < share or (lo, hi, share) == bands[-1]:
                 break
             u -= share
-        length = int(math.exp(rng.uniform(math.log(lo), math.log(max(hi, lo + 1)))))
+        length = int(math.exp(rng.uniform(math.log(lo), math.log(max(hi, lo + 1))))) // scale
         out.append(max(1, min(length, capacity)))
     return out
 
