@@ -24,6 +24,7 @@ the projections run before the all-gather can start and the MLP after the attent
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, fields, replace
@@ -159,6 +160,12 @@ def floor_sum(n: int, m: int, a: int, b: int) -> int:
         n, b, m, a = y_max // m, y_max % m, a, m
 
 
+@functools.lru_cache(maxsize=1 << 16)
+def _residue_starts(m: int, tile: int, r: int) -> int:
+    """``floor_sum(m, m * tile, r, (tile - 1) * m)``, cached: ``r < m * tile`` takes few values."""
+    return floor_sum(m, m * tile, r, (tile - 1) * m)
+
+
 def zigzag_tiles(length: int, cp_size: int, tile: int) -> int:
     """Blocks a tiled causal kernel computes for all ``2 * cp_size`` zigzag chunks of a sequence.
 
@@ -173,7 +180,9 @@ def zigzag_tiles(length: int, cp_size: int, tile: int) -> int:
         b = zigzag_bounds(length, cp_size)
         return sum(causal_tiles(b[i], b[i + 1], tile) for i in range(m) if b[i + 1] > b[i])
     # sum over chunks of ceil(b_i / tile) for i < m; ceil(floor(i*s/m) / t) = floor((i*s + (t-1)*m) / (m*t)).
-    starts = floor_sum(m, m * tile, length, (tile - 1) * m)
+    # With s = k*m*t + r, each term is i*k plus a term that depends on r only (cached).
+    k, r = divmod(length, m * tile)
+    starts = k * (m - 1) * m // 2 + _residue_starts(m, tile, r)
     ends = starts + -(-length // tile)  # the same sum shifted by one chunk (b_0 = 0, b_m = s)
     return (nq - 1) * starts + m * (nq - 1) * nq // 2 + ends
 

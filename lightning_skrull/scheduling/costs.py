@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.cost_model import CostModel
+from lightning_skrull.scheduling.cost_model import CostModel, zigzag_tiles
 from lightning_skrull.scheduling.plan import shard_tokens
 
 
@@ -26,8 +26,11 @@ class SequenceCosts:
         self.cp_size = cp_size
         self.cost_model = cost_model
         self._linear_per_token = cost_model.linear_seconds(1)
-        self._comm_fixed = cost_model.num_collectives(cp_size) * cost_model.comm_latency_s
-        self._comm_per_token = cost_model.comm_bytes(1, cp_size) / cost_model.comm_bandwidth
+        self.comm_fixed = cost_model.num_collectives(cp_size) * cost_model.comm_latency_s
+        """Seconds of the collectives' latency, paid once any sequence is distributed."""
+        self.comm_per_token = cost_model.comm_bytes(1, cp_size) / cost_model.comm_bandwidth
+        """Seconds per whole token of the distributed sequences: :meth:`comm` is
+        ``comm_fixed + comm_per_token * tokens`` (0 without distributed tokens or with one rank)."""
         self._seconds_per_pair = cost_model.attention_pair_seconds()
         t = cost_model.tile_size
         per_block = self._seconds_per_pair * t * t
@@ -38,6 +41,10 @@ class SequenceCosts:
         self._linear = [s * lin for s in lengths]
         self._local = [s + a for s, a in zip(self._linear, self._attn, strict=True)]
         self._dist: list[float | None] = [None] * len(lengths)
+        # Distributed attention seconds per zigzag block on one rank, and linear per rank-token:
+        # the same products CostModel.distributed_seconds forms, in the same order.
+        self._dist_block = per_block / cp_size
+        self._dist_linear = lin / cp_size
 
     def linear(self, sid: int) -> float:
         """Seconds of the sequence's non-attention matmuls (all ranks together)."""
@@ -71,9 +78,8 @@ class SequenceCosts:
         value = self._dist[sid]
         if value is None:
             s = self.lengths[sid]
-            value = s * self._linear_per_token / self.cp_size
-            value += self.cost_model.distributed_attention_seconds(s, self.cp_size)
-            self._dist[sid] = value
+            tiles = zigzag_tiles(s, self.cp_size, self.cost_model.tile_size)
+            value = self._dist[sid] = s * self._dist_linear + tiles * self._dist_block
         return value
 
     def distributed_lower_bound(self, sid: int) -> float:
@@ -99,4 +105,4 @@ class SequenceCosts:
         """Communication seconds of a micro-batch whose distributed sequences hold that many tokens."""
         if distributed_tokens == 0 or self.cp_size == 1:
             return 0.0
-        return self._comm_fixed + self._comm_per_token * distributed_tokens
+        return self.comm_fixed + self.comm_per_token * distributed_tokens

@@ -89,9 +89,10 @@ class CpGroupState:
     def put_distributed(self, sid: int) -> None:
         """Shard ``sid`` over the CP group."""
         c = self.costs
+        s = c.lengths[sid]
         self.where[sid] = DISTRIBUTED
-        self.reserved += c.shard(sid)
-        self.dist_tokens += c.lengths[sid]
+        self.reserved += -(-s // self.n)  # SequenceCosts.shard, inlined: a hot path
+        self.dist_tokens += s
         self.dist_compute += c.distributed(sid)
         self.distributed.append(sid)
 
@@ -156,6 +157,18 @@ class CpGroupState:
         self.put_distributed(best_sid)
         return True
 
+    def copy(self) -> CpGroupState:
+        """An independent copy of this state."""
+        other = CpGroupState.__new__(CpGroupState)
+        other.__dict__.update(self.__dict__)
+        other.where = dict(self.where)
+        other.tokens = list(self.tokens)
+        other.linear = list(self.linear)
+        other.attn = list(self.attn)
+        other.members = [list(m) for m in self.members]
+        other.distributed = list(self.distributed)
+        return other
+
     def placement(self, ids: Sequence[int]) -> tuple[int, ...]:
         """Placement of ``ids`` in that order."""
         return tuple(self.where[sid] for sid in ids)
@@ -192,35 +205,38 @@ def place_micro_batch(
     # slower than the first ended (single moves rarely recover a gap; this bounds the planning
     # time). It is not built when the first sharded nothing by choice (it would be the same
     # placement), nor when a sequence the first sharded by choice would alone, kept whole,
-    # take as long as the first's whole micro-batch (then it cannot start faster).
-    best = _construct(ids, costs, bucket_size, look_ahead=True)
-    if best is not None:
+    # take as long as the first's whole micro-batch (then it cannot start faster). Both start
+    # from the same forced shards.
+    forced = _forced(ids, costs, bucket_size)
+    if forced is None:
+        return None
+    base, rest = forced
+    best: CpGroupState | None = base.copy()
+    if _greedy(best, rest, look_ahead=True):
         chosen, chosen_max = best.chosen_shards, best.chosen_local_max
         _improve(best, max_moves=2 * len(ids) + costs.cp_size)
         if chosen == 0 or chosen_max >= best.estimate():
             return best.placement(ids)
+    else:
+        best = None
     give_up = None if best is None else _SECOND_START_SLACK * best.estimate()
-    other = _construct(ids, costs, bucket_size, look_ahead=False, give_up_at=give_up)
-    if other is not None and (give_up is None or other.estimate() < give_up):
+    if give_up is not None and _paper_rule_gives_up(base, rest, give_up):
+        return best.placement(ids)  # type: ignore[union-attr]
+    other = base  # the last use of the forced state: no copy needed
+    if _greedy(other, rest, look_ahead=False, give_up_at=give_up) and (
+        give_up is None or other.estimate() < give_up
+    ):
         _improve(other, max_moves=2 * len(ids) + costs.cp_size)
         if best is None or other.estimate() < best.estimate():
             best = other
     return None if best is None else best.placement(ids)
 
 
-def _construct(
-    ids: Sequence[int],
-    costs: SequenceCosts,
-    bucket_size: int,
-    look_ahead: bool,
-    give_up_at: float | None = None,
-) -> CpGroupState | None:
-    """First placement: forced shards, then the longest-first greedy.
-
-    Returns ``None`` when the micro-batch does not fit, or when the slowest rank plus the
-    distributed compute reaches ``give_up_at`` while placing (the construction is then not
-    worth finishing).
-    """
+def _forced(
+    ids: Sequence[int], costs: SequenceCosts, bucket_size: int
+) -> tuple[CpGroupState, list[int]] | None:
+    """The state with every sequence longer than ``bucket_size`` distributed, and the other
+    sequences longest first; ``None`` when the forced shards alone overflow a rank."""
     lengths = costs.lengths
     state = CpGroupState(costs, bucket_size)
     rest = []
@@ -229,9 +245,39 @@ def _construct(
             state.put_distributed(sid)
         else:
             rest.append(sid)
-    if state.reserved > bucket_size or not _greedy(state, rest, look_ahead, give_up_at):
+    if state.reserved > bucket_size:
         return None
-    return state
+    return state, rest
+
+
+def _paper_rule_gives_up(base: CpGroupState, rest: Sequence[int], give_up_at: float) -> bool:
+    """Whether :func:`_greedy` with the paper's rule, started from ``base``, stops by its first
+    local placement, answered without building anything.
+
+    Until a sequence stays whole, every rank holds only the shards, so the rule distributes each
+    sequence that does not fit next to them (failing when even its shard does not fit) and keeps
+    the first one that fits whole on rank 0, giving up when that rank plus the distributed compute
+    reaches ``give_up_at``; this replays exactly that prefix.
+    """
+    c = base.costs
+    lengths, cap = c.lengths, base.cap
+    reserved, dist_tokens, dist_compute = base.reserved, base.dist_tokens, base.dist_compute
+    for sid in rest:
+        s = lengths[sid]
+        if s + reserved <= cap:
+            comm = c.comm(dist_tokens)
+            att = c.local_attention(sid)
+            first = c.linear(sid) + (att if att > comm else comm)
+            return first + dist_compute >= give_up_at
+        shard = c.shard(sid)
+        if reserved + shard > cap:
+            return True  # nothing local to roll back: the construction fails
+        reserved += shard
+        dist_tokens += s
+        dist_compute += c.distributed(sid)
+        if c.comm(dist_tokens) + dist_compute >= give_up_at:
+            return True
+    return False
 
 
 def _greedy(
@@ -257,6 +303,7 @@ def _greedy(
     tail_lin = [0.0] * (len(rest) + 1)
     tail_att = [0.0] * (len(rest) + 1)
     lin_of, att_of = costs.linear_table, costs.local_attention_table
+    comm_fixed, comm_per_token = costs.comm_fixed, costs.comm_per_token
     for i in range(len(rest) - 1, -1, -1):
         tail_lin[i] = tail_lin[i + 1] + lin_of[rest[i]]
         tail_att[i] = tail_att[i + 1] + att_of[rest[i]]
@@ -270,11 +317,14 @@ def _greedy(
         s = lengths[sid]
         lin_k, att_k = lin_of[sid], att_of[sid]
         while True:
-            if times is None:  # the communication changed: every rank's time did
-                times = state.rank_times(comm)
-            rank = times.index(min(times))  # first minimum: lowest rank on ties
-            if tokens[rank] + state.reserved + s > cap:
-                rank = _least_loaded_with_room(state, sid, times)
+            if times is None and min(tokens) + state.reserved + s > cap:
+                rank = -1  # fits no rank whole: the rank times are not needed yet
+            else:
+                if times is None:  # the communication changed: every rank's time did
+                    times = state.rank_times(comm)
+                rank = times.index(min(times))  # first minimum: lowest rank on ties
+                if tokens[rank] + state.reserved + s > cap:
+                    rank = _least_loaded_with_room(state, sid, times)
             go_local = rank >= 0
             if go_local and look_ahead:
                 # Mean rank time once everything left is placed locally (a lower bound).
@@ -289,15 +339,17 @@ def _greedy(
                 )
                 mean_lin -= lin_k / n
                 mean_att -= att_k / n
-                comm2 = costs.comm(state.dist_tokens + s)
+                comm2 = comm_fixed + comm_per_token * (state.dist_tokens + s)  # costs.comm
                 as_dist = max(
                     max_lin + comm2,
                     max_lin_att,
                     mean_lin + (mean_att if mean_att > comm2 else comm2),
                 )
-                # The exact distributed cost is O(log) to compute: try its lower bound first.
+                # The exact distributed cost is O(log) to compute: try its lower bounds first
+                # (the linear part alone, then the cheap bound of the whole).
                 if (
-                    as_dist + costs.distributed_lower_bound(sid) < as_local
+                    as_dist + lin_k / n < as_local
+                    and as_dist + costs.distributed_lower_bound(sid) < as_local
                     and as_dist + costs.distributed(sid) < as_local
                     and state.can_distribute(sid)
                 ):
@@ -310,7 +362,7 @@ def _greedy(
                 a = attn[rank] = attn[rank] + att_k
                 where[sid] = rank
                 state.members[rank].append(sid)
-                times[rank] = lin + (a if a > comm else comm)
+                times[rank] = lin + (a if a > comm else comm)  # type: ignore[index]
                 max_lin = lin if lin > max_lin else max_lin
                 max_lin_att = lin + a if lin + a > max_lin_att else max_lin_att
                 sum_lin += lin_k
@@ -368,12 +420,12 @@ def _improve(state: CpGroupState, max_moves: int) -> None:
         times = [lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True)]
         top = max(times)
         b = times.index(top)
-        ranked = sorted(range(n), key=times.__getitem__)
         best = (top + dc) * (1.0 - _REL_GAIN)
         move: tuple[int, int, int] | None = None  # (kind, sid, rank): 0 move, 1 shard, 2 back
         room = cap - state.reserved
 
         # (a) move a local sequence of the slowest rank to the least-loaded rank with room.
+        ranked = sorted(range(n), key=times.__getitem__) if state.members[b] else []
         for sid in state.members[b]:
             s = lengths[sid]
             lin, att = c.linear(sid), c.local_attention(sid)
