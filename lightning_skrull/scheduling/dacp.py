@@ -313,12 +313,13 @@ def _greedy(
     max_lin = max(linear)
     max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
     sum_lin, sum_att = sum(linear), sum(attn)
+    min_tokens = min(tokens)
     for i, sid in enumerate(rest):
         s = lengths[sid]
         lin_k, att_k = lin_of[sid], att_of[sid]
         while True:
-            if times is None and min(tokens) + state.reserved + s > cap:
-                rank = -1  # fits no rank whole: the rank times are not needed yet
+            if min_tokens + state.reserved + s > cap:
+                rank = -1  # fits no rank whole
             else:
                 if times is None:  # the communication changed: every rank's time did
                     times = state.rank_times(comm)
@@ -358,6 +359,7 @@ def _greedy(
                     state.chosen_local_max = max(state.chosen_local_max, lin_k + att_k)
             if go_local:
                 tokens[rank] += s
+                min_tokens = min(tokens)
                 lin = linear[rank] = linear[rank] + lin_k
                 a = attn[rank] = attn[rank] + att_k
                 where[sid] = rank
@@ -381,6 +383,7 @@ def _greedy(
                 return False
             comm = costs.comm(state.dist_tokens)
             times = None
+            min_tokens = min(tokens)
             max_lin = max(linear)
             max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
             sum_lin, sum_att = sum(linear), sum(attn)
