@@ -1,0 +1,62 @@
+"""The paper-scale simulation benchmark: its ceiling really bounds every policy, and a missed
+target it cannot reach says so."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location(
+        "simulate_paper", ROOT / "benchmarks" / "simulate_paper.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["simulate_paper"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sim = _load()
+
+
+def test_ceiling_bounds_every_policy_and_marks_unreachable_targets() -> None:
+    small = sim.settings()[0]
+    results = {}
+    for dataset in sim.DATASETS[:1] + sim.DATASETS[2:]:
+        res = sim.run_setting(small, dataset, batches=2, seed=0)
+        results[(small.model, dataset.name)] = res
+        ceiling = res[sim.CEILING]
+        for policy, r in res.items():
+            if policy == sim.CEILING:
+                continue
+            # Every plan is at or above the lower bound, so no policy beats the ceiling
+            # (float summation order only).
+            assert r["vs_bound"] >= 1.0 - 1e-9, policy
+            assert r["vs_deepspeed"] <= ceiling["vs_deepspeed"] * (1 + 1e-9), policy
+            assert r["vs_static"] <= ceiling["vs_static"] * (1 + 1e-9), policy
+    lines = sim.target_lines(results, cluster=[])
+    for (model, dataset), res in results.items():
+        paper = sim.PAPER_SPEEDUP[(model, dataset)]
+        (line,) = [x for x in lines if f"/ {dataset}:" in x and "paper's" in x]
+        unreachable = res[sim.CEILING]["vs_deepspeed"] < paper
+        assert ("no plan can reach it" in line) == unreachable
+        assert line.startswith("- met") == (res["skrull"]["vs_deepspeed"] >= paper)
+
+
+def test_report_has_the_ceiling_table() -> None:
+    small = sim.settings()[0]
+    dataset = sim.DATASETS[0]
+    results = {(small.model, dataset.name): sim.run_setting(small, dataset, batches=1, seed=0)}
+    sensitivity = {(small.model, dataset.name): [1.0] * len(sim.OVERHEADS_S)}
+
+    class Args:
+        batches, seed = 1, 0
+
+    report = sim.format_tables(results, [("Wikipedia", 1.0, 2.0)], sensitivity, Args)
+    assert "| model | dataset | ceiling vs static | ceiling vs deepspeed |" in report
+    assert "| ceiling |" not in report  # the ceiling is not listed as a policy
