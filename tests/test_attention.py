@@ -320,3 +320,88 @@ def test_sdpa_attention_is_the_sdpa_backend_entry_point() -> None:
     out = unpack([layout], [sdpa_attention(q, k, v, ctx)])
     for s in ids:
         assert (out[s] - _reference(*seqs[s])).abs().max().item() < 1e-10
+
+
+def _varlen_reference(bottom_right: bool = True):
+    """``flash_attn_varlen_func`` as flash-attn documents it, in plain PyTorch (any device).
+
+    Segment ``i`` is queries ``q[cu_q[i]:cu_q[i+1]]`` against keys ``k[cu_k[i]:cu_k[i+1]]``;
+    with ``causal=True`` and ``seqlen_q < seqlen_k`` the mask is aligned to the bottom right
+    (flash-attn >= 2.1): query ``j`` sees keys ``0 .. j + seqlen_k - seqlen_q``. GQA shares
+    each K/V head among ``Hq / Hkv`` query heads. It also checks what the kernel requires of
+    its arguments (int32 offsets on the tensors' device, ``max_seqlen`` covering every segment),
+    which a wrong call would violate silently on a GPU. ``bottom_right=False`` gives the
+    top-left alignment of older flash-attn, to show the tests notice the difference.
+    """
+
+    def varlen(
+        q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
+    ):
+        for cu, rows in ((cu_seqlens_q, q.shape[0]), (cu_seqlens_k, k.shape[0])):
+            assert cu.dtype == torch.int32 and cu.device == q.device
+            assert cu[0].item() == 0 and cu[-1].item() == rows
+            assert bool((cu[1:] >= cu[:-1]).all())
+        assert cu_seqlens_q.numel() == cu_seqlens_k.numel()
+        assert max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
+        assert max_seqlen_k >= int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
+        assert causal and q.shape[1] % k.shape[1] == 0
+        groups = q.shape[1] // k.shape[1]
+        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
+        outs = []
+        for i in range(cu_seqlens_q.numel() - 1):
+            qs = q[int(cu_seqlens_q[i]) : int(cu_seqlens_q[i + 1])]
+            ks = k[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])].repeat_interleave(groups, 1)
+            vs = v[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])].repeat_interleave(groups, 1)
+            lq, lk = qs.shape[0], ks.shape[0]
+            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
+            offset = lk - lq if bottom_right else 0
+            rows = torch.arange(lq).unsqueeze(1)
+            cols = torch.arange(lk).unsqueeze(0)
+            scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
+        return torch.cat(outs)
+
+    return varlen
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+@pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 1)])
+def test_flash_backend_call_contract_on_cpu(monkeypatch, cp_size: int, hq: int, hkv: int) -> None:
+    # The flash backend's own code (offsets, key prefixes copied end to end, max lengths, the
+    # bottom-right causal alignment it relies on) checked on CPU against whole-sequence SDPA,
+    # with flash-attn's kernel replaced by its documented semantics; forward and gradients,
+    # float64 to 1e-10. The kernel itself is checked on GPU (test_flash_equals_sdpa_...).
+    monkeypatch.setattr(flash_backend, "_varlen_func", _varlen_reference)
+    rng = random.Random(100 + cp_size * 10 + hkv)
+    for trial in range(4):
+        lengths, ids, placement = _random_case(rng, cp_size)
+        seqs = {
+            s: tuple(t.requires_grad_() for t in qkv)
+            for s, qkv in _random_seqs(lengths, ids, hq, hkv, torch.float64).items()
+        }
+        layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+        scale = 0.3 if trial % 2 else None
+        got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, scale, "flash"))
+        grads = {s: torch.randn_like(got[s]) for s in ids}
+        torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
+        got_grads = {s: [t.grad.clone() for t in seqs[s]] for s in ids}
+        for s in ids:
+            ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
+            want = _reference(*ref_in, scale=scale)
+            want.backward(grads[s])
+            err = (got[s].detach() - want.detach()).abs().max().item()
+            assert err < 1e-10, (lengths, ids, placement, s, err)
+            for name, g, r in zip("qkv", got_grads[s], ref_in, strict=True):
+                assert (g - r.grad).abs().max().item() < 1e-10, (s, name)
+
+
+def test_flash_backend_contract_test_notices_top_left_alignment(monkeypatch) -> None:
+    # The distributed chunks need bottom-right alignment; a kernel aligned top-left gives
+    # other outputs, so the contract test above would fail on it.
+    monkeypatch.setattr(flash_backend, "_varlen_func", lambda: _varlen_reference(False))
+    lengths, ids, placement = [9, 12], [0, 1], [DISTRIBUTED, 0]
+    seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
+    layouts = build_rank_layouts(ids, placement, lengths, cp_size=2)
+    got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, None, "flash"))
+    assert (got[1] - _reference(*seqs[1])).abs().max().item() < 1e-10  # local: square, same
+    assert (got[0] - _reference(*seqs[0])).abs().max().item() > 1e-3
