@@ -405,3 +405,102 @@ def test_flash_backend_contract_test_notices_top_left_alignment(monkeypatch) -> 
     got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, None, "flash"))
     assert (got[1] - _reference(*seqs[1])).abs().max().item() < 1e-10  # local: square, same
     assert (got[0] - _reference(*seqs[0])).abs().max().item() > 1e-3
+
+
+def test_checkpoint_recompute_on_another_thread_finds_the_context() -> None:
+    # On CUDA, autograd runs backward (and so the recomputation of checkpointed layers) on its
+    # own device thread, where context variables set by the training loop are not visible. A
+    # backward started from a fresh thread reproduces that on CPU: the recomputed attention
+    # must still find the micro-batch's context, and the gradients must equal a run without
+    # checkpointing. float64, 1e-10.
+    import threading
+
+    transformers = pytest.importorskip("transformers")
+    register_skrull_attention()
+    config = transformers.Qwen2Config(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    lengths = [5, 9, 3]
+    gen = torch.Generator().manual_seed(0)
+    tokens = {s: torch.randint(0, 64, (n,), generator=gen) for s, n in enumerate(lengths)}
+    layout = build_rank_layout([0, 1, 2], [0, DISTRIBUTED, 0], lengths, cp_rank=0, cp_size=1)
+    input_ids = pack(layout, tokens).unsqueeze(0)
+    position_ids = torch.tensor([layout.position_ids])
+
+    def grads(checkpointed: bool) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = transformers.Qwen2ForCausalLM(config).double().train()
+        model.set_attn_implementation("skrull")
+        if checkpointed:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        errors: list[BaseException] = []
+        with attention_context(SkrullAttentionContext.build(layout)):
+            loss = model(input_ids=input_ids, position_ids=position_ids).logits.square().mean()
+
+            def backward() -> None:
+                try:
+                    loss.backward()
+                except BaseException as err:  # re-raised in the test thread
+                    errors.append(err)
+
+            thread = threading.Thread(target=backward)
+            thread.start()
+            thread.join()
+        if errors:
+            raise errors[0]
+        return {n: p.grad for n, p in model.named_parameters()}
+
+    plain, checkpointed = grads(False), grads(True)
+    for name, g in plain.items():
+        assert (checkpointed[name] - g).abs().max().item() < 1e-10, name
+
+
+def test_context_seen_from_a_thread_without_one_only_when_unambiguous() -> None:
+    import threading
+
+    one = SkrullAttentionContext.build(build_rank_layout([0], [0], [3], cp_rank=0, cp_size=1))
+    two = SkrullAttentionContext.build(build_rank_layout([0], [0], [5], cp_rank=0, cp_size=1))
+
+    def look() -> object:
+        seen: list[object] = []
+
+        def run() -> None:
+            try:
+                seen.append(current_attention_context())
+            except RuntimeError as err:
+                seen.append(err)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        return seen[0]
+
+    with attention_context(one), attention_context(two):
+        assert look() is two  # the innermost context of the one thread that has any
+        opened, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with attention_context(one):
+                opened.set()
+                release.wait()
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        opened.wait()
+        try:
+            err = look()
+            assert isinstance(err, RuntimeError) and "ambiguous" in str(err)
+            assert current_attention_context() is two  # a thread's own context always wins
+        finally:
+            release.set()
+            holder.join()
+    err = look()
+    assert isinstance(err, RuntimeError) and "outside attention_context" in str(err)

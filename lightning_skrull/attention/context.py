@@ -18,6 +18,7 @@ Example::
 from __future__ import annotations
 
 import contextvars
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -173,10 +174,21 @@ _CURRENT: contextvars.ContextVar[SkrullAttentionContext | None] = contextvars.Co
     "skrull_attention_context", default=None
 )
 
+# Contexts open anywhere in the process, innermost last, with the thread that opened each. On
+# CUDA, autograd runs backward, and with it the recomputation of checkpointed layers, on its own
+# device thread, which does not see the training loop's context variables; there the open
+# context is looked up here instead (only when a single thread has contexts open, so it is
+# unambiguous).
+_OPEN: list[tuple[int, SkrullAttentionContext]] = []
+_OPEN_LOCK = threading.Lock()
+
 
 @contextmanager
 def attention_context(ctx: SkrullAttentionContext) -> Iterator[SkrullAttentionContext]:
     """Make ``ctx`` the current attention context inside the ``with`` block (nestable).
+
+    The context is visible in this thread (a context variable) and, while no other thread has
+    a context open, to threads that run this thread's backward (autograd's device threads).
 
     Raises:
         TypeError: ``ctx`` is not a :class:`SkrullAttentionContext`.
@@ -186,25 +198,47 @@ def attention_context(ctx: SkrullAttentionContext) -> Iterator[SkrullAttentionCo
             f"attention_context expects a SkrullAttentionContext, got {type(ctx).__name__}; "
             "build one with SkrullAttentionContext.build(layout, ...)."
         )
+    entry = (threading.get_ident(), ctx)
     token = _CURRENT.set(ctx)
+    with _OPEN_LOCK:
+        _OPEN.append(entry)
     try:
         yield ctx
     finally:
         _CURRENT.reset(token)
+        with _OPEN_LOCK:
+            for i in range(len(_OPEN) - 1, -1, -1):
+                if _OPEN[i][0] == entry[0] and _OPEN[i][1] is ctx:
+                    del _OPEN[i]
+                    break
 
 
 def current_attention_context() -> SkrullAttentionContext:
-    """The context set by the innermost :func:`attention_context`.
+    """The context set by this thread's innermost :func:`attention_context`.
+
+    On a thread without one (autograd's device thread running a backward on CUDA), the
+    innermost context open in the process, provided a single thread has contexts open.
 
     Raises:
         RuntimeError: called outside ``attention_context`` (the model ran the ``"skrull"``
-            attention without the engine setting this micro-batch's layout).
+            attention without the engine setting this micro-batch's layout), or from a thread
+            without one while several threads have one open (ambiguous).
     """
     ctx = _CURRENT.get()
-    if ctx is None:
+    if ctx is not None:
+        return ctx
+    with _OPEN_LOCK:
+        threads = {ident for ident, _ in _OPEN}
+        if len(threads) == 1:  # e.g. autograd's device thread running that thread's backward
+            return _OPEN[-1][1]
+    if len(threads) > 1:
         raise RuntimeError(
-            "the 'skrull' attention ran outside attention_context(...): no micro-batch layout is "
-            "set. Run the forward inside `with attention_context(SkrullAttentionContext.build("
-            "layout, group=..., device=...)):` (the Skrull engine/strategy does this for you)."
+            "the 'skrull' attention ran on a thread without its own attention_context while "
+            f"{len(threads)} threads have one open, so it is ambiguous which micro-batch it "
+            "belongs to; run each model's forward and backward from one thread at a time."
         )
-    return ctx
+    raise RuntimeError(
+        "the 'skrull' attention ran outside attention_context(...): no micro-batch layout is "
+        "set. Run the forward inside `with attention_context(SkrullAttentionContext.build("
+        "layout, group=..., device=...)):` (the Skrull engine/strategy does this for you)."
+    )
