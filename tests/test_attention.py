@@ -42,6 +42,16 @@ from lightning_skrull.attention.layout import RankLayout
 from lightning_skrull.scheduling.plan import DISTRIBUTED
 
 HEAD_DIM = 8
+TINY_DECODER = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "use_cache": False,
+}
+"""Config of the tiny HF decoders these tests run (GQA: 4 query heads, 2 K/V heads)."""
 
 
 def _reference(
@@ -262,15 +272,7 @@ def test_registration_and_a_tiny_hf_model_on_packed_input() -> None:
     transformers = pytest.importorskip("transformers")
     assert register_skrull_attention() == ATTENTION_NAME == register_skrull_attention()
     assert transformers.AttentionInterface()["skrull"] is skrull_attention_forward
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
+    config = transformers.LlamaConfig(**TINY_DECODER)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).double().eval()
     lengths = [5, 9, 3]
@@ -417,15 +419,7 @@ def test_checkpoint_recompute_on_another_thread_finds_the_context() -> None:
 
     transformers = pytest.importorskip("transformers")
     register_skrull_attention()
-    config = transformers.Qwen2Config(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
+    config = transformers.Qwen2Config(**TINY_DECODER)
     lengths = [5, 9, 3]
     gen = torch.Generator().manual_seed(0)
     tokens = {s: torch.randint(0, 64, (n,), generator=gen) for s, n in enumerate(lengths)}
