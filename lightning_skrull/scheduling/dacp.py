@@ -219,9 +219,11 @@ def place_micro_batch(
             return best.placement(ids)
     else:
         best = None
-    give_up = None if best is None else _SECOND_START_SLACK * best.estimate()
-    if give_up is not None and _paper_rule_gives_up(base, rest, give_up):
-        return best.placement(ids)  # type: ignore[union-attr]
+    give_up = None
+    if best is not None:
+        give_up = _SECOND_START_SLACK * best.estimate()
+        if _paper_rule_gives_up(base, rest, give_up):
+            return best.placement(ids)
     other = base  # the last use of the forced state: no copy needed
     if _greedy(other, rest, look_ahead=False, give_up_at=give_up) and (
         give_up is None or other.estimate() < give_up
