@@ -4,14 +4,11 @@ perplexity metric equals a one-process computation, and a short fit runs end to 
 from __future__ import annotations
 
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from lightning_skrull import SkrullDataModule
 from lightning_skrull.cli import (
@@ -126,18 +123,6 @@ def test_module_builds_the_tiny_qwen2_5() -> None:
     assert module.model.config.num_key_value_heads == 2
     config = module.configure_optimizers()
     assert config["lr_scheduler"]["interval"] == "step"
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def test_short_fit_prints_speed_and_plan_statistics(

@@ -4,15 +4,12 @@ world-of-one fit that must equal plain HF training (the multi-process cases are 
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
 import lightning.pytorch as L
 import pytest
 import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import StrategyRegistry
 from test_strategy_multiprocess import (
     BUCKET,
@@ -33,19 +30,6 @@ from lightning_skrull import (
     SkrullZero2Strategy,
 )
 from lightning_skrull.scheduling import CostModel
-
-
-@pytest.fixture
-def world_of_one() -> Iterator[None]:
-    """A Trainer run in this process makes a one-rank process group; remove it afterwards."""
-    saved = dict(os.environ)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
