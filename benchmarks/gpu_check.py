@@ -1,16 +1,18 @@
 """GPU check: backends agree, step throughput under skrull and static, memory against the budget.
 
 Run through ``benchmarks/gpu_check.sh`` on one NVIDIA GPU (only PyTorch and this package
-needed; flash-attn is used when installed). Three checks, one summary block, one JSON file:
+needed; the ``flash`` backend runs flash-attn when installed, else PyTorch's own varlen kernel).
+Three checks, one summary block, one JSON file:
 
 1. **Backends agree.** The ``flash`` and ``sdpa`` backends give the same attention output and
    input gradients on the same packed layout (local sequences and sequences on the distributed
    path, bf16), and the Skrull model loss with each backend equals the plain Hugging Face model
-   run one sequence at a time. Without flash-attn only the second part runs.
+   run one sequence at a time. Without a varlen kernel only the second part runs.
 2. **Throughput.** Training steps (forward, backward, AdamW) of a Qwen2.5-0.5B-shaped model with
-   random bf16 weights at CP=1, the same global batches under ``skrull`` and ``static``,
-   interleaved; median step time and tokens/s per policy, for a Wikipedia-like and a
-   ChatQA2-like global batch (the paper's length shares, lengths cut to the bucket).
+   random bf16 weights at CP=1, the same global batches under ``skrull`` and ``static`` (sdpa
+   attention) and ``skrull`` with the flash backend, interleaved; median step time and tokens/s
+   per run, for a Wikipedia-like and a ChatQA2-like global batch (the paper's length shares,
+   lengths cut to the bucket).
 3. **Memory.** Peak CUDA memory of one-sequence steps at three token counts is fitted with
    :func:`lightning_skrull.memory.fit_memory_model`; the fit's prediction for the largest
    micro-batch of the throughput steps is compared with their measured peak, and
@@ -79,6 +81,8 @@ SHARES = {
 }
 EDGES = (1_024, 4_096, 8_192, 32_768, 131_072)
 POLICIES = ("skrull", "static")
+FLASH_RUN = "skrull+flash"
+"""The throughput run of the ``skrull`` policy with the flash backend (when a kernel exists)."""
 
 # bf16 keeps 8 mantissa bits: two correct kernels that sum in different orders differ by a few
 # bf16 ulps of values of order 1 (measured up to ~1e-2 on attention outputs of flash-attn vs
@@ -154,7 +158,7 @@ def _model(config: dict[str, Any], dtype: torch.dtype, device: torch.device, att
 def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
     """Flash vs SDPA on the same layout, and the Skrull model loss vs plain HF."""
     from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
-    from lightning_skrull.attention.flash import flash_attn_available
+    from lightning_skrull.attention.flash import flash_kernel
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.engine import micro_batch_context
     from lightning_skrull.models import prepare_model
@@ -169,8 +173,8 @@ def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
     plan = GlobalBatchPlan(
         ((mb,),), dp_size=1, cp_size=1, bucket_size=sum(lengths), policy="skrull"
     )
-    out: dict[str, Any] = {"lengths": lengths, "flash_available": flash_attn_available()}
-    flash = device.type == "cuda" and out["flash_available"]
+    out: dict[str, Any] = {"lengths": lengths, "flash_kernel": flash_kernel()}
+    flash = device.type == "cuda" and out["flash_kernel"] is not None
     if flash:
         from lightning_skrull.attention.flash import flash_attention
         from lightning_skrull.attention.sdpa import sdpa_attention
@@ -203,7 +207,7 @@ def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
     else:
         out["flash_vs_sdpa_ok"] = None
         out["flash_vs_sdpa_skipped"] = (
-            "flash-attn is not installed" if device.type == "cuda" else "flash-attn needs CUDA"
+            "no varlen kernel installed" if device.type == "cuda" else "flash needs CUDA"
         )
     # The Skrull model (each backend) against the plain HF model, one sequence at a time.
     g = torch.Generator().manual_seed(1)
@@ -230,7 +234,8 @@ def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
 
 # --------------------------------------------------------------------------- 2. throughput
 def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
-    """Median step time and tokens/s of ``skrull`` and ``static`` at CP=1, interleaved."""
+    """Median step time and tokens/s of ``skrull`` and ``static`` (sdpa) and of ``skrull`` with
+    the flash backend when a kernel exists, at CP=1, interleaved."""
     from lightning_skrull.data.collate import tokens_per_cp_rank
     from lightning_skrull.distributed import ParallelLayout
     from lightning_skrull.engine import train_step
@@ -243,11 +248,15 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     rng = random.Random(0)
     vocab = s.model["vocab_size"]
-    from lightning_skrull.attention import resolve_backend
+    from lightning_skrull.attention.flash import flash_kernel
 
+    runs = {p: (p, "sdpa") for p in POLICIES}
+    if device.type == "cuda" and flash_kernel() is not None:
+        runs[FLASH_RUN] = ("skrull", "flash")
     out: dict[str, Any] = {
         "bucket_size": s.bucket_size,
-        "attention_backend": resolve_backend("auto", device),
+        "attention_backend": "sdpa",
+        "flash_kernel": flash_kernel() if FLASH_RUN in runs else None,
         "datasets": {},
     }
     peak = 0
@@ -259,11 +268,13 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
             batches.append(
                 [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
             )
-        times: dict[str, list[float]] = {p: [] for p in POLICIES}
-        tokens: dict[str, list[int]] = {p: [] for p in POLICIES}
+        times: dict[str, list[float]] = {r: [] for r in runs}
+        tokens: dict[str, list[int]] = {r: [] for r in runs}
         skipped = 0
+        order = list(runs)
         for k, samples in enumerate(batches):
-            for policy in POLICIES if k % 2 == 0 else POLICIES[::-1]:
+            for run in order[k % len(order) :] + order[: k % len(order)]:  # rotate the order
+                policy, backend = runs[run]
                 if time.monotonic() > deadline:
                     skipped += 1
                     continue
@@ -279,6 +290,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
                     bucket_size=s.bucket_size,
                     policy=policy,
                     cost_model=cost_model,
+                    backend=backend,
                     verify_plan=False,
                 )
                 _sync(device)
@@ -292,21 +304,25 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
                     if step_peak > peak:
                         peak, peak_tokens = step_peak, most
                 if k > 0:
-                    times[policy].append(elapsed)
-                    tokens[policy].append(sum(lengths))
+                    times[run].append(elapsed)
+                    tokens[run].append(sum(lengths))
         cell: dict[str, Any] = {"global_batch": size, "skipped_steps": skipped}
-        for policy in POLICIES:
-            if times[policy]:
-                rates = [n / t for n, t in zip(tokens[policy], times[policy])]
-                cell[policy] = {
-                    "steps": len(times[policy]),
-                    "median_step_s": statistics.median(times[policy]),
+        for run in runs:
+            if times[run]:
+                rates = [n / t for n, t in zip(tokens[run], times[run])]
+                cell[run] = {
+                    "steps": len(times[run]),
+                    "median_step_s": statistics.median(times[run]),
                     "median_tokens_per_s": statistics.median(rates),
-                    "tokens_per_step": statistics.median(tokens[policy]),
+                    "tokens_per_step": statistics.median(tokens[run]),
                 }
         if all(p in cell for p in POLICIES):
             cell["skrull_speedup"] = (
                 cell["static"]["median_step_s"] / cell["skrull"]["median_step_s"]
+            )
+        if "skrull" in cell and FLASH_RUN in cell:
+            cell["flash_speedup"] = (
+                cell["skrull"]["median_step_s"] / cell[FLASH_RUN]["median_step_s"]
             )
         out["datasets"][name] = cell
     out["peak_bytes"] = peak or None
@@ -373,7 +389,8 @@ def summary(report: dict[str, Any]) -> str:
         lines.append(f"flash vs sdpa: skipped ({b['flash_vs_sdpa_skipped']})")
     else:
         lines.append(
-            f"flash vs sdpa: {'OK' if b['flash_vs_sdpa_ok'] else 'MISMATCH'} (max |out diff| "
+            f"flash ({b.get('flash_kernel')} kernel) vs sdpa: "
+            f"{'OK' if b['flash_vs_sdpa_ok'] else 'MISMATCH'} (max |out diff| "
             f"{b['flash_vs_sdpa_max_abs_diff']:.2e}, max rel grad diff "
             f"{b['flash_vs_sdpa_max_rel_grad_diff']:.2e}, tolerance {BF16_ATOL})"
         )
@@ -385,18 +402,22 @@ def summary(report: dict[str, Any]) -> str:
                 f"{b['reference_loss']:.6f})"
             )
     t = report["throughput"]
+    flash = f"; {FLASH_RUN}: {t['flash_kernel']} kernel" if t.get("flash_kernel") else ""
     lines.append(
-        f"throughput at CP=1, bucket {t['bucket_size']} tokens, {t['attention_backend']} attention:"
+        f"throughput at CP=1, bucket {t['bucket_size']} tokens, {t['attention_backend']} "
+        f"attention{flash}:"
     )
     for name, cell in t["datasets"].items():
         parts = []
-        for p in POLICIES:
+        for p in (*POLICIES, FLASH_RUN):
             if p in cell:
                 c = cell[p]
                 parts.append(
                     f"{p} {c['median_step_s']:.3f} s/step {c['median_tokens_per_s']:,.0f} tok/s"
                 )
         speed = f", skrull {cell['skrull_speedup']:.2f}x" if "skrull_speedup" in cell else ""
+        if "flash_speedup" in cell:
+            speed += f", flash {cell['flash_speedup']:.2f}x"
         skipped = (
             f" ({cell['skipped_steps']} steps skipped: deadline)" if cell["skipped_steps"] else ""
         )

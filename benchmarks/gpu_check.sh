@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # GPU check of lightning-skrull on one NVIDIA GPU, in under 8 minutes.
 #
-# Needs only PyTorch (a CUDA build) and this package installed (`pip install -e .`); flash-attn
-# is used when it is installed. Checks that the flash and SDPA attention backends agree, measures
+# Needs only PyTorch (a CUDA build) and this package (installed, or the checkout on PYTHONPATH);
+# the flash backend runs flash-attn when it is installed, else PyTorch's own varlen kernel. Checks that the flash and SDPA attention backends agree, measures
 # tokens/s of a Qwen2.5-0.5B-shaped random model under the skrull and static policies at CP=1,
 # and compares peak CUDA memory with the fitted per-token memory model. Prints one summary block
 # and writes JSON to $OUT/gpu_check.json (or benchmarks/out/gpu_check.json, or --json PATH).
@@ -32,7 +32,19 @@ if [ "$device" != cpu ]; then
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-python -c "from importlib.metadata import version as v; print('torch', v('torch'), '| lightning-skrull', v('lightning-skrull'))"
+python - <<'EOF'
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+from lightning_skrull.attention.flash import flash_kernel
+
+try:
+    mine = version("lightning-skrull")
+except PackageNotFoundError:  # run from a checkout on PYTHONPATH
+    mine = "from source"
+print("torch", torch.__version__, "| lightning-skrull", mine, "| flash kernel:", flash_kernel())
+EOF
 
 # The Python side stops measuring at --budget-s (360 s by default) and reports what ran; the
 # outer limit only catches a hang.

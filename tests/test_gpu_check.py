@@ -71,7 +71,7 @@ def test_summary_flags_a_mismatch() -> None:
         "wall_s": 1.0,
     }
     text = gpu_check.summary(report)
-    assert "flash vs sdpa: MISMATCH" in text
+    assert "vs sdpa: MISMATCH" in text
     assert "skrull loss (sdpa) vs plain HF: MISMATCH" in text
     assert "passed: False" in text
 

@@ -211,15 +211,15 @@ def test_prepare_refuses_non_models_and_unknown_backends() -> None:
         prepare_model(tiny_model("qwen2"), backend="bogus")
 
 
-def test_flash_backend_needs_flash_attn() -> None:
-    from lightning_skrull.attention.flash import flash_attn_available
+def test_flash_backend_needs_a_varlen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_skrull.attention import flash
 
     model = tiny_model("qwen2")
-    if flash_attn_available():
+    if flash.flash_kernel() is not None:  # flash-attn, or torch.nn.attention.varlen
         assert prepare_model(model, backend="flash") is model
-    else:
-        with pytest.raises(ValueError, match="needs the flash-attn package"):
-            prepare_model(model, backend="flash")
+    monkeypatch.setattr(flash, "flash_kernel", lambda: None)
+    with pytest.raises(ValueError, match="needs a FlashAttention varlen kernel"):
+        prepare_model(model, backend="flash")
 
 
 class _Holder(nn.Module):

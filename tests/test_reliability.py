@@ -299,13 +299,14 @@ def test_flash_backend_without_cuda_is_refused(clean_world: None) -> None:
     assert module.losses == []
 
 
-def test_flash_backend_without_flash_attn_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_flash_backend_without_a_kernel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     from lightning_skrull.attention import flash
 
     monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
-    with pytest.raises(ValueError, match=r"'flash' needs flash-attn, not installed"):
+    monkeypatch.setattr(flash, "torch_varlen_available", lambda: False)
+    with pytest.raises(ValueError, match=r"'flash' needs a FlashAttention varlen kernel.*neither"):
         flash.resolve_backend("flash", "cuda")  # what every micro-batch resolves on a GPU
-    with pytest.raises(ValueError, match=r"needs the flash-attn package.*backend='sdpa'"):
+    with pytest.raises(ValueError, match=r"neither is installed.*pip install flash-attn.*'sdpa'"):
         prepare_model(Qwen2ForCausalLM(Qwen2Config(**CFG)), backend="flash")  # at setup
 
 

@@ -1,18 +1,26 @@
-"""The ``flash`` backend (flash-attn varlen kernels, CUDA only) and backend selection.
+"""The ``flash`` backend (FlashAttention-2 varlen kernels, CUDA only) and backend selection.
 
-flash-attn is an optional GPU extra (``pip install flash-attn``); it is imported lazily, so this
-module imports everywhere. Local sequences run as one ``flash_attn_varlen_func`` call with
-``cu_seqlens_q == cu_seqlens_k``. The distributed chunks run as a second call whose keys are, per
-chunk, the prefix ``[0, chunk.end)`` of its whole (all-gathered) sequence, with separate
-``cu_seqlens_q`` / ``cu_seqlens_k``: flash-attn >= 2.1 aligns the causal mask to the bottom
-right when ``seqlen_q != seqlen_k``, which is exactly "query ``i`` of the chunk sees keys up to
-``chunk.start + i``". GQA is native (no repeated K/V).
+Two kernels can run it, both imported lazily so this module imports everywhere:
+
+* ``flash_attn_varlen_func`` from the flash-attn package (an optional GPU extra,
+  ``pip install flash-attn``), used whenever it is installed;
+* otherwise PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen
+  with autograd, in PyTorch >= 2.9 CUDA builds), called through :func:`_torch_varlen`, which
+  maps flash-attn's arguments onto whichever of its signatures the installed PyTorch has.
+
+Local sequences run as one varlen call with ``cu_seqlens_q == cu_seqlens_k``. The distributed
+chunks run as a second call whose keys are, per chunk, the prefix ``[0, chunk.end)`` of its
+whole (all-gathered) sequence, with separate ``cu_seqlens_q`` / ``cu_seqlens_k``: both kernels
+align the causal mask to the bottom right when ``seqlen_q != seqlen_k`` (flash-attn >= 2.1),
+which is exactly "query ``i`` of the chunk sees keys up to ``chunk.start + i``". GQA is native
+(no repeated K/V) where the kernel supports it.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib.util
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -25,8 +33,8 @@ from lightning_skrull.attention.context import SkrullAttentionContext
 log = logging.getLogger(__name__)
 
 _FLASH_FIX = (
-    "install it with `pip install flash-attn` on a CUDA machine, or use backend='sdpa' "
-    "(pure PyTorch, any device)"
+    "install flash-attn (`pip install flash-attn`) or a CUDA build of PyTorch >= 2.9 (which "
+    "ships torch.nn.attention.varlen), or use backend='sdpa' (pure PyTorch, any device)"
 )
 
 
@@ -35,19 +43,37 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+def torch_varlen_available() -> bool:
+    """Whether this PyTorch has ``torch.nn.attention.varlen`` (without importing it)."""
+    try:
+        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+    except ModuleNotFoundError:  # pragma: no cover - a PyTorch without torch.nn.attention
+        return False
+
+
+def flash_kernel() -> str | None:
+    """The kernel the ``flash`` backend would run: ``"flash-attn"`` (the package, preferred),
+    ``"torch"`` (``torch.nn.attention.varlen``), or ``None`` when neither is installed."""
+    if flash_attn_available():
+        return "flash-attn"
+    if torch_varlen_available():
+        return "torch"
+    return None
+
+
 def resolve_backend(backend: str, device: torch.device | str) -> str:
     """The attention backend to use on ``device``.
 
     Args:
         backend: ``"auto"`` (``"flash"`` on CUDA when flash-attn is installed, else
-            ``"sdpa"``), ``"sdpa"`` or ``"flash"``.
+            ``"sdpa"``), ``"sdpa"`` or ``"flash"`` (flash-attn's kernel, else PyTorch's).
         device: the activations' device.
 
     Returns:
         ``"sdpa"`` or ``"flash"``. The choice is logged once per (request, device type).
 
     Raises:
-        ValueError: unknown name, or ``"flash"`` without CUDA or without flash-attn.
+        ValueError: unknown name, or ``"flash"`` without CUDA or without a varlen kernel.
     """
     device = torch.device(device)
     if backend not in ("auto", "sdpa", "flash"):
@@ -58,9 +84,10 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
                 f"attention backend 'flash' needs a CUDA device, got {device}; use "
                 "backend='sdpa' (or 'auto')."
             )
-        if not flash_attn_available():
+        if flash_kernel() is None:
             raise ValueError(
-                f"attention backend 'flash' needs flash-attn, not installed: {_FLASH_FIX}."
+                "attention backend 'flash' needs a FlashAttention varlen kernel, and neither "
+                f"flash-attn nor torch.nn.attention.varlen is installed: {_FLASH_FIX}."
             )
         chosen = "flash"
     elif backend == "sdpa":
@@ -73,18 +100,68 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
 @functools.cache
 def _log_choice(requested: str, device_type: str, chosen: str) -> None:
-    why = ""
+    why = f" ({flash_kernel()} kernel)" if chosen == "flash" else ""
     if requested == "auto" and chosen == "sdpa":
         why = " (flash-attn not installed)" if device_type == "cuda" else f" ({device_type} device)"
     log.info("lightning-skrull attention backend: %s%s", chosen, why)
 
 
 def _varlen_func() -> Callable[..., Any]:
-    try:
+    """A varlen kernel with flash-attn's keyword interface (see :func:`flash_kernel`)."""
+    kernel = flash_kernel()
+    if kernel == "flash-attn":
         from flash_attn import flash_attn_varlen_func
-    except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(f"the 'flash' attention backend needs flash-attn: {_FLASH_FIX}.") from err
-    return flash_attn_varlen_func
+
+        return flash_attn_varlen_func  # type: ignore[no-any-return]
+    if kernel == "torch":
+        return _torch_varlen
+    raise ImportError(f"the 'flash' attention backend needs a varlen kernel: {_FLASH_FIX}.")
+
+
+def _torch_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    softmax_scale: float | None,
+    causal: bool,
+) -> torch.Tensor:
+    """``flash_attn_varlen_func``'s causal call through ``torch.nn.attention.varlen``.
+
+    PyTorch's signature changed between releases: 2.9/2.10 take ``is_causal`` and have neither
+    ``scale`` nor ``enable_gqa``; later ones express causality as ``window_size=(-1, 0)`` and
+    take both. A missing ``scale`` is folded into the queries (softmax of ``(c q) k^T / sqrt(D)``
+    equals that of ``q k^T * scale`` for ``c = scale * sqrt(D)``, gradients included); missing
+    GQA support repeats each K/V head for its query heads, as SDPA's GQA does.
+    """
+    from torch.nn.attention.varlen import varlen_attn
+
+    if not causal:  # pragma: no cover - every call in this module is causal
+        raise ValueError("the skrull flash backend only runs causal attention")
+    params = inspect.signature(varlen_attn).parameters
+    kwargs: dict[str, Any] = {}
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # a tuple: varlen_attn compares it with (-1, 0)
+    else:
+        kwargs["is_causal"] = True
+    if softmax_scale is not None:
+        if "scale" in params:
+            kwargs["scale"] = softmax_scale
+        else:
+            q = q * (softmax_scale * q.shape[-1] ** 0.5)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+    out = varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
+    return out  # type: ignore[no-any-return]
 
 
 def local_attention(
@@ -146,7 +223,8 @@ def flash_attention(
     *,
     scale: float | None = None,
 ) -> torch.Tensor:
-    """Context-parallel causal attention of this rank's packed tokens with flash-attn.
+    """Context-parallel causal attention of this rank's packed tokens with a FlashAttention-2
+    varlen kernel (flash-attn, else ``torch.nn.attention.varlen``).
 
     Args:
         q: ``[T, Hq, D]`` queries in this rank's packed order (RoPE applied), fp16/bf16, CUDA.
@@ -158,7 +236,7 @@ def flash_attention(
     Returns:
         ``[T, Hq, D]`` attention output in packed order.
     """
-    _varlen_func()  # fail before any collective when flash-attn is missing
+    _varlen_func()  # fail before any collective when no kernel is installed
     return context_parallel_attention(
         q,
         k,

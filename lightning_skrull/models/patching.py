@@ -202,17 +202,17 @@ def prepare_model(
     Raises:
         TypeError: ``model`` is not a ``PreTrainedModel``.
         ValueError: unsupported model (the message names the class and why), unknown backend,
-            or ``"flash"`` without flash-attn installed.
+            or ``"flash"`` without a varlen kernel installed.
     """
     if backend not in _BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {_BACKENDS}.")
     if backend == "flash":
-        from lightning_skrull.attention.flash import flash_attn_available
+        from lightning_skrull.attention.flash import _FLASH_FIX, flash_kernel
 
-        if not flash_attn_available():
+        if flash_kernel() is None:
             raise ValueError(
-                "attention backend 'flash' needs the flash-attn package; install it with "
-                "`pip install flash-attn` on a CUDA machine, or use backend='sdpa' or 'auto'."
+                "attention backend 'flash' needs a FlashAttention varlen kernel (flash-attn or "
+                f"torch.nn.attention.varlen), and neither is installed: {_FLASH_FIX}."
             )
     check_model(model, max_sequence_length=max_sequence_length)
 
