@@ -21,7 +21,8 @@ AUTO_BUCKET = "auto"
 """``bucket_size="auto"``: measure the budget from peak memory at setup (CUDA only)."""
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
-"""Attention kernels: ``"auto"`` picks flash-attn on CUDA when it is installed, else SDPA."""
+"""Attention kernels: ``"auto"`` picks ``"flash"`` on CUDA when a FlashAttention varlen kernel
+(flash-attn, or PyTorch's ``torch.nn.attention.varlen``) is installed, else SDPA."""
 
 
 def _is_int(value: object) -> bool:
@@ -51,7 +52,7 @@ class SkrullConfig:
 
     attention_backend: str = "auto"
     """Attention kernel: ``"auto"``, ``"sdpa"`` (any device, CPU too) or ``"flash"``
-    (flash-attn varlen, CUDA only)."""
+    (FlashAttention-2 varlen: flash-attn, else PyTorch's own; CUDA, bf16/fp16 only)."""
 
     cost_model: CostModel | None = None
     """Cost model the planner balances with. ``None``: built at setup from the HF model's

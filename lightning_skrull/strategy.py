@@ -55,7 +55,7 @@ _NO_FORWARD_BUFFER_SYNC = (
 """DDP's argument that turns off the per-forward buffer sync (renamed in torch 2.13)."""
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
-"""Device types the strategies run on (SDPA attention on CPU, SDPA or flash-attn on CUDA)."""
+"""Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
 
 LOSS_KEYS = {"train": "train_loss", "validation": "val_loss", "test": "test_loss"}
 """Names under which the strategy logs the exact loss of each stage."""
@@ -172,7 +172,7 @@ class SkrullStrategyMixin:
         config = self._skrull_config
         if config.attention_backend == "flash" and device_type != "cuda":
             raise ValueError(
-                f"attention_backend='flash' needs CUDA (flash-attn kernels), but the Trainer "
+                f"attention_backend='flash' needs CUDA (FlashAttention kernels), but the Trainer "
                 f"runs on {device_type}; use attention_backend='sdpa' or 'auto' there."
             )
         if config.bucket_size == AUTO_BUCKET and device_type != "cuda":

@@ -273,8 +273,36 @@ def test_resolve_backend(caplog: pytest.LogCaptureFixture) -> None:
             resolve_backend("flash", "cuda")
     else:  # flash-attn, or PyTorch's varlen kernel (this PyTorch has one)
         assert resolve_backend("flash", "cuda") == "flash"
-    if not flash_backend.flash_attn_available():
-        assert resolve_backend("auto", "cuda") == "sdpa"
+    # "auto" on CUDA: flash whenever a kernel is installed
+    want = "sdpa" if flash_backend.flash_kernel() is None else "flash"
+    assert resolve_backend("auto", "cuda") == want
+
+
+@pytest.mark.parametrize("auto", [True, False])
+def test_flash_context_on_float_activations(auto: bool) -> None:
+    # FlashAttention kernels compute in fp16/bf16 only: a context "auto" resolved to flash runs
+    # float32/64 activations with sdpa (same result as sdpa, float64 to 0); an explicit
+    # "flash" refuses them with the dtype and the fix.
+    import dataclasses
+
+    lengths, ids, placement = [5, 9], [0, 1], [0, DISTRIBUTED]
+    layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
+    sdpa_ctx = SkrullAttentionContext.build(layout)
+    flash_ctx = dataclasses.replace(sdpa_ctx, backend="flash", auto=auto)
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (
+        torch.randn(1, h, 14, HEAD_DIM, generator=gen, dtype=torch.float64) for h in (4, 2, 2)
+    )
+
+    def run(ctx: SkrullAttentionContext) -> torch.Tensor:
+        with attention_context(ctx):
+            return skrull_attention_forward(None, q, k, v, None, scaling=None)[0]
+
+    if auto:
+        assert torch.equal(run(flash_ctx), run(sdpa_ctx))
+    else:
+        with pytest.raises(ValueError, match=r"float16 and bfloat16 only.*float64.*'sdpa'"):
+            run(flash_ctx)
 
 
 def test_registration_and_a_tiny_hf_model_on_packed_input() -> None:

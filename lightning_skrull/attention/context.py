@@ -53,6 +53,8 @@ class SkrullAttentionContext:
             sequence) laid end to end, for varlen kernels.
         chunk_key_index: int64 rows of the whole distributed sequences that form those key
             prefixes; built only for the ``flash`` backend (empty otherwise).
+        auto: the backend was chosen by ``"auto"``: a ``flash`` context then runs float32 or
+            float64 activations (which FlashAttention kernels refuse) with ``sdpa``.
     """
 
     layout: RankLayout
@@ -64,6 +66,7 @@ class SkrullAttentionContext:
     chunk_cu_seqlens_q: torch.Tensor
     chunk_cu_seqlens_k: torch.Tensor
     chunk_key_index: torch.Tensor
+    auto: bool = False
 
     @classmethod
     def build(
@@ -80,8 +83,8 @@ class SkrullAttentionContext:
             layout: this rank's layout.
             group: the CP process group (its size must be ``layout.cp_size`` and this process's
                 rank in it ``layout.cp_rank``); ``None`` only when ``cp_size == 1``.
-            backend: ``"sdpa"``, ``"flash"``, or ``"auto"`` (flash on CUDA when flash-attn is
-                installed, else sdpa).
+            backend: ``"sdpa"``, ``"flash"``, or ``"auto"`` (flash on CUDA when a varlen kernel
+                is installed, else sdpa; see :func:`~lightning_skrull.attention.resolve_backend`).
             device: where the activations live.
 
         Raises:
@@ -96,6 +99,7 @@ class SkrullAttentionContext:
         device = torch.device(device)
         from lightning_skrull.attention.flash import resolve_backend
 
+        auto = backend == "auto"
         backend = resolve_backend(backend, device)
         _check_group(layout, group)
         return cls(
@@ -104,6 +108,7 @@ class SkrullAttentionContext:
             backend=backend,
             device=device,
             **_index_tensors(layout, backend, device),
+            auto=auto,
         )
 
     @property

@@ -22,6 +22,8 @@ ATTENTION_NAME = "skrull"
 """Name under which :func:`register_skrull_attention` registers the attention function."""
 
 _BACKENDS = {"sdpa": sdpa_attention, "flash": flash_attention}
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What FlashAttention kernels compute in."""
 
 
 def skrull_attention_forward(
@@ -78,7 +80,16 @@ def skrull_attention_forward(
     q = query[0].transpose(0, 1)
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
-    out = _BACKENDS[ctx.backend](q, k, v, ctx, scale=scaling)
+    backend = ctx.backend
+    if backend == "flash" and q.dtype not in _FLASH_DTYPES:
+        if not ctx.auto:
+            raise ValueError(
+                f"attention backend 'flash' runs float16 and bfloat16 only, but the attention "
+                f"inputs are {q.dtype}; train in bf16 (e.g. Trainer(precision='bf16-true') or "
+                "model.to(torch.bfloat16)), or use attention_backend='sdpa' or 'auto'."
+            )
+        backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
+    out = _BACKENDS[backend](q, k, v, ctx, scale=scaling)
     return out.unsqueeze(0), None
 
 

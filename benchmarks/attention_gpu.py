@@ -1,0 +1,187 @@
+"""Attention kernels on one GPU: where the time of the ``sdpa`` and ``flash`` backends goes.
+
+One attention layer of Qwen2.5-0.5B's shape (14 query heads, 2 K/V heads, head dim 64, bf16),
+forward and backward, over a Wikipedia-like and a ChatQA2-like global batch (the paper's length
+shares, cut to the bucket) packed on one rank at CP=1, two ways: every sequence local (what
+``skrull`` plans at CP=1) and every sequence on the distributed path (what ``static`` plans:
+two zigzag chunks, the second against the sequence's prefix). Rows:
+
+* ``flash``: the flash backend (flash-attn, else ``torch.nn.attention.varlen``), one varlen call
+  per part;
+* ``sdpa``: the sdpa backend as shipped (PyTorch picks the SDPA kernel);
+* ``sdpa[<kernel>]``: the same calls with SDPA restricted to one kernel
+  (``torch.nn.attention.sdpa_kernel``); ``n/a`` when that kernel refuses the inputs;
+* ``sdpa, K/V repeated``: the same calls with K/V repeated to 14 heads (no ``enable_gqa``).
+
+Every measured repetition uses new lengths (each length plus the repetition's index), as
+training does; kernels that build a plan per shape pay for it here. Prints one table (ms per
+layer, median of ``--reps``) and writes JSON to ``$OUT/attention_gpu.json`` or ``--json``.
+
+    python benchmarks/attention_gpu.py                 # one NVIDIA GPU
+    python benchmarks/attention_gpu.py --device cpu --tiny   # the code paths on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu_check import SHARES, sample_lengths
+
+from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
+from lightning_skrull.attention import flash as flash_backend
+from lightning_skrull.attention.sdpa import sdpa_attention
+from lightning_skrull.scheduling import DISTRIBUTED
+
+HEADS, KV_HEADS, HEAD_DIM = 14, 2, 64
+"""Qwen2.5-0.5B's attention shape."""
+
+
+def _kernels() -> dict[str, Any]:
+    from torch.nn.attention import SDPBackend
+
+    names = {"flash": "FLASH_ATTENTION", "efficient": "EFFICIENT_ATTENTION",
+             "cudnn": "CUDNN_ATTENTION", "math": "MATH"}  # fmt: skip
+    return {k: getattr(SDPBackend, v) for k, v in names.items() if hasattr(SDPBackend, v)}
+
+
+@contextlib.contextmanager
+def _only(kernel: Any) -> Iterator[None]:
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel([kernel]):
+        yield
+
+
+def _time_layer(
+    fn: Callable[..., torch.Tensor],
+    lengths: list[int],
+    placement: str,
+    backend: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    reps: int,
+    repeat_kv: bool,
+) -> float:
+    """Median ms of forward + backward of one layer; new lengths every repetition."""
+    times = []
+    for rep in range(reps + 1):  # the first is a warm-up
+        lens = [n + rep for n in lengths]
+        ids = list(range(len(lens)))
+        place = [0 if placement == "local" else DISTRIBUTED] * len(lens)
+        layout = build_rank_layout(ids, place, lens, cp_rank=0, cp_size=1)
+        ctx = SkrullAttentionContext.build(layout, backend=backend, device=device)
+        t = layout.num_tokens
+        kv = HEADS if repeat_kv else KV_HEADS
+        q, k, v = (
+            torch.randn(t, h, HEAD_DIM, device=device, dtype=dtype, requires_grad=True)
+            for h in (HEADS, kv, kv)
+        )
+        grad = torch.randn(t, HEADS, HEAD_DIM, device=device, dtype=dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        fn(q, k, v, ctx).backward(grad)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if rep:
+            times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Every row and case; returns the report."""
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rng = random.Random(0)
+    sizes = {"Wikipedia": 64, "ChatQA2-Long-SFT": 8}
+    batches = {
+        name: sample_lengths(
+            name, max(2, n // (8 if args.tiny else 1)), args.bucket, 128 if args.tiny else 1, rng
+        )
+        for name, n in sizes.items()
+        if name in SHARES
+    }
+    rows: list[tuple[str, Callable[..., torch.Tensor], str, Any, bool]] = []
+    if device.type == "cuda" and flash_backend.flash_kernel() is not None:
+        rows.append((f"flash ({flash_backend.flash_kernel()})", flash_backend.flash_attention,
+                     "flash", None, False))  # fmt: skip
+    rows.append(("sdpa", sdpa_attention, "sdpa", None, False))
+    for name, kernel in _kernels().items():
+        if name != "math" or args.tiny:  # math keeps the L x S scores: too big at 26K tokens
+            rows.append((f"sdpa[{name}]", sdpa_attention, "sdpa", kernel, False))
+    rows.append(("sdpa, K/V repeated", sdpa_attention, "sdpa", None, True))
+    report: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "dtype": str(dtype),
+        "lengths": batches,
+        "ms_per_layer": {},
+    }
+    for label, fn, backend, kernel, repeat_kv in rows:
+        cells: dict[str, Any] = {}
+        for name, lengths in batches.items():
+            for placement in ("local", "distributed"):
+                key = f"{name}/{placement}"
+                try:
+                    with _only(kernel) if kernel is not None else contextlib.nullcontext():
+                        cells[key] = _time_layer(fn, lengths, placement, backend, device, dtype,
+                                                 args.reps, repeat_kv)  # fmt: skip
+                except RuntimeError as err:
+                    cells[key] = f"n/a: {str(err).splitlines()[0][:80]}"
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        report["ms_per_layer"][label] = cells
+        print(label, cells, flush=True)
+    return report
+
+
+def table(report: dict[str, Any]) -> str:
+    """The Markdown table of ms per layer."""
+    cols = list(next(iter(report["ms_per_layer"].values())))
+    lines = [
+        f"attention, one layer fwd+bwd, ms (median), {report['device']}, torch {report['torch']}, "
+        f"{report['dtype']}; tokens: "
+        + ", ".join(f"{k} {sum(v)} in {len(v)} seq" for k, v in report["lengths"].items()),
+        "| row | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+    for label, cells in report["ms_per_layer"].items():
+        vals = [f"{c:.2f}" if isinstance(c, float) else "n/a" for c in cells.values()]
+        lines.append(f"| {label} | " + " | ".join(vals) + " |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse arguments, run, print the table, write the JSON."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tiny", action="store_true", help="short sequences (CPU test)")
+    parser.add_argument("--bucket", type=int, default=25_984, help="longest sequence")
+    parser.add_argument("--reps", type=int, default=3, help="measured repetitions")
+    default = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
+    parser.add_argument("--json", type=Path, default=default / "attention_gpu.json")
+    args = parser.parse_args(argv)
+    if args.tiny:
+        args.bucket = min(args.bucket, 256)
+    report = run(args)
+    print(table(report))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
