@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import types
 
 import pytest
 import torch
@@ -383,6 +384,42 @@ def test_sdpa_attention_is_the_sdpa_backend_entry_point() -> None:
     out = unpack([layout], [sdpa_attention(q, k, v, ctx)])
     for s in ids:
         assert (out[s] - _reference(*seqs[s])).abs().max().item() < 1e-10
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3])
+def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int) -> None:
+    # The CUDA branch of the sdpa backend (SDPA kernels restricted, K/V repeated for masked GQA
+    # calls) run on CPU: it equals whole-sequence SDPA, forward and gradients, float64 to 1e-10.
+    calls: list[tuple[int, int, bool]] = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *, attn_mask, is_causal, scale, enable_gqa):
+        calls.append((q.shape[1], k.shape[1], attn_mask is not None))
+        return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
+                         enable_gqa=enable_gqa)  # fmt: skip
+
+    monkeypatch.setattr(sdpa_backend, "_restrict_kernels", lambda t: True)
+    monkeypatch.setattr(sdpa_backend, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    rng = random.Random(7 + cp_size)
+    for _ in range(4):
+        lengths, ids, placement = _random_case(rng, cp_size)
+        seqs = {
+            s: tuple(t.requires_grad_() for t in qkv)
+            for s, qkv in _random_seqs(lengths, ids, 4, 2, torch.float64).items()
+        }
+        layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+        got = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, None))
+        for s in ids:
+            ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
+            want = _reference(*ref_in)
+            grad = torch.randn_like(want)
+            want.backward(grad)
+            got_grads = torch.autograd.grad(got[s], seqs[s], grad, retain_graph=True)
+            assert (got[s] - want).abs().max().item() < 1e-10
+            for g, r in zip(got_grads, ref_in, strict=True):
+                assert (g - r.grad).abs().max().item() < 1e-10
+    assert calls and all(hkv == 4 for hq, hkv, masked in calls if masked)  # repeated K/V
+    assert any(hkv == 2 for hq, hkv, masked in calls if not masked)  # GQA kept without a mask
 
 
 def _varlen_reference(bottom_right: bool = True):

@@ -14,20 +14,42 @@ On CPU, SDPA runs these masks through its fused flash kernel (no score matrix ke
 
 GQA uses ``enable_gqa=True``: K/V are not repeated by this code (the fused kernels read shared
 heads directly; the math fallback repeats internally).
+
+On CUDA, SDPA is restricted to its flash, memory-efficient and math kernels. PyTorch prefers
+cuDNN's kernel on Hopper, which builds an execution plan for every new shape: with the many
+different sequence lengths of a packed batch that cost 7.3 s per layer (forward + backward) on
+an H200 for a Wikipedia-like global batch whose kernels then run in 28 ms (docs/benchmarks.md).
+Masked calls there repeat K/V for GQA: the memory-efficient kernel takes a mask but not GQA, the
+flash kernel GQA but not a mask, and the math kernel, which takes both, keeps the scores.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_skrull.attention.comm import context_parallel_attention
 from lightning_skrull.attention.context import SkrullAttentionContext
 
 MASK_ELEMENTS_PER_CALL = 1 << 22
 """Largest boolean mask (elements) one SDPA call of a distributed chunk builds (4 MiB)."""
+
+
+CUDA_SDPA_KERNELS = (
+    SDPBackend.FLASH_ATTENTION,
+    SDPBackend.EFFICIENT_ATTENTION,
+    SDPBackend.MATH,
+)
+"""The SDPA kernels allowed on CUDA, in PyTorch's order (no cuDNN: a plan build per shape)."""
+
+
+def _restrict_kernels(t: torch.Tensor) -> bool:
+    """Whether SDPA on ``t``'s device runs under :data:`CUDA_SDPA_KERNELS`."""
+    return t.is_cuda
 
 
 def _sdpa(
@@ -40,15 +62,21 @@ def _sdpa(
     mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [L, Hq, D]``, ``k, v [S, Hkv, D]`` -> ``[L, Hq, D]``."""
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=is_causal,
-        scale=scale,
-        enable_gqa=q.shape[1] != k.shape[1],
-    )
+    gqa = q.shape[1] != k.shape[1]
+    restrict = _restrict_kernels(q)
+    if restrict and gqa and mask is not None:
+        groups = q.shape[1] // k.shape[1]
+        k, v, gqa = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), False
+    with sdpa_kernel(list(CUDA_SDPA_KERNELS)) if restrict else contextlib.nullcontext():
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=mask,
+            is_causal=is_causal,
+            scale=scale,
+            enable_gqa=gqa,
+        )
     return out.squeeze(0).transpose(0, 1)
 
 
