@@ -95,3 +95,24 @@ def test_wrapper_forwards_arguments_on_cpu() -> None:
     assert proc.returncode == 0, proc.stderr
     assert "lightning-skrull" in proc.stdout
     assert "--tiny" in proc.stdout  # gpu_check.py's own help
+
+
+def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:
+    # benchmarks/attention_gpu.py's code paths with short sequences on CPU: every row reports a
+    # time or the reason its SDPA kernel refused ("n/a"), and the table has a line per row.
+    out = tmp_path / "attention_gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "attention_gpu.py"), "--device", "cpu",
+         "--tiny", "--reps", "1", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    rows = report["ms_per_layer"]
+    assert {"sdpa", "sdpa, K/V repeated"} <= set(rows)
+    for label, cells in rows.items():
+        assert len(cells) == 4, label  # two batches, local and distributed
+        for cell in cells.values():
+            assert (isinstance(cell, float) and cell > 0) or cell.startswith("n/a"), (label, cell)
+    assert all(isinstance(c, float) for c in rows["sdpa"].values())
+    assert "| sdpa | " in proc.stdout
