@@ -13,6 +13,9 @@ Three checks, one summary block, one JSON file:
    ``auto`` attention backend: flash when a varlen kernel exists) and, when that is flash,
    ``skrull`` with the sdpa backend too, interleaved; median step time and tokens/s per run, for a Wikipedia-like and a ChatQA2-like global batch (the paper's length shares,
    lengths cut to the bucket).
+   The measured steps of the ``auto`` runs also fit the cost model's compute constants
+   (:meth:`lightning_skrull.scheduling.CostModel.fit`: achieved FLOP/s and seconds per
+   micro-batch; at CP=1 nothing is communicated), reported with each step's error under the fit.
 3. **Memory.** Peak CUDA memory of one-sequence steps at three token counts is fitted with
    :func:`lightning_skrull.memory.fit_memory_model`; the fit's prediction for the largest
    micro-batch of the throughput steps is compared with their measured peak, and
@@ -263,6 +266,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     }
     peak = 0
     peak_tokens = 0
+    fit_samples: list[tuple[Any, list[int], float]] = []
     for name, size in s.batch_sizes.items():
         batches = []
         for _ in range(1 + s.steps):  # the first is a warm-up
@@ -270,6 +274,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
             batches.append(
                 [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
             )
+        measured: list[tuple[Any, list[int], float]] = []  # (plan, lengths, s) of "auto" runs
         times: dict[str, list[float]] = {r: [] for r in runs}
         tokens: dict[str, list[int]] = {r: [] for r in runs}
         skipped = 0
@@ -308,6 +313,8 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
                 if k > 0:
                     times[run].append(elapsed)
                     tokens[run].append(sum(lengths))
+                    if run in POLICIES:
+                        measured.append((result.plan, lengths, elapsed))
         cell: dict[str, Any] = {"global_batch": size, "skipped_steps": skipped}
         for run in runs:
             if times[run]:
@@ -327,10 +334,35 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
                 cell[SDPA_RUN]["median_step_s"] / cell["skrull"]["median_step_s"]
             )
         out["datasets"][name] = cell
+        fit_samples.extend(measured)
+    out["cost_model_fit"] = fit_constants(cost_model, fit_samples)
     out["peak_bytes"] = peak or None
     out["peak_micro_batch_tokens"] = peak_tokens or None
     del model, optimizer
     return out
+
+
+def fit_constants(model: Any, samples: list[tuple[Any, list[int], float]]) -> dict[str, Any]:
+    """The cost model's constants fitted to measured steps, and each step's relative error.
+
+    The measured step includes the optimizer step, which the model does not: it shows up in
+    the fitted seconds per micro-batch.
+    """
+    from lightning_skrull.scheduling import simulate
+
+    if len(samples) < 2:
+        return {"skipped": f"{len(samples)} measured steps; the fit needs 2"}
+    fitted = model.fit(samples)
+    errors = [simulate(p, lengths, fitted) / t - 1.0 for p, lengths, t in samples]
+    return {
+        "steps": len(samples),
+        "achieved_flops": fitted.achieved_flops,
+        "micro_batch_overhead_s": fitted.micro_batch_overhead_s,
+        "default_achieved_flops": model.achieved_flops,
+        "default_micro_batch_overhead_s": model.micro_batch_overhead_s,
+        "relative_errors": errors,
+        "max_abs_relative_error": max(abs(e) for e in errors),
+    }
 
 
 # --------------------------------------------------------------------------- 3. memory
@@ -425,6 +457,15 @@ def summary(report: dict[str, Any]) -> str:
         )
         lines.append(
             f"  {name} ({cell['global_batch']} seq): " + "; ".join(parts) + speed + skipped
+        )
+    f = t.get("cost_model_fit", {})
+    if "steps" in f:
+        lines.append(
+            f"cost model fit ({f['steps']} steps): {f['achieved_flops'] / 1e12:.3g} TFLOP/s "
+            f"achieved, {f['micro_batch_overhead_s'] * 1e3:.2f} ms per micro-batch (defaults "
+            f"{f['default_achieved_flops'] / 1e12:.0f} and "
+            f"{f['default_micro_batch_overhead_s'] * 1e3:.2f}); largest step error "
+            f"{f['max_abs_relative_error']:.1%}"
         )
     m = report["memory"]
     if "skipped" in m:

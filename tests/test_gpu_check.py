@@ -48,6 +48,11 @@ def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
             assert cell[policy]["steps"] == 1, (name, policy)
             assert cell[policy]["median_tokens_per_s"] > 0
         assert cell["skrull_speedup"] > 0
+    # the measured steps of both policies (1 per policy and set) fit the cost model's constants
+    fit = report["throughput"]["cost_model_fit"]
+    assert fit["steps"] == 4 and len(fit["relative_errors"]) == 4
+    assert fit["achieved_flops"] > 0 and fit["micro_batch_overhead_s"] >= 0
+    assert "cost model fit (4 steps)" in printed
     assert "CUDA" in report["memory"]["skipped"]
     assert "===== lightning-skrull GPU check =====" in printed
     assert "passed: True" in printed
