@@ -211,14 +211,14 @@ def place_micro_batch(
     if forced is None:
         return None
     base, rest = forced
-    best: CpGroupState | None = base.copy()
-    if _greedy(best, rest, look_ahead=True):
-        chosen, chosen_max = best.chosen_shards, best.chosen_local_max
-        _improve(best, max_moves=2 * len(ids) + costs.cp_size)
-        if chosen == 0 or chosen_max >= best.estimate():
-            return best.placement(ids)
-    else:
-        best = None
+    first = base.copy()
+    best: CpGroupState | None = None
+    if _greedy(first, rest, look_ahead=True):
+        chosen, chosen_max = first.chosen_shards, first.chosen_local_max
+        _improve(first, max_moves=2 * len(ids) + costs.cp_size)
+        if chosen == 0 or chosen_max >= first.estimate():
+            return first.placement(ids)
+        best = first
     give_up = None
     if best is not None:
         give_up = _SECOND_START_SLACK * best.estimate()
