@@ -39,6 +39,8 @@ _SECOND_START_SLACK = 1.0
 
 _REL_GAIN = 1e-9
 """A move must lower the estimate by this relative amount (guards against float noise)."""
+_BOUND_SLACK = 1.0 - 1e-12
+"""A lower bound prunes a move only when it beats the best by more than its own rounding."""
 
 
 class CpGroupState:
@@ -469,14 +471,21 @@ def _improve(state: CpGroupState, max_moves: int) -> None:
             l1, l1_at, l2 = _two_largest(linear)
             la_all = [lin + a for lin, a in zip(linear, attn, strict=True)]
             la1, la1_at, la2 = _two_largest(la_all)
-            floor = min(la_all) + dc  # the rank taking it back ends no sooner than this + its cost
+            min_la, min_lin = min(la_all), min(linear)
             for sid in state.distributed:
                 s = lengths[sid]
+                if s > cap:
+                    continue
                 dq = c.distributed(sid)
-                if s > cap or floor + c.local(sid) - dq >= best:
+                comm2 = c.comm(state.dist_tokens - s)
+                # A lower bound of the move's value below, whichever rank takes it back: the
+                # other ranks keep at least the second-largest linear and linear + attention,
+                # and the taker ends no sooner than the least-loaded rank plus the sequence.
+                # The slack only guards the bound's own rounding.
+                bound = max(l2 + comm2, la2, min_la + c.local(sid), min_lin + c.linear(sid) + comm2)
+                if (bound + dc - dq) * _BOUND_SLACK >= best:
                     continue
                 need = s - c.shard(sid)  # its shard leaves every rank
-                comm2 = c.comm(state.dist_tokens - s)
                 target, target_t = -1, math.inf
                 for r in range(n):
                     if tokens[r] + need <= room:
