@@ -9,7 +9,7 @@ construct them directly; they document the knobs in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeGuard
 
 if TYPE_CHECKING:
     from lightning_skrull.scheduling.cost_model import CostModel
@@ -25,7 +25,8 @@ ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
 (flash-attn, or PyTorch's ``torch.nn.attention.varlen``) is installed, else SDPA."""
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
+    """Whether ``value`` is an ``int`` proper (``True``/``False`` are not counts)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
