@@ -101,7 +101,8 @@ class PendingKV:
         work: Any,
         ctx: SkrullAttentionContext,
     ) -> None:
-        self._args = (k, v, gathered, work, ctx.gather_index, ctx.group)
+        # The arguments of the gather's autograd function; dropped once it has run.
+        self._args: tuple[object, ...] = (k, v, gathered, work, ctx.gather_index, ctx.group)
         self._done = False
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ import importlib.util
 import inspect
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -168,7 +168,8 @@ def _torch_varlen(
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
     out = varlen_attn(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, **kwargs)
-    return out  # type: ignore[no-any-return]
+    # Without ``return_aux`` the kernel returns the output alone, not ``(output, aux)``.
+    return cast(torch.Tensor, out)
 
 
 def local_attention(

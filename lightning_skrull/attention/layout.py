@@ -45,7 +45,8 @@ class DistributedChunk(NamedTuple):
         packed_start: offset of the chunk in this rank's packed buffer.
     """
 
-    index: int
+    # The field deliberately shadows ``tuple.index``; the chunk is never searched like a tuple.
+    index: int  # type: ignore[assignment]
     start: int
     end: int
     packed_start: int
