@@ -167,6 +167,13 @@ def _as_tokens(value: Any, name: str, index: int) -> torch.Tensor:
     return tensor.to(torch.long)
 
 
+def _crc32(tensor: torch.Tensor, value: int) -> int:
+    """CRC-32 of a CPU tensor's bytes, continuing the checksum ``value``."""
+    # An ndarray has the buffer protocol at runtime; numpy's stubs declare ``__buffer__`` only
+    # for Python >= 3.12, so the check against ``Buffer`` fails on older targets.
+    return zlib.crc32(tensor.contiguous().numpy(), value)  # type: ignore[arg-type]
+
+
 def _sample_tensors(sample: Mapping[str, Any], index: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, shifted labels)`` of one sample, validated."""
     sample_length(sample, index)
@@ -297,9 +304,7 @@ def collate_rank(
     mine = {s for mb in plan.micro_batches[dp_rank] for s in mb.sequence_ids}
     for i, sample in enumerate(samples):
         ids, labels = _sample_tensors(sample, i)
-        fingerprint = zlib.crc32(
-            labels.contiguous().numpy(), zlib.crc32(ids.contiguous().numpy(), fingerprint)
-        )
+        fingerprint = _crc32(labels, _crc32(ids, fingerprint))
         num_supervised += int((labels != IGNORE_INDEX).sum())
         if i in mine:
             token_ids[i], shifted[i] = ids, labels

@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -39,6 +39,8 @@ from lightning_skrull.scheduling import (
 )
 
 if TYPE_CHECKING:
+    from lightning.pytorch.loops.progress import _ProcessedTracker
+
     from lightning_skrull.strategy import SkrullStrategyMixin
 
 BUNDLED_PREFIX = "bundled:"
@@ -281,7 +283,9 @@ class SkrullDataLoader(DataLoader):
         """The sampler that draws the global batches."""
         return self.dataset.sampler  # type: ignore[attr-defined,no-any-return]
 
-    def __iter__(self) -> Iterator[Any]:
+    # A generator over DataLoader's own iterator, not a ``_BaseDataLoaderIter`` as the stub's
+    # return type says; Lightning only iterates it.
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         for batch in super().__iter__():
             self._handed_out = (batch.epoch, batch.index + 1)
             yield batch
@@ -296,7 +300,8 @@ class SkrullDataLoader(DataLoader):
         sampler = self.global_batch_sampler
         trainer = self._trainer
         if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            progress = trainer.fit_loop.epoch_loop.batch_progress.current
+            # Declared as the base tracker; _BatchProgress builds a _ProcessedTracker.
+            progress = cast("_ProcessedTracker", trainer.fit_loop.epoch_loop.batch_progress.current)
             return min(int(progress.processed), len(sampler))
         if self._handed_out is not None and self._handed_out[0] == sampler.epoch:
             return self._handed_out[1]
@@ -554,7 +559,7 @@ class SkrullDataModule(pl.LightningDataModule):
         )
 
     def _loader(
-        self, dataset: SFTDataset, sampler: GlobalBatchSampler, hook: str
+        self, dataset: SFTDataset | SampleView, sampler: GlobalBatchSampler, hook: str
     ) -> SkrullDataLoader:
         strategy = self._strategy(hook)
         if hook == "train_dataloader" and sampler.global_batch_size < strategy.dp_size:

@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 import os
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, cast, overload
 
 import numpy as np
 
@@ -166,10 +166,25 @@ class _Builder:
         return SFTDataset(ids, offsets, labels, origins=self.origins)
 
 
+@overload
+def _arrow_lists(
+    table: Any, name: str, source: str, start: int, *, nullable: Literal[False] = False
+) -> list[np.ndarray]: ...
+
+
+@overload
+def _arrow_lists(
+    table: Any, name: str, source: str, start: int, *, nullable: Literal[True]
+) -> list[np.ndarray | None]: ...
+
+
 def _arrow_lists(
     table: Any, name: str, source: str, start: int, *, nullable: bool = False
-) -> list[np.ndarray | None]:
-    """A list-of-int column as one array per row, checked for type and nulls column-wide."""
+) -> Sequence[np.ndarray | None]:
+    """A list-of-int column as one array per row, checked for type and nulls column-wide.
+
+    A row is ``None`` only for a null in a ``nullable`` column; otherwise a null is refused.
+    """
     import pyarrow as pa
     import pyarrow.compute as pc
 
@@ -230,7 +245,9 @@ def _read_jsonl(path: Path, builder: _Builder) -> None:
                     f"{where}: expected a JSON object per line, got {type(sample).__name__}."
                 )
             builder.add_sample(sample, where)
-    builder.origins.append(Origin(start, str(path), np.asarray(line_numbers, dtype=np.int64)))
+    # An int64 array (8 bytes a line, not a Python int) that Origin only indexes like a sequence.
+    numbers = cast(Sequence[int], np.asarray(line_numbers, dtype=np.int64))
+    builder.origins.append(Origin(start, str(path), numbers))
 
 
 def _read_parquet(path: Path, builder: _Builder) -> None:
