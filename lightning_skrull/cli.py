@@ -15,7 +15,7 @@ statistics (:class:`PlanStatsPrinter`).
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -25,6 +25,10 @@ from torchmetrics import Metric
 
 from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
 from lightning_skrull.strategy import SkrullStrategy
+
+if TYPE_CHECKING:
+    from lightning.fabric.utilities.data import AttributeDict
+    from transformers import PreTrainedModel
 
 TINY_QWEN2_5: dict[str, Any] = {
     "model_type": "qwen2",
@@ -126,7 +130,7 @@ class SkrullCausalLM(pl.LightningModule):
         self.val_perplexity = TokenPerplexity()
 
     @staticmethod
-    def _build_model(model: str | dict[str, Any], torch_dtype: str | None) -> torch.nn.Module:
+    def _build_model(model: str | dict[str, Any], torch_dtype: str | None) -> PreTrainedModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
@@ -157,7 +161,7 @@ class SkrullCausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> Any:
         """AdamW with an optional linear warm-up."""
-        hp = self.hparams
+        hp = cast("AttributeDict", self.hparams)  # save_hyperparameters() made it one
         optimizer = torch.optim.AdamW(
             self.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
         )

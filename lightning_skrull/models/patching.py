@@ -17,8 +17,12 @@ from __future__ import annotations
 
 import inspect
 from types import MappingProxyType
+from typing import TYPE_CHECKING, cast
 
 from torch import nn
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 SKRULL_ATTENTION = "skrull"
 """Name of the attention function in transformers' ``AttentionInterface``."""
@@ -135,14 +139,14 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
     config = model.config
     name = type(model).__name__
     reasons: list[str] = []
-    model_type = getattr(config, "model_type", None)
+    model_type: str | None = getattr(config, "model_type", None)
     if getattr(config, "is_encoder_decoder", False):
         reasons.append(
             "it is an encoder-decoder model (only decoder-only causal LMs are supported)"
         )
     if not getattr(config, "is_causal", True):
         reasons.append("its config sets is_causal=False (bidirectional attention)")
-    if model_type not in SUPPORTED_ARCHITECTURES:
+    if model_type is None or model_type not in SUPPORTED_ARCHITECTURES:
         reasons.append(
             f"model_type {model_type!r} is not a supported architecture (supported: "
             f"{', '.join(sorted(SUPPORTED_ARCHITECTURES))})"
@@ -219,9 +223,10 @@ def prepare_model(
     from lightning_skrull.attention.dispatch import register_skrull_attention
 
     register_skrull_attention()
-    model.set_attn_implementation(SKRULL_ATTENTION)
+    hf_model = cast("PreTrainedModel", model)  # check_model refused anything else
+    hf_model.set_attn_implementation(SKRULL_ATTENTION)
     _check_attention_selected(model)
-    model.config.use_cache = False
+    hf_model.config.use_cache = False
     return model
 
 
@@ -252,7 +257,7 @@ def is_prepared(model: nn.Module) -> bool:
     )
 
 
-def find_hf_model(module: nn.Module, *, attribute: str | None = None) -> nn.Module:
+def find_hf_model(module: nn.Module, *, attribute: str | None = None) -> PreTrainedModel:
     """The Hugging Face ``PreTrainedModel`` inside ``module`` (e.g. a ``LightningModule``).
 
     Args:
@@ -285,7 +290,7 @@ def find_hf_model(module: nn.Module, *, attribute: str | None = None) -> nn.Modu
         return found
     if isinstance(module, PreTrainedModel):
         return module
-    outermost: list[tuple[str, nn.Module]] = []
+    outermost: list[tuple[str, PreTrainedModel]] = []
     for name, sub in module.named_modules():
         if not isinstance(sub, PreTrainedModel):
             continue
