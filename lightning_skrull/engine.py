@@ -18,7 +18,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ def all_reduce_gradients(
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     for bucket in _buckets(params):
-        grads = [p.grad for p in bucket]
+        grads = cast("list[torch.Tensor]", [p.grad for p in bucket])  # every .grad set above
         flat = torch._utils._flatten_dense_tensors(grads)
         if world_size > 1:
             dist.all_reduce(flat, group=group)

@@ -125,7 +125,10 @@ def choose_bucket_size(
 
 
 def probe_peak_memory(
-    run_step: Callable[[int], None], token_counts: Sequence[int], *, device: object = None
+    run_step: Callable[[int], None],
+    token_counts: Sequence[int],
+    *,
+    device: torch.device | str | int | None = None,
 ) -> list[int]:
     """Measure CUDA peak memory of ``run_step(tokens)`` for each token count.
 
