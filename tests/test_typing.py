@@ -11,7 +11,6 @@ mypy first reads the annotations of torch, transformers and Lightning: 70 to 90 
 
 from __future__ import annotations
 
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,16 +18,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-
-NOT_YET_CHECKED = ("lightning_skrull/scheduling/",)
-"""Package paths whose mypy errors this test does not count yet. Empty it once they are clean."""
-
-_ERROR_LINE = re.compile(r"^(?P<path>.+?):\d+(?::\d+)?: error: ")
-
-
-def _counted(path: str) -> bool:
-    posix = Path(path).as_posix()
-    return not any(prefix in posix for prefix in NOT_YET_CHECKED)
 
 
 def test_package_type_checks_without_errors() -> None:
@@ -53,10 +42,8 @@ def test_package_type_checks_without_errors() -> None:
         timeout=600,
         check=False,
     )
-    stdout, status = result.stdout, result.returncode
-    # Status 2 is a crash or a bad invocation: no report at all, which must not pass as clean.
-    assert status in (0, 1), f"mypy did not run (exit status {status}):\n{result.stderr}{stdout}"
-    reported = [m for line in stdout.splitlines() if (m := _ERROR_LINE.match(line))]
-    assert status == 0 or reported, f"mypy failed without reporting an error:\n{stdout}"
-    errors = [m.string for m in reported if _counted(m["path"])]
-    assert not errors, f"mypy reports {len(errors)} error(s):\n" + "\n".join(errors)
+    # Status 1 lists the errors; 2 is a crash or a bad invocation (no report at all). Either
+    # fails, with mypy's output in the message.
+    assert result.returncode == 0, (
+        f"mypy exit status {result.returncode}:\n{result.stdout}{result.stderr}"
+    )
