@@ -318,12 +318,19 @@ def _greedy(
     max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
     sum_lin, sum_att = sum(linear), sum(attn)
     min_tokens = min(tokens)
+    # Until a sequence stays whole, every rank's linear and attention seconds are exactly 0, so
+    # every rank's time is the communication and the first minimum is rank 0: on long-sequence
+    # data most micro-batches distribute everything, and recomputing each rank's time after
+    # every shard dominated.
+    all_empty = not (any(tokens) or any(linear) or any(attn))
     for i, sid in enumerate(rest):
         s = lengths[sid]
         lin_k, att_k = lin_of[sid], att_of[sid]
         while True:
             if min_tokens + state.reserved + s > cap:
                 rank = -1  # fits no rank whole
+            elif all_empty:
+                rank = 0  # every rank has room (min_tokens is every rank's tokens)
             else:
                 if times is None:  # the communication changed: every rank's time did
                     times = state.rank_times(comm)
@@ -362,13 +369,16 @@ def _greedy(
                     state.chosen_shards += 1
                     state.chosen_local_max = max(state.chosen_local_max, lin_k + att_k)
             if go_local:
+                if times is None:
+                    times = state.rank_times(comm)
+                all_empty = False
                 tokens[rank] += s
                 min_tokens = min(tokens)
                 lin = linear[rank] = linear[rank] + lin_k
                 a = attn[rank] = attn[rank] + att_k
                 where[sid] = rank
                 state.members[rank].append(sid)
-                times[rank] = lin + (a if a > comm else comm)  # type: ignore[index]
+                times[rank] = lin + (a if a > comm else comm)
                 max_lin = lin if lin > max_lin else max_lin
                 max_lin_att = lin + a if lin + a > max_lin_att else max_lin_att
                 sum_lin += lin_k
