@@ -16,8 +16,8 @@ which is exactly "query ``i`` of the chunk sees keys up to ``chunk.start + i``".
 (no repeated K/V) where the kernel supports it.
 
 ``"auto"`` picks this backend on CUDA whenever a kernel is installed: on an H200 with PyTorch
-2.11 it ran a Qwen2.5-0.5B training step 8x faster than the ``sdpa`` backend and matched it to
-bf16 rounding, forward and backward (docs/benchmarks.md).
+2.11 it ran a Qwen2.5-0.5B training step 8-12x faster than the ``sdpa`` backend (two runs) and
+matched it to bf16 rounding, forward and backward (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -125,6 +125,12 @@ def _varlen_func() -> Callable[..., Any]:
     raise ImportError(f"the 'flash' attention backend needs a varlen kernel: {_FLASH_FIX}.")
 
 
+@functools.cache
+def _parameter_names(fn: Callable[..., Any]) -> frozenset[str]:
+    """The parameter names of ``fn``, read once per function (the attention calls it per layer)."""
+    return frozenset(inspect.signature(fn).parameters)
+
+
 def _torch_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -149,7 +155,7 @@ def _torch_varlen(
 
     if not causal:  # pragma: no cover - every call in this module is causal
         raise ValueError("the skrull flash backend only runs causal attention")
-    params = inspect.signature(varlen_attn).parameters
+    params = _parameter_names(varlen_attn)
     kwargs: dict[str, Any] = {}
     if "window_size" in params:
         kwargs["window_size"] = (-1, 0)  # a tuple: varlen_attn compares it with (-1, 0)
