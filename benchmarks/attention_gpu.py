@@ -8,10 +8,12 @@ two zigzag chunks, the second against the sequence's prefix). Rows:
 
 * ``flash``: the flash backend (flash-attn, else ``torch.nn.attention.varlen``), one varlen call
   per part;
-* ``sdpa``: the sdpa backend as shipped (PyTorch picks the SDPA kernel);
-* ``sdpa[<kernel>]``: the same calls with SDPA restricted to one kernel
+* ``sdpa``: the sdpa backend as shipped (on CUDA: no cuDNN, K/V repeated for masked calls);
+* ``sdpa, PyTorch's choice``: the same calls without the backend's own kernel restriction, so
+  PyTorch picks the SDPA kernel;
+* ``sdpa[<kernel>]``: those calls with SDPA restricted to one kernel
   (``torch.nn.attention.sdpa_kernel``); ``n/a`` when that kernel refuses the inputs;
-* ``sdpa, K/V repeated``: the same calls with K/V repeated to 14 heads (no ``enable_gqa``).
+* ``sdpa, K/V repeated``: PyTorch's choice with K/V repeated to 14 heads (no ``enable_gqa``).
 
 Every measured repetition uses new lengths (each length plus the repetition's index), as
 training does; kernels that build a plan per shape pay for it here. Prints one table (ms per
@@ -42,6 +44,7 @@ from gpu_check import SHARES, sample_lengths
 
 from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
 from lightning_skrull.attention import flash as flash_backend
+from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.sdpa import sdpa_attention
 from lightning_skrull.scheduling import DISTRIBUTED
 
@@ -58,11 +61,21 @@ def _kernels() -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _only(kernel: Any) -> Iterator[None]:
+def _kernel_choice(shipped: bool, kernel: Any) -> Iterator[None]:
+    """The sdpa backend as shipped, or without its CUDA kernel restriction (PyTorch's choice,
+    or ``kernel`` alone when given)."""
     from torch.nn.attention import sdpa_kernel
 
-    with sdpa_kernel([kernel]):
+    if shipped:
         yield
+        return
+    restrict = sdpa_backend._restrict_kernels
+    sdpa_backend._restrict_kernels = lambda t: False  # type: ignore[assignment]
+    try:
+        with sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext():
+            yield
+    finally:
+        sdpa_backend._restrict_kernels = restrict
 
 
 def _time_layer(
@@ -114,15 +127,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for name, n in sizes.items()
         if name in SHARES
     }
-    rows: list[tuple[str, Callable[..., torch.Tensor], str, Any, bool]] = []
+    # (label, attention, backend, shipped kernel choice, SDPA kernel, K/V repeated)
+    rows: list[tuple[str, Callable[..., torch.Tensor], str, bool, Any, bool]] = []
     if device.type == "cuda" and flash_backend.flash_kernel() is not None:
         rows.append((f"flash ({flash_backend.flash_kernel()})", flash_backend.flash_attention,
-                     "flash", None, False))  # fmt: skip
-    rows.append(("sdpa", sdpa_attention, "sdpa", None, False))
+                     "flash", True, None, False))  # fmt: skip
+    rows.append(("sdpa", sdpa_attention, "sdpa", True, None, False))
+    rows.append(("sdpa, PyTorch's choice", sdpa_attention, "sdpa", False, None, False))
     for name, kernel in _kernels().items():
         if name != "math" or args.tiny:  # math keeps the L x S scores: too big at 26K tokens
-            rows.append((f"sdpa[{name}]", sdpa_attention, "sdpa", kernel, False))
-    rows.append(("sdpa, K/V repeated", sdpa_attention, "sdpa", None, True))
+            rows.append((f"sdpa[{name}]", sdpa_attention, "sdpa", False, kernel, False))
+    rows.append(("sdpa, K/V repeated", sdpa_attention, "sdpa", False, None, True))
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -130,13 +145,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "lengths": batches,
         "ms_per_layer": {},
     }
-    for label, fn, backend, kernel, repeat_kv in rows:
+    for label, fn, backend, shipped, kernel, repeat_kv in rows:
         cells: dict[str, Any] = {}
         for name, lengths in batches.items():
             for placement in ("local", "distributed"):
                 key = f"{name}/{placement}"
                 try:
-                    with _only(kernel) if kernel is not None else contextlib.nullcontext():
+                    with _kernel_choice(shipped, kernel):
                         cells[key] = _time_layer(fn, lengths, placement, backend, device, dtype,
                                                  args.reps, repeat_kv)  # fmt: skip
                 except RuntimeError as err:

@@ -114,7 +114,7 @@ def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     rows = report["ms_per_layer"]
-    assert {"sdpa", "sdpa, K/V repeated"} <= set(rows)
+    assert {"sdpa", "sdpa, PyTorch's choice", "sdpa, K/V repeated"} <= set(rows)
     for label, cells in rows.items():
         assert len(cells) == 4, label  # two batches, local and distributed
         for cell in cells.values():
