@@ -11,8 +11,9 @@ Three checks, one summary block, one JSON file:
 2. **Throughput.** Training steps (forward, backward, AdamW) of a Qwen2.5-0.5B-shaped model with
    random bf16 weights at CP=1, the same global batches under ``skrull`` and ``static`` (the
    ``auto`` attention backend: flash when a varlen kernel exists) and, when that is flash,
-   ``skrull`` with the sdpa backend too, interleaved; median step time and tokens/s per run, for a Wikipedia-like and a ChatQA2-like global batch (the paper's length shares,
-   lengths cut to the bucket).
+   ``skrull`` with the sdpa backend too, interleaved; median step time and tokens/s per run,
+   for a Wikipedia-like and a ChatQA2-like global batch (the paper's length shares, lengths cut
+   to the bucket).
    The measured steps of the ``auto`` runs also fit the cost model's compute constants
    (:meth:`lightning_skrull.scheduling.CostModel.fit`: achieved FLOP/s and seconds per
    micro-batch; at CP=1 nothing is communicated), reported with each step's error under the fit.
@@ -266,7 +267,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     }
     peak = 0
     peak_tokens = 0
-    fit_samples: list[tuple[Any, list[int], float]] = []
+    fit_samples: list[tuple[Any, list[int], float]] = []  # (plan, lengths, seconds)
     for name, size in s.batch_sizes.items():
         batches = []
         for _ in range(1 + s.steps):  # the first is a warm-up
@@ -274,7 +275,6 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
             batches.append(
                 [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
             )
-        measured: list[tuple[Any, list[int], float]] = []  # (plan, lengths, s) of "auto" runs
         times: dict[str, list[float]] = {r: [] for r in runs}
         tokens: dict[str, list[int]] = {r: [] for r in runs}
         skipped = 0
@@ -313,8 +313,8 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
                 if k > 0:
                     times[run].append(elapsed)
                     tokens[run].append(sum(lengths))
-                    if run in POLICIES:
-                        measured.append((result.plan, lengths, elapsed))
+                    if run in POLICIES:  # the "auto" backend's steps
+                        fit_samples.append((result.plan, lengths, elapsed))
         cell: dict[str, Any] = {"global_batch": size, "skipped_steps": skipped}
         for run in runs:
             if times[run]:
@@ -334,7 +334,6 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
                 cell[SDPA_RUN]["median_step_s"] / cell["skrull"]["median_step_s"]
             )
         out["datasets"][name] = cell
-        fit_samples.extend(measured)
     out["cost_model_fit"] = fit_constants(cost_model, fit_samples)
     out["peak_bytes"] = peak or None
     out["peak_micro_batch_tokens"] = peak_tokens or None
