@@ -42,13 +42,16 @@ _FLASH_FIX = (
 )
 
 
+@functools.cache
 def flash_attn_available() -> bool:
-    """Whether the ``flash_attn`` package can be imported (without importing it)."""
+    """Whether the ``flash_attn`` package can be imported (without importing it; asked once,
+    since the attention asks on every call)."""
     return importlib.util.find_spec("flash_attn") is not None
 
 
+@functools.cache
 def torch_varlen_available() -> bool:
-    """Whether this PyTorch has ``torch.nn.attention.varlen`` (without importing it)."""
+    """Whether this PyTorch has ``torch.nn.attention.varlen`` (without importing it; asked once)."""
     try:
         return importlib.util.find_spec("torch.nn.attention.varlen") is not None
     except ModuleNotFoundError:  # pragma: no cover - a PyTorch without torch.nn.attention
@@ -63,6 +66,19 @@ def flash_kernel() -> str | None:
     if torch_varlen_available():
         return "torch"
     return None
+
+
+def require_flash_kernel() -> None:
+    """Raise the error of the ``flash`` backend without a kernel (see :func:`flash_kernel`).
+
+    Raises:
+        ValueError: neither flash-attn nor ``torch.nn.attention.varlen`` is installed.
+    """
+    if flash_kernel() is None:
+        raise ValueError(
+            "attention backend 'flash' needs a FlashAttention varlen kernel (flash-attn or "
+            f"torch.nn.attention.varlen), and neither is installed: {_FLASH_FIX}."
+        )
 
 
 def resolve_backend(backend: str, device: torch.device | str) -> str:
@@ -89,11 +105,7 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
                 f"attention backend 'flash' needs a CUDA device, got {device}; use "
                 "backend='sdpa' (or 'auto')."
             )
-        if flash_kernel() is None:
-            raise ValueError(
-                "attention backend 'flash' needs a FlashAttention varlen kernel, and neither "
-                f"flash-attn nor torch.nn.attention.varlen is installed: {_FLASH_FIX}."
-            )
+        require_flash_kernel()
         chosen = "flash"
     elif backend == "sdpa":
         chosen = "sdpa"

@@ -211,13 +211,9 @@ def prepare_model(
     if backend not in _BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {_BACKENDS}.")
     if backend == "flash":
-        from lightning_skrull.attention.flash import _FLASH_FIX, flash_kernel
+        from lightning_skrull.attention.flash import require_flash_kernel
 
-        if flash_kernel() is None:
-            raise ValueError(
-                "attention backend 'flash' needs a FlashAttention varlen kernel (flash-attn or "
-                f"torch.nn.attention.varlen), and neither is installed: {_FLASH_FIX}."
-            )
+        require_flash_kernel()
     check_model(model, max_sequence_length=max_sequence_length)
 
     from lightning_skrull.attention.dispatch import register_skrull_attention
