@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import CausalBias
 
 from lightning_skrull.attention import (
     ATTENTION_NAME,
@@ -386,19 +387,25 @@ def test_sdpa_attention_is_the_sdpa_backend_entry_point() -> None:
         assert (out[s] - _reference(*seqs[s])).abs().max().item() < 1e-10
 
 
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("cp_size", [1, 2, 3])
-def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int) -> None:
+def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int, bias: bool) -> None:
     # The CUDA branch of the sdpa backend (SDPA kernels restricted, K/V repeated for masked GQA
-    # calls) run on CPU: it equals whole-sequence SDPA, forward and gradients, float64 to 1e-10.
+    # calls, distributed chunks through the causal_lower_right bias or, for dtypes whose CUDA
+    # kernels lack it, mask blocks) run on CPU: it equals whole-sequence SDPA, forward and
+    # gradients, float64 to 1e-10.
     calls: list[tuple[int, int, bool]] = []
+    biases: list[bool] = []
     real_sdpa = F.scaled_dot_product_attention
 
     def spy(q, k, v, *, attn_mask, is_causal, scale, enable_gqa):
         calls.append((q.shape[1], k.shape[1], attn_mask is not None))
+        biases.append(isinstance(attn_mask, CausalBias))
         return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          enable_gqa=enable_gqa)  # fmt: skip
 
     monkeypatch.setattr(sdpa_backend, "_restrict_kernels", lambda t: True)
+    monkeypatch.setattr(sdpa_backend, "_lower_right_bias", lambda t: bias)
     monkeypatch.setattr(sdpa_backend, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
     rng = random.Random(7 + cp_size)
     for _ in range(4):
@@ -420,6 +427,7 @@ def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int) -> 
                 assert (g - r.grad).abs().max().item() < 1e-10
     assert calls and all(hkv == 4 for hq, hkv, masked in calls if masked)  # repeated K/V
     assert any(hkv == 2 for hq, hkv, masked in calls if not masked)  # GQA kept without a mask
+    assert any(biases) == bias  # every case has a distributed chunk that is not square
 
 
 def _varlen_reference(bottom_right: bool = True):

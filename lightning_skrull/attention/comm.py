@@ -187,6 +187,21 @@ DistributedAttention = Callable[..., torch.Tensor]
 """``fn(q_dist, k_whole, v_whole, ctx, *, scale) -> out`` over this rank's distributed chunks."""
 
 
+def _local_and_distributed(t: torch.Tensor, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t[:n_local], t[n_local:]``, with a backward that costs one copy of ``t`` at most.
+
+    The backward of a slice is a zero-filled gradient of the whole tensor; when both parts are
+    used, one split (whose backward is one concatenation) replaces two slices. An empty part
+    is never used, so its slice costs nothing.
+    """
+    if n_local == 0:
+        return t[:0], t
+    if n_local == t.shape[0]:
+        return t, t[n_local:]
+    first, second = t.split([n_local, t.shape[0] - n_local])
+    return first, second
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -217,14 +232,17 @@ def context_parallel_attention(
         ``[T, Hq, D]`` in packed order.
     """
     n_local = ctx.layout.num_local_tokens
-    pending = gather_distributed_kv(k[n_local:], v[n_local:], ctx)
+    (q_local, q_dist), (k_local, k_dist), (v_local, v_dist) = (
+        _local_and_distributed(t, n_local) for t in (q, k, v)
+    )
+    pending = gather_distributed_kv(k_dist, v_dist, ctx)
     outs = []
     if n_local:
-        outs.append(local_attention(q[:n_local], k[:n_local], v[:n_local], ctx, scale=scale))
+        outs.append(local_attention(q_local, k_local, v_local, ctx, scale=scale))
     if pending is not None:
         k_whole, v_whole = pending.wait()
         if ctx.layout.distributed_chunks:
-            outs.append(distributed_attention(q[n_local:], k_whole, v_whole, ctx, scale=scale))
+            outs.append(distributed_attention(q_dist, k_whole, v_whole, ctx, scale=scale))
         else:
             # No query here, but the gathered K/V must stay in the graph so that this rank's
             # backward joins the other ranks' reduce-scatter.

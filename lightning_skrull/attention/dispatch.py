@@ -77,9 +77,10 @@ def skrull_attention_forward(
             f"layout holds {ctx.num_tokens}; feed the model the micro-batch the attention context "
             "was built for."
         )
-    q = query[0].transpose(0, 1)
-    k = key[0].transpose(0, 1)
-    v = value[0].transpose(0, 1)
+    # squeeze, not [0]: indexing's backward writes a zero-filled copy of the whole input
+    q = query.squeeze(0).transpose(0, 1)
+    k = key.squeeze(0).transpose(0, 1)
+    v = value.squeeze(0).transpose(0, 1)
     backend = ctx.backend
     if backend == "flash" and q.dtype not in _FLASH_DTYPES:
         if not ctx.auto:

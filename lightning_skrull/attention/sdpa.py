@@ -6,11 +6,15 @@ sequence of ``s`` tokens costs what SDPA costs on it alone (no mask over the pac
 Distributed chunks: a chunk holding tokens ``[start, end)`` of a sequence attends keys
 ``[0, end)`` of the whole (all-gathered) sequence with lower-right causal alignment: query
 ``i`` sees keys ``0 .. start + i``. A square chunk (``start == 0``) uses ``is_causal=True``.
-Otherwise the queries are processed in blocks of ``b`` rows; block ``[a, a + b)`` attends keys
-``[0, start + a + b)`` with a boolean mask of ``b x (start + a + b)`` built on the fly, ``b``
-chosen so the mask has at most :data:`MASK_ELEMENTS_PER_CALL` elements. The mask is therefore
-O(s) per call for a long sequence, never the quadratic ``Lq x Lk`` (nor one over the buffer).
-On CPU, SDPA runs these masks through its fused flash kernel (no score matrix kept).
+On CUDA (half or single precision) the chunk is one SDPA call with PyTorch's
+``causal_lower_right`` bias, which the flash and memory-efficient kernels apply without building
+a mask. Elsewhere the queries are processed in blocks of ``b`` rows; block ``[a, a + b)``
+attends keys ``[0, start + a + b)`` with a boolean mask of ``b x (start + a + b)`` built on the
+fly, ``b`` chosen so the mask has at most :data:`MASK_ELEMENTS_PER_CALL` elements. The mask is
+therefore O(s) per call for a long sequence, never the quadratic ``Lq x Lk`` (nor one over the
+buffer). On CPU, SDPA runs these masks through its fused flash kernel (no score matrix kept).
+On CUDA those blocks cost one kernel call each (hundreds for a long chunk), which is why the
+bias is used there.
 
 GQA uses ``enable_gqa=True``: K/V are not repeated by this code (the fused kernels read shared
 heads directly; the math fallback repeats internally).
@@ -26,11 +30,11 @@ flash kernel GQA but not a mask, and the math kernel, which takes both, keeps th
 from __future__ import annotations
 
 import contextlib
-import itertools
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from lightning_skrull.attention.comm import context_parallel_attention
 from lightning_skrull.attention.context import SkrullAttentionContext
@@ -52,6 +56,15 @@ def _restrict_kernels(t: torch.Tensor) -> bool:
     return t.is_cuda
 
 
+_BIAS_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+"""Dtypes of SDPA's CUDA kernels that apply lower-right causal masks without building them."""
+
+
+def _lower_right_bias(t: torch.Tensor) -> bool:
+    """Whether a lower-right causal call on ``t`` uses ``causal_lower_right`` (no mask built)."""
+    return t.is_cuda and t.dtype in _BIAS_DTYPES
+
+
 def _sdpa(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -59,7 +72,7 @@ def _sdpa(
     *,
     scale: float | None,
     is_causal: bool = False,
-    mask: torch.Tensor | None = None,
+    mask: torch.Tensor | CausalBias | None = None,
 ) -> torch.Tensor:
     """``q [L, Hq, D]``, ``k, v [S, Hkv, D]`` -> ``[L, Hq, D]``."""
     gqa = q.shape[1] != k.shape[1]
@@ -104,6 +117,8 @@ def causal_lower_right_attention(
     offset = num_k - num_q
     if offset == 0:
         return _sdpa(q, k, v, scale=scale, is_causal=True)
+    if _lower_right_bias(q):
+        return _sdpa(q, k, v, scale=scale, mask=causal_lower_right(num_q, num_k))
     block = max(1, mask_elements // num_k)
     outs = []
     for a in range(0, num_q, block):
@@ -135,12 +150,16 @@ def local_attention(
     Returns:
         ``[n_local, Hq, D]``.
     """
-    cu = ctx.layout.local_cu_seqlens
+    lengths = ctx.layout.local_lengths
+    if len(lengths) == 1:
+        return _sdpa(q, k, v, scale=scale, is_causal=True)
+    # One split per tensor: its backward is one concatenation. Slicing each sequence out
+    # instead costs a zero-filled gradient of the whole buffer per sequence in the backward.
     outs = [
-        _sdpa(q[a:b], k[a:b], v[a:b], scale=scale, is_causal=True)
-        for a, b in itertools.pairwise(cu)
+        _sdpa(qs, ks, vs, scale=scale, is_causal=True)
+        for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
     ]
-    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+    return torch.cat(outs, dim=0)
 
 
 def distributed_attention(
@@ -165,19 +184,18 @@ def distributed_attention(
         ``[n_dist, Hq, D]``.
     """
     layout = ctx.layout
-    offset = layout.num_local_tokens
-    outs = []
-    for chunk in layout.distributed_chunks:
-        first = layout.distributed_cu_seqlens[chunk.index]
-        a = chunk.packed_start - offset
-        outs.append(
-            causal_lower_right_attention(
-                q[a : a + chunk.end - chunk.start],
-                k_whole[first : first + chunk.end],
-                v_whole[first : first + chunk.end],
-                scale=scale,
-            )
+    chunks = layout.distributed_chunks
+    # Split, not slice, for the same reason as local_attention: the chunks tile q in packed
+    # order, and each chunk's keys are a prefix of its own sequence's part of k_whole.
+    qs = q.split([c.end - c.start for c in chunks]) if len(chunks) > 1 else (q,)
+    ks = k_whole.split(layout.distributed_lengths)
+    vs = v_whole.split(layout.distributed_lengths)
+    outs = [
+        causal_lower_right_attention(
+            q_chunk, ks[c.index][: c.end], vs[c.index][: c.end], scale=scale
         )
+        for q_chunk, c in zip(qs, chunks, strict=True)
+    ]
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
