@@ -26,6 +26,7 @@ from lightning_skrull.scheduling import (
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import CpGroupState, place_micro_batch
 from lightning_skrull.scheduling.gds import split_strided
+from lightning_skrull.scheduling.simulate import _relaxation
 
 NO_OVERHEAD = CostModel(micro_batch_overhead_s=0.0)
 
@@ -84,7 +85,12 @@ def batches(draw: st.DrawFn) -> tuple[list[int], int, int, int]:
 @given(batch=batches())
 def test_lower_bound_is_below_every_policy(batch) -> None:
     lengths, dp, cp, c = batch
-    for model in (CostModel(), CostModel(comm_bandwidth=5e9, tile_size=16)):
+    models = (
+        CostModel(),
+        CostModel(comm_bandwidth=5e9, tile_size=16),
+        CostModel(micro_batch_overhead_s=0.05),  # the overhead measured on an H200, rounded
+    )
+    for model in models:
         bound = lower_bound(lengths, dp_size=dp, cp_size=cp, bucket_size=c, cost_model=model)
         assert bound > 0
         for policy in POLICIES:
@@ -93,6 +99,49 @@ def test_lower_bound_is_below_every_policy(batch) -> None:
             )
             # Exact inequality up to float summation order.
             assert simulate(plan, lengths, model) >= bound * (1 - 1e-9)
+
+
+def test_lower_bound_charges_one_micro_batch_per_dp_rank() -> None:
+    # Four short sequences, four DP ranks: the token budget allows one micro-batch for all, but
+    # every DP rank that gets a sequence runs one. The best plan (one sequence per DP rank)
+    # meets the bound exactly; a bound that spread one overhead over four ranks would not.
+    model = CostModel(micro_batch_overhead_s=0.05)
+    lengths = [100] * 4
+    bound = lower_bound(lengths, dp_size=4, cp_size=1, bucket_size=1_000, cost_model=model)
+    plan = plan_global_batch(lengths, dp_size=4, cp_size=1, bucket_size=1_000, cost_model=model)
+    assert bound == pytest.approx(0.05 + model.local_seconds(100), rel=1e-12)
+    assert simulate(plan, lengths, model) == pytest.approx(bound, rel=1e-12)
+    # Fewer sequences than DP ranks: only two ranks can hold one.
+    two = lower_bound(lengths[:2], dp_size=4, cp_size=1, bucket_size=1_000, cost_model=model)
+    assert two == pytest.approx(bound, rel=1e-12)
+
+
+@settings(max_examples=40, deadline=None)
+@given(batch=batches())
+def test_lower_bound_is_at_least_its_relaxation_without_forced_sequences(batch) -> None:
+    # Forcing slow sequences onto the distributed path can only raise the bound; sequences
+    # over the bucket are always forced (a regression once left them out).
+    lengths, dp, cp, c = batch
+    model = CostModel(micro_batch_overhead_s=0.01)
+    costs = SequenceCosts(lengths, cp, model)
+    plain = _relaxation(lengths, costs, [s > c for s in lengths], dp, c, 0.01)
+    bound = lower_bound(lengths, dp_size=dp, cp_size=cp, bucket_size=c, cost_model=model)
+    assert bound >= plain * (1 - 1e-12)
+
+
+def test_lower_bound_forces_sequences_longer_than_a_rank_can_hold_in_time() -> None:
+    # Two sequences on four CP ranks: spread evenly while local they would take half a local
+    # time each, but a plan that keeps one local lasts a whole local time. Distributing both
+    # is best, and the bound (no collective latency in this model) meets it exactly.
+    model = CostModel(comm_latency_s=0.0)
+    lengths = [4_000, 4_000]
+    plan = plan_global_batch(lengths, dp_size=1, cp_size=4, bucket_size=8_000, cost_model=model)
+    assert all(p == DISTRIBUTED for p in plan.micro_batches[0][0].placement)
+    bound = lower_bound(lengths, dp_size=1, cp_size=4, bucket_size=8_000, cost_model=model)
+    assert simulate(plan, lengths, model) == pytest.approx(bound, rel=1e-12)
+    costs = SequenceCosts(lengths, 4, model)
+    spread_local = _relaxation(lengths, costs, [False, False], 1, 8_000, 2e-3)
+    assert spread_local < 0.95 * bound  # what the bound was without the forcing
 
 
 def test_lower_bound_is_below_the_exhaustive_optimum_of_one_micro_batch() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -101,7 +102,7 @@ def lower_bound(
 ) -> float:
     """Seconds no plan can beat under ``cost_model`` (for any policy).
 
-    The bound is the larger of two relaxations.
+    The bound is the larger of two relaxations, tightened by a third fact.
 
     **Work spread evenly.** A micro-batch lasts at least its CP ranks' *mean* time, and a DP
     rank at least the mean over DP ranks. The mean CP-rank time of a micro-batch is at least
@@ -113,12 +114,22 @@ def lower_bound(
     local attention left in the batch can hide. Sequences longer than ``bucket_size`` are
     always distributed. Communication latency is not charged, nor the imbalance that whole
     sequences leave between CP ranks; the micro-batch count is the fewest the token budget allows
-    (``ceil(sum of tokens / (cp_size * bucket_size))`` over all DP ranks), each paying the
-    fixed overhead. Everything is divided evenly over the ``dp_size`` DP ranks.
+    (``ceil(sum of tokens / (cp_size * bucket_size))`` over all DP ranks), but at least one per
+    DP rank that can hold a sequence, each paying the fixed overhead. Everything is divided
+    evenly over those ``min(dp_size, len(lengths))`` DP ranks: a plan that leaves some DP ranks
+    empty gives the others more work and saves no more overheads than it leaves out.
 
     **Sequences are indivisible.** A sequence never spans DP ranks or micro-batches, so the
     iteration lasts at least one micro-batch holding only the slowest sequence at its cheaper
     placement (communication included when distributed).
+
+    **A local sequence sits whole on one CP rank.** A plan that lasts ``T`` keeps local only
+    sequences with ``overhead + local time <= T``; every longer one is distributed, paying its
+    tile waste and communication. Both relaxations are taken with those sequences forced onto
+    the distributed path, and the bound is the least ``T`` that is at least its own
+    relaxation (found by bisection over the sequences' local times; the relaxation can only
+    fall as ``T`` grows). Without this, a batch of sequences each longer than a CP rank's mean
+    share is bounded as if it could be spread evenly while kept local.
 
     Args:
         lengths: sequence lengths of the global batch.
@@ -133,7 +144,47 @@ def lower_bound(
     if not lengths:
         return 0.0
     costs = SequenceCosts(lengths, cp_size, cost_model)
-    n = cp_size
+    overhead = cost_model.micro_batch_overhead_s
+    # A sequence kept local makes its CP rank last at least overhead + its local time; an
+    # iteration shorter than that must distribute it. Sequences over the bucket always are.
+    limits = [
+        overhead + costs.local(sid) if s <= bucket_size else math.inf
+        for sid, s in enumerate(lengths)
+    ]
+    cuts = sorted({x for x in limits if x < math.inf})
+
+    def interval(k: int) -> tuple[float, float, float]:
+        """``(lo, hi, relaxation)`` of iteration times ``[lo, hi)`` between two limits."""
+        lo = cuts[k - 1] if k > 0 else 0.0
+        hi = cuts[k] if k < len(cuts) else math.inf
+        forced = [x >= hi for x in limits]
+        return lo, hi, _relaxation(lengths, costs, forced, dp_size, bucket_size, overhead)
+
+    # No plan lasts T < relaxation(forced at T); the relaxation only falls as T grows, so
+    # the iteration times a plan could have form [T*, inf). Bisect for the first interval
+    # that holds a point of it.
+    first, last = 0, len(cuts)
+    best = interval(last)
+    while first < last:
+        mid = (first + last) // 2
+        found = interval(mid)
+        if max(found[0], found[2]) < found[1]:
+            last, best = mid, found
+        else:
+            first = mid + 1
+    return max(best[0], best[2])
+
+
+def _relaxation(
+    lengths: Sequence[int],
+    costs: SequenceCosts,
+    forced: Sequence[bool],
+    dp_size: int,
+    bucket_size: int,
+    overhead: float,
+) -> float:
+    """The two relaxations of :func:`lower_bound` with the ``forced`` sequences distributed."""
+    n = costs.cp_size
     per_token_comm = costs.comm(2) - costs.comm(1)  # bytes over bandwidth, latency excluded
     total = 0.0  # per-rank seconds summed over the batch, before the comm excess
     excess = 0.0  # communication minus the local attention that could hide it
@@ -142,7 +193,7 @@ def lower_bound(
     options: list[tuple[float, float]] = []  # (saving of distributing, comm capacity it uses)
     for sid, s in enumerate(lengths):
         dist = costs.distributed(sid)
-        if s > bucket_size:
+        if forced[sid]:
             total += dist
             excess += per_token_comm * s
             total_tokens += n * costs.shard(sid)
@@ -161,14 +212,16 @@ def lower_bound(
             excess += uses
         elif saving > 0:
             options.append((saving, uses))
-    options.sort(key=lambda o: o[0] / o[1] if o[1] > 0 else float("inf"), reverse=True)
+    options.sort(key=lambda o: o[0] / o[1] if o[1] > 0 else math.inf, reverse=True)
     for saving, uses in options:
         if excess >= 0:
             break
         x = 1.0 if uses <= 0 else min(1.0, -excess / uses)
         total -= x * saving
         excess += x * uses
-    micro_batches = -(-total_tokens // (n * bucket_size))
-    spread = total + max(0.0, excess) + cost_model.micro_batch_overhead_s * micro_batches
-    spread /= dp_size
-    return max(spread, cost_model.micro_batch_overhead_s + slowest)
+    # A DP rank that holds a sequence runs at least one micro-batch, and fewer ranks only
+    # raise the mean: spread over every rank that can hold one, each paying one overhead.
+    ranks = min(dp_size, len(lengths))
+    micro_batches = max(-(-total_tokens // (n * bucket_size)), ranks)
+    spread = (total + max(0.0, excess) + overhead * micro_batches) / ranks
+    return max(spread, overhead + slowest)
