@@ -20,6 +20,7 @@ training does; kernels that build a plan per shape pay for it here. Prints one t
 layer, median of ``--reps``) and writes JSON to ``$OUT/attention_gpu.json`` or ``--json``.
 
     python benchmarks/attention_gpu.py                 # one NVIDIA GPU
+    python benchmarks/attention_gpu.py --rows flash,sdpa   # only the two shipped backends
     python benchmarks/attention_gpu.py --device cpu --tiny   # the code paths on CPU
 """
 
@@ -138,6 +139,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if name != "math" or args.tiny:  # math keeps the L x S scores: too big at 26K tokens
             rows.append((f"sdpa[{name}]", sdpa_attention, "sdpa", False, kernel, False))
     rows.append(("sdpa, K/V repeated", sdpa_attention, "sdpa", False, None, True))
+    if args.rows:
+        wanted = [w.strip() for w in args.rows.split(",")]
+        rows = [r for r in rows if any(r[0] == w or r[0].startswith(w + " ") for w in wanted)]
     report: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -186,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="short sequences (CPU test)")
     parser.add_argument("--bucket", type=int, default=25_984, help="longest sequence")
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions")
+    parser.add_argument(
+        "--rows", default="", help="comma-separated row labels to run, e.g. 'flash,sdpa' (all)"
+    )
     default = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
     parser.add_argument("--json", type=Path, default=default / "attention_gpu.json")
     args = parser.parse_args(argv)

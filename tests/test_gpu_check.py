@@ -121,3 +121,59 @@ def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:
             assert (isinstance(cell, float) and cell > 0) or cell.startswith("n/a"), (label, cell)
     assert all(isinstance(c, float) for c in rows["sdpa"].values())
     assert "| sdpa | " in proc.stdout
+
+
+def test_attention_benchmark_runs_only_the_rows_asked_for(tmp_path: Path) -> None:
+    out = tmp_path / "attention_gpu.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "attention_gpu.py"), "--device", "cpu",
+         "--tiny", "--reps", "1", "--rows", "sdpa,flash", "--json", str(out)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    # "sdpa" names that row only, not "sdpa, PyTorch's choice"; no flash kernel on CPU
+    assert list(json.loads(out.read_text())["ms_per_layer"]) == ["sdpa"]
+
+
+def _cost_probe():
+    spec = importlib.util.spec_from_file_location(
+        "cost_probe", ROOT / "benchmarks" / "cost_probe.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_cost_probe_tiny_cpu_run_fits_every_model(tmp_path: Path, capsys) -> None:
+    # benchmarks/cost_probe.py on a tiny model: every micro-batch timed through the package's
+    # path and the plain model, the constants fitted at two depths and extrapolated.
+    out = tmp_path / "cost_probe.json"
+    assert _cost_probe().main(["--device", "cpu", "--tiny", "--reps", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["models"]) == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
+    for m in report["models"].values():
+        assert [f["layers"] for f in m["fits"]] == [1, 2]
+        for fit in m["fits"]:
+            assert fit["achieved_flops"] > 0 and fit["micro_batch_overhead_s"] >= 0
+            assert fit["plain_hf_smallest_seconds"] > 0
+            assert len(fit["micro_batches"]) == 10
+            for row in fit["micro_batches"]:
+                assert row["seconds"] > 0 and abs(row["fit_error"]) < 10
+        assert m["full_model"]["layers"] == 4
+    assert "fixed ms per micro-batch" in capsys.readouterr().out
+
+
+def test_cost_probe_extrapolates_the_fixed_cost_linearly_in_depth() -> None:
+    probe = _cost_probe()
+    fits = [
+        {"layers": 4, "achieved_flops": 5e14, "micro_batch_overhead_s": 0.009},
+        {"layers": 2, "achieved_flops": 4e14, "micro_batch_overhead_s": 0.005},
+    ]
+    full = probe.extrapolate("m", 28, fits)
+    assert full["overhead_per_layer_s"] == pytest.approx(0.002)
+    assert full["micro_batch_overhead_s"] == pytest.approx(0.009 + 24 * 0.002)
+    assert full["achieved_flops"] == 5e14  # from the deeper cut
+    whole = probe.extrapolate("m", 24, [{"layers": 24, "achieved_flops": 3e14,
+                                         "micro_batch_overhead_s": 0.05}])  # fmt: skip
+    assert whole["micro_batch_overhead_s"] == 0.05 and whole["overhead_per_layer_s"] is None
