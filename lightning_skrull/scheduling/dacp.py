@@ -17,7 +17,12 @@ Steps, for a micro-batch of sequences and a CP group of ``N`` ranks with ``C`` t
 3. Local search on the slowest rank: move one of its sequences to another rank, distribute
    one, or bring a distributed sequence back whole, whichever lowers the estimated time most;
    repeat until nothing helps.
-4. The same with the paper's rule in step 2 (shard only when memory forces it), kept if
+4. When step 2 sharded short sequences by choice and communication is a large share of the
+   estimate, a second construction decides all at once: shard the ``k`` longest, spread the
+   others whole over the ranks (``k`` from a bound of the result). Step 2's one-at-a-time
+   choice shards the first short sequence (keeping it whole raises the slowest rank more)
+   and then every one after it, paying their communication; kept if faster, then step 3.
+5. The same with the paper's rule in step 2 (shard only when memory forces it), kept if
    faster; skipped or abandoned when it cannot win (see :func:`place_micro_batch`).
 
 The roll-back is the corrected one: turning local sequence ``k`` on rank ``t`` into a
@@ -28,6 +33,7 @@ that can be rolled back, the one that frees most is chosen.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
 
@@ -36,6 +42,10 @@ from lightning_skrull.scheduling.plan import DISTRIBUTED
 
 _SECOND_START_SLACK = 1.0
 """The paper-rule construction is refined only if it starts within this factor of the first."""
+
+_SPLIT_COMM_SHARE = 0.2
+"""The split construction runs when communication is at least this share of the greedy's
+estimate: only then did it find faster placements (it costs as much as the greedy)."""
 
 _REL_GAIN = 1e-9
 """A move must lower the estimate by this relative amount (guards against float noise)."""
@@ -202,13 +212,15 @@ def place_micro_batch(
     if costs.cp_size == 1:  # one rank: nothing to shard, everything is local
         fits = sum(costs.lengths[i] for i in ids) <= bucket_size
         return (0,) * len(ids) if fits else None
-    # Two constructions, each refined by local search; the better estimate wins. The second
-    # shards only what memory forces (the paper's rule) and is refined only if it starts no
-    # slower than the first ended (single moves rarely recover a gap; this bounds the planning
-    # time). It is not built when the first sharded nothing by choice (it would be the same
-    # placement), nor when a sequence the first sharded by choice would alone, kept whole,
-    # take as long as the first's whole micro-batch (then it cannot start faster). Both start
-    # from the same forced shards.
+    # Up to three constructions, each refined by local search; the best estimate wins. When
+    # the first (the greedy) sharded something by choice and communication is a large share
+    # of its estimate, the split construction (shard the k longest, spread the rest whole)
+    # is tried too. The last shards only what memory forces (the paper's rule) and is refined
+    # only if it starts no slower than the best so far ended (single moves rarely recover a
+    # gap; this bounds the planning time). It is not built when the first sharded nothing by
+    # choice (it would be the same placement), nor when a sequence the first sharded by
+    # choice would alone, kept whole, take as long as the first's whole micro-batch (then it
+    # cannot start faster). All start from the same forced shards.
     forced = _forced(ids, costs, bucket_size)
     if forced is None:
         return None
@@ -218,9 +230,17 @@ def place_micro_batch(
     if _greedy(first, rest, look_ahead=True):
         chosen, chosen_max = first.chosen_shards, first.chosen_local_max
         _improve(first, max_moves=2 * len(ids) + costs.cp_size)
-        if chosen == 0 or chosen_max >= first.estimate():
+        if chosen == 0:
             return first.placement(ids)
         best = first
+        estimate = first.estimate()
+        if costs.comm(first.dist_tokens) >= _SPLIT_COMM_SHARE * estimate:
+            split = _split_longest(base, rest, estimate)
+            if split is not None:  # it beats the estimate
+                _improve(split, max_moves=2 * len(ids) + costs.cp_size)
+                best = split
+        if chosen_max >= estimate:
+            return best.placement(ids)
     give_up = None
     if best is not None:
         give_up = _SECOND_START_SLACK * best.estimate()
@@ -252,6 +272,108 @@ def _forced(
     if state.reserved > bucket_size:
         return None
     return state, rest
+
+
+def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGroupState | None:
+    """Distribute the ``k`` longest of ``rest`` and spread the others whole over the ranks.
+
+    The greedy decides one sequence at a time, longest first, and the first sequence kept
+    whole always raises the slowest rank more than sharding it would; with slow communication
+    it can end up sharding everything although keeping the short ones whole, spread over the
+    ranks, is faster. This construction decides all at once: ``k`` minimises a lower bound of
+    the result (the distributed compute, at its cheap lower bound, plus the largest of the
+    communication, the mean local time per rank and the longest local sequence). The others
+    go longest first to the rank with the least local time that has room (one that fits no
+    rank is distributed).
+
+    Returns:
+        The state, or ``None`` when it does not ``beat`` the given estimate (checked on the
+        bound before spreading and on plain lists before building), when the best ``k`` is 0
+        or all of ``rest`` (the greedy's own corners), or when the shards do not fit.
+    """
+    c = base.costs
+    n, lengths, local = base.n, c.lengths, c.local_table
+    m = len(rest)
+    if m < 2:
+        return None
+    lin_of, att_of = c.linear_table, c.local_attention_table
+    suffix_lin = [0.0] * (m + 1)  # linear and attention seconds of rest[i:], all local
+    suffix_att = [0.0] * (m + 1)
+    for i in range(m - 1, -1, -1):
+        suffix_lin[i] = suffix_lin[i + 1] + lin_of[rest[i]]
+        suffix_att[i] = suffix_att[i + 1] + att_of[rest[i]]
+    lin0 = sum(base.linear)
+    att0 = sum(base.attn)
+    best_k, best_value = 0, math.inf
+    dist, tokens = base.dist_compute, base.dist_tokens
+    for k in range(m + 1):
+        if k:
+            sid = rest[k - 1]
+            dist += c.distributed_lower_bound(sid)
+            tokens += lengths[sid]
+        longest = local[rest[k]] if k < m else 0.0
+        if k + n < m:  # n + 1 sequences on n ranks: two of them share one
+            longest = max(longest, local[rest[k + n - 1]] + local[rest[k + n]])
+        comm = c.comm(tokens)
+        mean_att = (att0 + suffix_att[k]) / n
+        mean = (lin0 + suffix_lin[k]) / n + (mean_att if mean_att > comm else comm)
+        value = dist + (mean if mean > longest else longest)
+        if value < best_value:
+            best_k, best_value = k, value
+    if best_k in (0, m) or best_value >= beat * (1.0 - _REL_GAIN):
+        return None
+    # Spread the rest on plain lists first; build the state only if the result wins. The
+    # estimate only grows while spreading (each rank's load, the communication and the
+    # distributed compute), so the spreading stops as soon as it reaches ``beat``.
+    beat *= 1.0 - _REL_GAIN
+    linear, attn, tokens_of = list(base.linear), list(base.attn), list(base.tokens)
+    shards = list(rest[:best_k])
+    reserved = base.reserved + sum(-(-lengths[sid] // n) for sid in shards)
+    if max(tokens_of) + reserved > base.cap:
+        return None
+    dist_tokens = base.dist_tokens + sum(lengths[sid] for sid in shards)
+    comm = c.comm(dist_tokens)
+    dist = base.dist_compute + sum(c.distributed(sid) for sid in shards)
+    top = max(lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True))
+    if top + dist >= beat:
+        return None
+    # Least local time first, lowest rank on ties; ranks without room are set aside.
+    heap = [(lin + a, r) for r, (lin, a) in enumerate(zip(linear, attn, strict=True))]
+    heapq.heapify(heap)
+    where: list[tuple[int, int]] = []
+    for sid in rest[best_k:]:
+        s = lengths[sid]
+        room = base.cap - reserved
+        full = []
+        while heap and tokens_of[heap[0][1]] + s > room:
+            full.append(heapq.heappop(heap))
+        if heap:
+            load, rank = heapq.heappop(heap)
+            lin = linear[rank] = linear[rank] + lin_of[sid]
+            a = attn[rank] = attn[rank] + att_of[sid]
+            tokens_of[rank] += s
+            where.append((sid, rank))
+            heapq.heappush(heap, (load + local[sid], rank))
+            top = max(top, lin + (a if a > comm else comm))
+        elif max(tokens_of) + reserved + -(-s // n) <= base.cap:
+            shards.append(sid)
+            reserved += -(-s // n)
+            dist_tokens += s
+            comm = c.comm(dist_tokens)
+            dist += c.distributed(sid)
+            top = max(lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True))
+        else:
+            return None
+        if top + dist >= beat:
+            return None
+        for item in full:
+            heapq.heappush(heap, item)
+    state = base.copy()
+    for sid in shards:
+        state.put_distributed(sid)
+    for sid, rank in where:
+        state.put_local(sid, rank)
+    return state
 
 
 def _paper_rule_gives_up(base: CpGroupState, rest: Sequence[int], give_up_at: float) -> bool:
