@@ -60,3 +60,32 @@ def test_report_has_the_ceiling_table() -> None:
     report = sim.format_tables(results, [("Wikipedia", 1.0, 2.0)], sensitivity, Args)
     assert "| model | dataset | ceiling vs static | ceiling vs deepspeed |" in report
     assert "| ceiling |" not in report  # the ceiling is not listed as a policy
+
+
+def test_measured_section_uses_the_measured_constants() -> None:
+    # The constants kept from the GPU probe, planned with (the planner sees them too) and
+    # reported with the probe's device; the bandwidth table lists every bandwidth.
+    measured = sim.measured_constants()
+    assert set(measured) == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
+    for constants in measured.values():
+        assert constants["achieved_flops"] > 1e14 and constants["micro_batch_overhead_s"] > 0
+    small = sim.settings()[0]
+    dataset = sim.DATASETS[0]
+    default = sim.run_setting(small, dataset, batches=1, seed=0)
+    res = sim.run_setting(small, dataset, batches=1, seed=0, constants=measured[small.model])
+    assert res["skrull"]["time_s"] > default["skrull"]["time_s"]  # a 53 ms fixed cost, not 2
+    key = (small.model, dataset.name)
+    source = {"device": "GPU X", "torch": "2.x", "attention_backend": "flash"}
+    lines = sim.measured_tables({key: res}, measured, source)
+    assert any("GPU X" in line for line in lines)
+    (row,) = [x for x in lines if x.startswith(f"| {small.model} | {dataset.name} |")]
+    assert f"| {measured[small.model]['micro_batch_overhead_s'] * 1e3:.1f} |" in row
+
+    class Args:
+        batches, seed = 1, 0
+
+    bandwidths = {key: [(1.1, 1.2)] * len(sim.BANDWIDTHS)}
+    sensitivity = {key: [1.0] * len(sim.OVERHEADS_S)}
+    report = sim.format_tables({key: default}, [], sensitivity, Args, lines, bandwidths)
+    assert "| 100 GB/s | 50 GB/s | 25 GB/s |" in report
+    assert "## Under the compute constants measured on one H200" in report
