@@ -16,7 +16,13 @@ from lightning_skrull.scheduling import (
     plan_global_batch,
     simulate,
 )
-from lightning_skrull.scheduling.cost_model import causal_tiles, zigzag_bounds, zigzag_tiles
+from lightning_skrull.scheduling.cost_model import (
+    QWEN2_5_0_5B,
+    QWEN2_5_7B,
+    causal_tiles,
+    zigzag_bounds,
+    zigzag_tiles,
+)
 from lightning_skrull.scheduling.costs import SequenceCosts
 
 TINY = dict(
@@ -82,6 +88,17 @@ def test_from_hf_config_reads_gqa_and_defaults() -> None:
     assert no_gqa.shape.head_dim == 4 and no_gqa.shape.num_key_value_heads == 4
     model = CostModel.from_hf_config(Qwen2Config(**TINY), achieved_flops=1e12, tile_size=64)
     assert (model.achieved_flops, model.tile_size) == (1e12, 64)
+
+
+def test_named_shapes_are_the_published_configs() -> None:
+    # Qwen2.5-0.5B and -7B's config.json values (hidden, layers, heads, KV heads, MLP, vocab).
+    for shape, (h, layers, heads, kv, ffn, vocab) in (
+        (QWEN2_5_0_5B, (896, 24, 14, 2, 4864, 151936)),
+        (QWEN2_5_7B, (3584, 28, 28, 4, 18944, 152064)),
+    ):
+        config = Qwen2Config(hidden_size=h, num_hidden_layers=layers, num_attention_heads=heads,
+                             num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab)  # fmt: skip
+        assert CostModel.from_hf_config(config).shape == shape
 
 
 def test_from_hf_config_refuses_a_config_without_the_shape() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import itertools
 import math
 import random
-import types
 
 import pytest
 from hypothesis import given, settings
@@ -25,6 +24,7 @@ from lightning_skrull.scheduling import (
     plan_global_batch,
     simulate,
 )
+from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import CpGroupState, place_micro_batch
 from lightning_skrull.scheduling.gds import split_strided
@@ -281,16 +281,7 @@ def test_slow_communication_keeps_short_sequences_whole() -> None:
     # shards 15 of these sequences (keeping the first short one whole always raises the slowest
     # rank more than sharding it). Sharding only the 3 long ones and spreading the short ones
     # whole is 3% faster; the split construction finds it.
-    config = types.SimpleNamespace(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=18944,
-        vocab_size=152064,
-    )
-    model = CostModel.from_hf_config(config, comm_bandwidth=25e9)
+    model = CostModel(shape=QWEN2_5_7B, comm_bandwidth=25e9)
     lengths = [2900, 2700, 2200] + [300] * 30 + [80] * 20
     plan = plan_global_batch(lengths, dp_size=1, cp_size=16, bucket_size=13_000, cost_model=model)
     (mb,) = plan.micro_batches[0]

@@ -114,6 +114,17 @@ QWEN2_5_0_5B = ModelShape(
 )
 """Shape of Qwen2.5-0.5B, the shape of the default cost model."""
 
+QWEN2_5_7B = ModelShape(
+    hidden_size=3584,
+    num_layers=28,
+    num_attention_heads=28,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=18944,
+    vocab_size=152064,
+)
+"""Shape of Qwen2.5-7B (``CostModel(shape=QWEN2_5_7B)``)."""
+
 
 def causal_tiles(start: int, end: int, tile: int) -> int:
     """Blocks a tiled causal kernel computes for queries ``[start, end)`` of a sequence.
