@@ -22,8 +22,9 @@ from lightning_skrull.scheduling.cost_model import (
     causal_tiles,
     zigzag_bounds,
     zigzag_tiles,
+    zigzag_tiles_many,
 )
-from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.costs import BULK_SEQUENCES, SequenceCosts
 
 TINY = dict(
     hidden_size=8,
@@ -163,6 +164,25 @@ def test_zigzag_tiles_sums_the_chunks() -> None:
                     if b[i + 1] > b[i]
                 )
                 assert zigzag_tiles(s, cp, tile) == reference
+
+
+def test_zigzag_tiles_many_equals_one_at_a_time() -> None:
+    # The vectorised form against the scalar one, including lengths its closed form leaves to
+    # the scalar (q == 0 or q a multiple of the tile), and the cost table's bulk path.
+    rng = random.Random(3)
+    for cp in (1, 3, 16):
+        for tile in (1, 64, 128):
+            lengths = [rng.randint(1, 300_000) for _ in range(500)] + list(range(0, 200))
+            lengths += [2 * cp * tile * k for k in range(1, 20)]
+            assert zigzag_tiles_many(lengths, cp, tile) == [
+                zigzag_tiles(s, cp, tile) for s in lengths
+            ]
+    model = CostModel(tile_size=64)
+    lengths = [rng.randint(1, 100_000) for _ in range(BULK_SEQUENCES)]
+    bulk = SequenceCosts(lengths, 16, model)
+    small = SequenceCosts(lengths[:10], 16, model)
+    assert [bulk.distributed(i) for i in range(10)] == [small.distributed(i) for i in range(10)]
+    assert bulk.distributed(10) == model.distributed_seconds(lengths[10], 16)
 
 
 def test_sharding_a_short_sequence_wastes_tiles() -> None:
