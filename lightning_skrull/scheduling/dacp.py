@@ -281,10 +281,11 @@ def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGr
     whole always raises the slowest rank more than sharding it would; with slow communication
     it can end up sharding everything although keeping the short ones whole, spread over the
     ranks, is faster. This construction decides all at once: ``k`` minimises a lower bound of
-    the result (the distributed compute, at its cheap lower bound, plus the largest of the
-    communication, the mean local time per rank and the longest local sequence). The others
-    go longest first to the rank with the least local time that has room (one that fits no
-    rank is distributed).
+    the result, the distributed compute (at its cheap lower bound) plus the largest of: the
+    mean local linear time per rank plus the larger of the communication and the mean local
+    attention; the longest local sequence; and the two shortest of the ``n + 1`` longest local
+    ones, which must share a rank. The others go longest first to the rank with the least
+    local time that has room (one that fits no rank is distributed).
 
     Returns:
         The state, or ``None`` when it does not ``beat`` the given estimate (checked on the
