@@ -32,8 +32,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from transformers import Qwen2Config
-
 from lightning_skrull.scheduling import (
     POLICIES,
     CostModel,
@@ -43,6 +41,7 @@ from lightning_skrull.scheduling import (
     simulate,
 )
 from lightning_skrull.scheduling.baselines import plan_static_unpacked
+from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN2_5_7B, ModelShape
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSPEED = "deepspeed"
@@ -93,7 +92,7 @@ class Setting:
     """One model x parallel layout of the paper."""
 
     model: str
-    config: Qwen2Config
+    shape: ModelShape
     dp_size: int
     cp_size: int
     per_dp_rank: int
@@ -101,28 +100,14 @@ class Setting:
 
 
 def settings() -> list[Setting]:
-    """The paper's two model settings, configs built here (no download)."""
-    small = Qwen2Config(
-        hidden_size=896,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        head_dim=64,
-        intermediate_size=4864,
-        vocab_size=151936,
-    )
-    large = Qwen2Config(
-        hidden_size=3584,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        head_dim=128,
-        intermediate_size=18944,
-        vocab_size=152064,
-    )
+    """The paper's two model settings (the published shapes; nothing is downloaded)."""
     return [
-        Setting("Qwen2.5-0.5B", small, dp_size=4, cp_size=8, per_dp_rank=64, bucket_size=26_000),
-        Setting("Qwen2.5-7B", large, dp_size=2, cp_size=16, per_dp_rank=40, bucket_size=13_000),
+        Setting(
+            "Qwen2.5-0.5B", QWEN2_5_0_5B, dp_size=4, cp_size=8, per_dp_rank=64, bucket_size=26_000
+        ),
+        Setting(
+            "Qwen2.5-7B", QWEN2_5_7B, dp_size=2, cp_size=16, per_dp_rank=40, bucket_size=13_000
+        ),
     ]
 
 
@@ -213,7 +198,7 @@ def run_setting(
 
     ``constants`` replace the cost model's defaults (the planner plans with them too).
     """
-    model = CostModel.from_hf_config(s.config, **(constants or {}))
+    model = CostModel(shape=s.shape, **(constants or {}))
     rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
     n = s.dp_size * s.per_dp_rank
     policies = [*POLICIES, DEEPSPEED]
@@ -264,7 +249,7 @@ CLUSTER_REPEATS = 5
 def cluster_planning(batches: int, seed: int) -> list[tuple[str, float, float]]:
     """Skrull planning time at DP=64 x CP=16 with 4096 sequences (BucketSize 13K)."""
     s = settings()[1]
-    model = CostModel.from_hf_config(s.config)
+    model = CostModel(shape=s.shape)
     rows = []
     for dataset in DATASETS:
         rng = random.Random(f"{seed}-cluster-{dataset.name}")
@@ -294,7 +279,7 @@ def overhead_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list[
         for dataset in DATASETS:
             speedups = []
             for overhead in OVERHEADS_S:
-                model = CostModel.from_hf_config(s.config, micro_batch_overhead_s=overhead)
+                model = CostModel(shape=s.shape, micro_batch_overhead_s=overhead)
                 rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
                 n = s.dp_size * s.per_dp_rank
                 ours, theirs = 0.0, 0.0
@@ -352,7 +337,7 @@ def bandwidth_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list
     for dataset in DATASETS:
         cells = []
         for bandwidth in BANDWIDTHS:
-            model = CostModel.from_hf_config(s.config, comm_bandwidth=bandwidth)
+            model = CostModel(shape=s.shape, comm_bandwidth=bandwidth)
             rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
             ours, theirs, bound = 0.0, 0.0, 0.0
             for _ in range(batches):
