@@ -225,11 +225,12 @@ def place_micro_batch(
     if forced is None:
         return None
     base, rest = forced
+    moves = 2 * len(ids) + costs.cp_size  # the local search's budget, every construction
     first = base.copy()
     best: CpGroupState | None = None
     if _greedy(first, rest, look_ahead=True):
         chosen, chosen_max = first.chosen_shards, first.chosen_local_max
-        _improve(first, max_moves=2 * len(ids) + costs.cp_size)
+        _improve(first, max_moves=moves)
         if chosen == 0:
             return first.placement(ids)
         best = first
@@ -237,7 +238,7 @@ def place_micro_batch(
         if costs.comm(first.dist_tokens) >= _SPLIT_COMM_SHARE * estimate:
             split = _split_longest(base, rest, estimate)
             if split is not None:  # it beats the estimate
-                _improve(split, max_moves=2 * len(ids) + costs.cp_size)
+                _improve(split, max_moves=moves)
                 best = split
         if chosen_max >= estimate:
             return best.placement(ids)
@@ -250,7 +251,7 @@ def place_micro_batch(
     if _greedy(other, rest, look_ahead=False, give_up_at=give_up) and (
         give_up is None or other.estimate() < give_up
     ):
-        _improve(other, max_moves=2 * len(ids) + costs.cp_size)
+        _improve(other, max_moves=moves)
         if best is None or other.estimate() < best.estimate():
             best = other
     return None if best is None else best.placement(ids)
@@ -329,7 +330,7 @@ def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGr
     beat *= 1.0 - _REL_GAIN
     linear, attn, tokens_of = list(base.linear), list(base.attn), list(base.tokens)
     shards = list(rest[:best_k])
-    reserved = base.reserved + sum(-(-lengths[sid] // n) for sid in shards)
+    reserved = base.reserved + sum(c.shard(sid) for sid in shards)
     if max(tokens_of) + reserved > base.cap:
         return None
     dist_tokens = base.dist_tokens + sum(lengths[sid] for sid in shards)
@@ -356,9 +357,9 @@ def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGr
             where.append((sid, rank))
             heapq.heappush(heap, (load + local[sid], rank))
             top = max(top, lin + (a if a > comm else comm))
-        elif max(tokens_of) + reserved + -(-s // n) <= base.cap:
+        elif max(tokens_of) + reserved + c.shard(sid) <= base.cap:
             shards.append(sid)
-            reserved += -(-s // n)
+            reserved += c.shard(sid)
             dist_tokens += s
             comm = c.comm(dist_tokens)
             dist += c.distributed(sid)
