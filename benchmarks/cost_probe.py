@@ -31,13 +31,14 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import QWEN2_5_0_5B, TINY
+from gpu_check import QWEN2_5_0_5B, TINY, fit_constants
 
 QWEN2_5_7B: dict[str, Any] = {
     **QWEN2_5_0_5B,
@@ -76,6 +77,23 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _median_seconds(
+    make_input: Callable[[], Any], run: Callable[[Any], None], device: torch.device, reps: int
+) -> float:
+    """Median seconds of ``run(make_input())`` over ``reps`` runs after one warm-up; the input
+    is new every run and made outside the timing."""
+    times = []
+    for rep in range(reps + 1):
+        arg = make_input()
+        _sync(device)
+        start = time.perf_counter()
+        run(arg)
+        _sync(device)
+        if rep:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
 def measure(
     config: dict[str, Any], layers: int, bucket: int, device: torch.device, reps: int, tiny: bool
 ) -> dict[str, Any]:
@@ -85,7 +103,7 @@ def measure(
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.engine import forward_backward
     from lightning_skrull.models import prepare_model
-    from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, MicroBatchPlan, simulate
+    from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, MicroBatchPlan
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     cfg = Qwen2Config(**{**config, "num_hidden_layers": layers}, attn_implementation="sdpa")
@@ -97,15 +115,12 @@ def measure(
     # The smallest micro-batch through the plain Hugging Face model first (its own SDPA
     # attention, no Skrull context): the fixed cost any training loop on this model pays.
     smallest = micro_batches(bucket, tiny)[0][0]
-    hf_times = []
-    for rep in range(reps + 1):
-        ids = torch.randint(0, cfg.vocab_size, (1, smallest), device=device)
-        _sync(device)
-        start = time.perf_counter()
-        model(input_ids=ids, labels=ids).loss.backward()
-        _sync(device)
-        if rep:
-            hf_times.append(time.perf_counter() - start)
+    plain_hf = _median_seconds(
+        lambda: torch.randint(0, cfg.vocab_size, (1, smallest), device=device),
+        lambda ids: model(input_ids=ids, labels=ids).loss.backward(),
+        device,
+        reps,
+    )
     model.zero_grad(set_to_none=False)
     model = prepare_model(model, backend="auto")
     samples: list[tuple[GlobalBatchPlan, list[int], float]] = []
@@ -114,36 +129,32 @@ def measure(
         mb = MicroBatchPlan(tuple(range(len(lengths))), (0,) * len(lengths))
         plan = GlobalBatchPlan(((mb,),), dp_size=1, cp_size=1, bucket_size=max(bucket, sum(lengths)),
                                policy="skrull")  # fmt: skip
-        times = []
-        for rep in range(reps + 1):  # the first is a warm-up
+
+        def make_batch(plan: GlobalBatchPlan = plan, lengths: list[int] = lengths) -> Any:
             data = [
                 {"input_ids": [rng.randrange(cfg.vocab_size) for _ in range(n)]} for n in lengths
             ]
-            batch = collate_rank(data, plan, dp_rank=0, cp_rank=0, world_size=1).to(device)
-            _sync(device)
-            start = time.perf_counter()
-            forward_backward(model, batch, cp_group=None, backend="auto")
-            _sync(device)
-            if rep:
-                times.append(time.perf_counter() - start)
+            return collate_rank(data, plan, dp_rank=0, cp_rank=0, world_size=1).to(device)
+
+        seconds = _median_seconds(
+            make_batch,
+            lambda batch: forward_backward(model, batch, cp_group=None, backend="auto"),
+            device,
+            reps,
+        )
         model.zero_grad(set_to_none=False)
-        seconds = statistics.median(times)
         samples.append((plan, lengths, seconds))
         rows.append({"lengths": f"{len(lengths)} x {lengths[0]}", "tokens": sum(lengths),
                      "seconds": seconds})  # fmt: skip
-    start_model = CostModel.from_hf_config(cfg)
-    fitted = start_model.fit(samples)
-    for row, (plan, lengths, seconds) in zip(rows, samples, strict=True):
-        row["fit_error"] = simulate(plan, lengths, fitted) / seconds - 1.0
-    del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    fit = fit_constants(CostModel.from_hf_config(cfg), samples)
+    for row, error in zip(rows, fit["relative_errors"], strict=True):
+        row["fit_error"] = error
     return {
         "layers": layers,
-        "achieved_flops": fitted.achieved_flops,
-        "micro_batch_overhead_s": fitted.micro_batch_overhead_s,
-        "max_abs_fit_error": max(abs(r["fit_error"]) for r in rows),
-        "plain_hf_smallest_seconds": statistics.median(hf_times),
+        "achieved_flops": fit["achieved_flops"],
+        "micro_batch_overhead_s": fit["micro_batch_overhead_s"],
+        "max_abs_fit_error": fit["max_abs_relative_error"],
+        "plain_hf_smallest_seconds": plain_hf,
         "micro_batches": rows,
     }
 
@@ -187,7 +198,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, (config, depths, bucket) in MODELS.items():
         if args.tiny:
             config, depths, bucket = {**TINY, "num_hidden_layers": 4}, (1, 2), 256
-        fits = [measure(config, d, bucket, device, args.reps, args.tiny) for d in depths]
+        fits = []
+        for depth in depths:
+            fits.append(measure(config, depth, bucket, device, args.reps, args.tiny))
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # the cut model is gone with measure's frame
         report["models"][name] = {
             "fits": fits,
             "full_model": extrapolate(name, config["num_hidden_layers"], fits),
