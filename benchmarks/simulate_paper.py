@@ -178,9 +178,16 @@ def timed_plan(policy: str, lengths: list[int], s: Setting, model: CostModel, re
     return plan, best * 1e3
 
 
-def measured_constants(path: Path = MEASURED) -> dict[str, dict[str, float]]:
-    """Per model: the ``achieved_flops`` and ``micro_batch_overhead_s`` the probe measured."""
-    report = json.loads(path.read_text())
+def setting_batches(s: Setting, dataset: Dataset, batches: int, seed: int) -> list[list[int]]:
+    """The global batches of one setting: the same for every policy and every constant tried."""
+    rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
+    n = s.dp_size * s.per_dp_rank
+    return [sample_lengths(dataset, n, s.cp_size * s.bucket_size, rng) for _ in range(batches)]
+
+
+def measured_constants(report: dict) -> dict[str, dict[str, float]]:
+    """Per model: the ``achieved_flops`` and ``micro_batch_overhead_s`` of a probe report
+    (the JSON ``benchmarks/cost_probe.py`` writes, e.g. :data:`MEASURED`)."""
     return {
         name: {k: m["full_model"][k] for k in ("achieved_flops", "micro_batch_overhead_s")}
         for name, m in report["models"].items()
@@ -199,15 +206,12 @@ def run_setting(
     ``constants`` replace the cost model's defaults (the planner plans with them too).
     """
     model = CostModel(shape=s.shape, **(constants or {}))
-    rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
-    n = s.dp_size * s.per_dp_rank
     policies = [*POLICIES, DEEPSPEED]
     times: dict[str, list[float]] = {p: [] for p in policies}
     ratios: dict[str, list[float]] = {p: [] for p in policies}
     plan_ms: dict[str, list[float]] = {p: [] for p in policies}
     bounds: list[float] = []
-    for _ in range(batches):
-        lengths = sample_lengths(dataset, n, s.cp_size * s.bucket_size, rng)
+    for lengths in setting_batches(s, dataset, batches, seed):
         bound = lower_bound(
             lengths,
             dp_size=s.dp_size,
@@ -278,13 +282,11 @@ def overhead_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list[
     for s in settings():
         for dataset in DATASETS:
             speedups = []
+            same = setting_batches(s, dataset, batches, seed)
             for overhead in OVERHEADS_S:
                 model = CostModel(shape=s.shape, micro_batch_overhead_s=overhead)
-                rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
-                n = s.dp_size * s.per_dp_rank
                 ours, theirs = 0.0, 0.0
-                for _ in range(batches):
-                    lengths = sample_lengths(dataset, n, s.cp_size * s.bucket_size, rng)
+                for lengths in same:
                     ours += simulate(plan_for("skrull", lengths, s, model), lengths, model)
                     theirs += simulate(plan_for(DEEPSPEED, lengths, s, model), lengths, model)
                 speedups.append(theirs / ours)
@@ -336,13 +338,11 @@ def bandwidth_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list
     out: dict[tuple[str, str], list[tuple]] = {}
     for dataset in DATASETS:
         cells = []
+        same = setting_batches(s, dataset, batches, seed)
         for bandwidth in BANDWIDTHS:
             model = CostModel(shape=s.shape, comm_bandwidth=bandwidth)
-            rng = random.Random(f"{seed}-{s.model}-{dataset.name}")
             ours, theirs, bound = 0.0, 0.0, 0.0
-            for _ in range(batches):
-                lengths = sample_lengths(dataset, s.dp_size * s.per_dp_rank,
-                                         s.cp_size * s.bucket_size, rng)  # fmt: skip
+            for lengths in same:
                 ours += simulate(plan_for("skrull", lengths, s, model), lengths, model)
                 theirs += simulate(plan_for("static", lengths, s, model), lengths, model)
                 bound += lower_bound(lengths, dp_size=s.dp_size, cp_size=s.cp_size,
@@ -587,7 +587,8 @@ def main(argv: list[str] | None = None) -> int:
     sensitivity = overhead_sensitivity(args.batches, args.seed)
     section: list[str] = []
     if MEASURED.exists():
-        measured = measured_constants()
+        probe = json.loads(MEASURED.read_text())
+        measured = measured_constants(probe)
         results_measured = {
             (s.model, dataset.name): run_setting(
                 s, dataset, args.batches, args.seed, measured[s.model]
@@ -595,7 +596,7 @@ def main(argv: list[str] | None = None) -> int:
             for s in settings()
             for dataset in DATASETS
         }
-        section = measured_tables(results_measured, measured, json.loads(MEASURED.read_text()))
+        section = measured_tables(results_measured, measured, probe)
     bandwidths = bandwidth_sensitivity(args.batches, args.seed)
     report = format_tables(results, cluster, sensitivity, args, section, bandwidths)
     print(report)

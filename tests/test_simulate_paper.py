@@ -4,6 +4,7 @@ target it cannot reach says so."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from pathlib import Path
 
@@ -65,7 +66,7 @@ def test_report_has_the_ceiling_table() -> None:
 def test_measured_section_uses_the_measured_constants() -> None:
     # The constants kept from the GPU probe, planned with (the planner sees them too) and
     # reported with the probe's device; the bandwidth table lists every bandwidth.
-    measured = sim.measured_constants()
+    measured = sim.measured_constants(json.loads(sim.MEASURED.read_text()))
     assert set(measured) == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
     for constants in measured.values():
         assert constants["achieved_flops"] > 1e14 and constants["micro_batch_overhead_s"] > 0
