@@ -16,8 +16,9 @@ which is exactly "query ``i`` of the chunk sees keys up to ``chunk.start + i``".
 (no repeated K/V) where the kernel supports it.
 
 ``"auto"`` picks this backend on CUDA whenever a kernel is installed: on an H200 with PyTorch
-2.11 it ran a Qwen2.5-0.5B training step 8-12x faster than the ``sdpa`` backend (two runs) and
-matched it to bf16 rounding, forward and backward (docs/benchmarks.md).
+2.11 it ran a Qwen2.5-0.5B training step on Wikipedia-like data 1.21x faster than the ``sdpa``
+backend (8-12x before that backend's CUDA fixes) and matched it to bf16 rounding, forward and
+backward (docs/benchmarks.md).
 """
 
 from __future__ import annotations
