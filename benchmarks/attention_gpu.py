@@ -31,9 +31,7 @@ import contextlib
 import json
 import os
 import random
-import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -41,7 +39,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import SHARES, sample_lengths
+from gpu_check import SHARES, median_seconds, sample_lengths
 
 from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
 from lightning_skrull.attention import flash as flash_backend
@@ -90,8 +88,8 @@ def _time_layer(
     repeat_kv: bool,
 ) -> float:
     """Median ms of forward + backward of one layer; new lengths every repetition."""
-    times = []
-    for rep in range(reps + 1):  # the first is a warm-up
+
+    def make_input(rep: int) -> tuple[Any, ...]:
         lens = [n + rep for n in lengths]
         ids = list(range(len(lens)))
         place = [0 if placement == "local" else DISTRIBUTED] * len(lens)
@@ -104,15 +102,13 @@ def _time_layer(
             for h in (HEADS, kv, kv)
         )
         grad = torch.randn(t, HEADS, HEAD_DIM, device=device, dtype=dtype)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
+        return q, k, v, ctx, grad
+
+    def step(args: tuple[Any, ...]) -> None:
+        q, k, v, ctx, grad = args
         fn(q, k, v, ctx).backward(grad)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        if rep:
-            times.append((time.perf_counter() - start) * 1e3)
-    return statistics.median(times)
+
+    return median_seconds(make_input, step, device, reps) * 1e3
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,17 +28,14 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import QWEN2_5_0_5B, TINY, fit_constants
+from gpu_check import QWEN2_5_0_5B, TINY, fit_constants, median_seconds
 
 QWEN2_5_7B: dict[str, Any] = {
     **QWEN2_5_0_5B,
@@ -72,28 +69,6 @@ def micro_batches(bucket: int, tiny: bool) -> list[list[int]]:
     return out
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _median_seconds(
-    make_input: Callable[[], Any], run: Callable[[Any], None], device: torch.device, reps: int
-) -> float:
-    """Median seconds of ``run(make_input())`` over ``reps`` runs after one warm-up; the input
-    is new every run and made outside the timing."""
-    times = []
-    for rep in range(reps + 1):
-        arg = make_input()
-        _sync(device)
-        start = time.perf_counter()
-        run(arg)
-        _sync(device)
-        if rep:
-            times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
 def measure(
     config: dict[str, Any], layers: int, bucket: int, device: torch.device, reps: int, tiny: bool
 ) -> dict[str, Any]:
@@ -115,8 +90,8 @@ def measure(
     # The smallest micro-batch through the plain Hugging Face model first (its own SDPA
     # attention, no Skrull context): the fixed cost any training loop on this model pays.
     smallest = micro_batches(bucket, tiny)[0][0]
-    plain_hf = _median_seconds(
-        lambda: torch.randint(0, cfg.vocab_size, (1, smallest), device=device),
+    plain_hf = median_seconds(
+        lambda _rep: torch.randint(0, cfg.vocab_size, (1, smallest), device=device),
         lambda ids: model(input_ids=ids, labels=ids).loss.backward(),
         device,
         reps,
@@ -130,13 +105,15 @@ def measure(
         plan = GlobalBatchPlan(((mb,),), dp_size=1, cp_size=1, bucket_size=max(bucket, sum(lengths)),
                                policy="skrull")  # fmt: skip
 
-        def make_batch(plan: GlobalBatchPlan = plan, lengths: list[int] = lengths) -> Any:
+        def make_batch(
+            _rep: int, plan: GlobalBatchPlan = plan, lengths: list[int] = lengths
+        ) -> Any:
             data = [
                 {"input_ids": [rng.randrange(cfg.vocab_size) for _ in range(n)]} for n in lengths
             ]
             return collate_rank(data, plan, dp_rank=0, cp_rank=0, world_size=1).to(device)
 
-        seconds = _median_seconds(
+        seconds = median_seconds(
             make_batch,
             lambda batch: forward_backward(model, batch, cp_group=None, backend="auto"),
             device,

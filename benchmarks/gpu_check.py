@@ -43,6 +43,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,23 @@ def sample_lengths(name: str, n: int, cap: int, scale: int, rng: random.Random) 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def median_seconds(
+    make_input: Callable[[int], Any], run: Callable[[Any], Any], device: torch.device, reps: int
+) -> float:
+    """Median seconds of ``run(make_input(rep))`` over ``reps`` repetitions after one warm-up
+    (``rep`` 0); the input is new every repetition and made outside the timing."""
+    times = []
+    for rep in range(reps + 1):
+        arg = make_input(rep)
+        _sync(device)
+        start = time.perf_counter()
+        run(arg)
+        _sync(device)
+        if rep:
+            times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _model(config: dict[str, Any], dtype: torch.dtype, device: torch.device, attn: str) -> Any:
