@@ -126,7 +126,9 @@ def test_lower_bound_is_at_least_its_relaxation_without_forced_sequences(batch) 
     lengths, dp, cp, c = batch
     model = CostModel(micro_batch_overhead_s=0.01)
     costs = SequenceCosts(lengths, cp, model)
-    plain = _relaxation(lengths, costs, [s > c for s in lengths], dp, c, 0.01)
+    plain = _relaxation(
+        lengths, costs, [s > c for s in lengths], dp, c, model.micro_batch_overhead_s
+    )
     bound = lower_bound(lengths, dp_size=dp, cp_size=cp, bucket_size=c, cost_model=model)
     assert bound >= plain * (1 - 1e-12)
 
@@ -142,7 +144,9 @@ def test_lower_bound_forces_sequences_longer_than_a_rank_can_hold_in_time() -> N
     bound = lower_bound(lengths, dp_size=1, cp_size=4, bucket_size=8_000, cost_model=model)
     assert simulate(plan, lengths, model) == pytest.approx(bound, rel=1e-12)
     costs = SequenceCosts(lengths, 4, model)
-    spread_local = _relaxation(lengths, costs, [False, False], 1, 8_000, 2e-3)
+    spread_local = _relaxation(
+        lengths, costs, [False, False], 1, 8_000, model.micro_batch_overhead_s
+    )
     assert spread_local < 0.95 * bound  # what the bound was without the forcing
 
 
