@@ -447,6 +447,8 @@ def _greedy(
     # data most micro-batches distribute everything, and recomputing each rank's time after
     # every shard dominated.
     all_empty = not (any(tokens) or any(linear) or any(attn))
+    members = state.members
+    can_give_up = give_up_at != math.inf
     for i, sid in enumerate(rest):
         s = lengths[sid]
         lin_k, att_k = lin_of[sid], att_of[sid]
@@ -467,47 +469,56 @@ def _greedy(
                 mean_lin = (sum_lin + tail_lin[i]) / n
                 mean_att = (sum_att + tail_att[i]) / n
                 a = attn[rank] + att_k
-                as_local = max(
-                    max_lin + comm,
-                    max_lin_att,
-                    linear[rank] + lin_k + (a if a > comm else comm),
-                    mean_lin + (mean_att if mean_att > comm else comm),
-                )
-                mean_lin -= lin_k / n
-                mean_att -= att_k / n
-                comm2 = comm_fixed + comm_per_token * (state.dist_tokens + s)  # costs.comm
-                as_dist = max(
-                    max_lin + comm2,
-                    max_lin_att,
-                    mean_lin + (mean_att if mean_att > comm2 else comm2),
-                )
-                # The exact distributed cost is O(log) to compute: try its lower bounds first
-                # (the linear part alone, then the cheap bound of the whole).
-                if (
-                    as_dist + lin_k / n < as_local
-                    and as_dist + costs.distributed_lower_bound(sid) < as_local
-                    and as_dist + costs.distributed(sid) < as_local
-                    and state.can_distribute(sid)
-                ):
-                    go_local = False
-                    state.chosen_shards += 1
-                    state.chosen_local_max = max(state.chosen_local_max, lin_k + att_k)
+                top = max_lin + comm  # the slowest rank so far
+                if max_lin_att > top:
+                    top = max_lin_att
+                new_rank = linear[rank] + lin_k + (a if a > comm else comm)
+                mean = mean_lin + (mean_att if mean_att > comm else comm)
+                # Sharding cannot win when keeping it whole leaves the estimate at ``top``:
+                # the sharded estimate is at least ``top`` plus the sequence's linear share.
+                if new_rank > top or mean > top:
+                    as_local = max(top, new_rank, mean)
+                    mean_lin -= lin_k / n
+                    mean_att -= att_k / n
+                    comm2 = comm_fixed + comm_per_token * (state.dist_tokens + s)  # costs.comm
+                    as_dist = max(
+                        max_lin + comm2,
+                        max_lin_att,
+                        mean_lin + (mean_att if mean_att > comm2 else comm2),
+                    )
+                    # The exact distributed cost is O(log) to compute: try its lower bounds
+                    # first (the linear part alone, then the cheap bound of the whole).
+                    if (
+                        as_dist + lin_k / n < as_local
+                        and as_dist + costs.distributed_lower_bound(sid) < as_local
+                        and as_dist + costs.distributed(sid) < as_local
+                        and state.can_distribute(sid)
+                    ):
+                        go_local = False
+                        state.chosen_shards += 1
+                        state.chosen_local_max = max(state.chosen_local_max, lin_k + att_k)
             if go_local:
                 if times is None:
                     times = state.rank_times(comm)
                 all_empty = False
-                tokens[rank] += s
-                min_tokens = min(tokens)
+                if tokens[rank] == min_tokens:
+                    tokens[rank] += s
+                    min_tokens = min(tokens)
+                else:
+                    tokens[rank] += s
                 lin = linear[rank] = linear[rank] + lin_k
                 a = attn[rank] = attn[rank] + att_k
                 where[sid] = rank
-                state.members[rank].append(sid)
+                members[rank].append(sid)
                 times[rank] = lin + (a if a > comm else comm)
                 max_lin = lin if lin > max_lin else max_lin
                 max_lin_att = lin + a if lin + a > max_lin_att else max_lin_att
                 sum_lin += lin_k
                 sum_att += att_k
-                if max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at:
+                if (
+                    can_give_up
+                    and max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at
+                ):
                     return False
                 break
             if rank >= 0 or state.can_distribute(sid):  # rank >= 0: checked above
