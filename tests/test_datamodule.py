@@ -46,6 +46,7 @@ def loader(
     equal: bool = False,
     num_workers: int = 0,
     n: int = 30,
+    bucket_size: int = 50,
 ) -> SkrullDataLoader:
     dataset = load_sft_data(make_samples(n))
     sampler = GlobalBatchSampler(len(dataset), global_batch_size, shuffle=shuffle, seed=5)
@@ -54,7 +55,7 @@ def loader(
         cp_size=cp_size,
         dp_rank=dp_rank,
         cp_rank=cp_rank,
-        bucket_size=50,
+        bucket_size=bucket_size,
         policy="skrull",
         cost_model=CostModel(),
         equal_micro_batches=equal,
@@ -86,8 +87,9 @@ def test_every_sample_of_a_global_batch_goes_to_exactly_one_dp_rank() -> None:
 
 
 def test_equal_micro_batches_pads_every_dp_rank_to_the_largest_count() -> None:
-    plain = [list(loader(d, 0)) for d in range(2)]
-    padded = [list(loader(d, 0, equal=True)) for d in range(2)]
+    # With a 48-token bucket the second step gives the DP ranks 3 and 4 micro-batches.
+    plain = [list(loader(d, 0, bucket_size=48)) for d in range(2)]
+    padded = [list(loader(d, 0, equal=True, bucket_size=48)) for d in range(2)]
     uneven = 0
     for step in range(len(plain[0])):
         counts = [len(plain[d][step].rank_batch.micro_batches) for d in range(2)]

@@ -6,6 +6,12 @@
    (micro-batch ``i`` gets ``my[i::m]``), so each mixes short and long sequences. ``m`` starts at
    the fewest micro-batches whose token budget ``m * cp_size * bucket_size`` could hold the rank's
    tokens and grows by one until every micro-batch fits and DACP places it.
+3. When the strided deal at ``m`` does not fit (or DACP cannot place it), the same ``m`` is
+   tried once more with the sequences dealt by tokens (longest first, each to the micro-batch
+   with the fewest tokens so far) before ``m`` grows. The strided deal gives the micro-batch that
+   gets the longest sequence the longest of every stride too, so with a few sequences near the
+   group's capacity it needed up to one micro-batch per sequence, each paying the fixed cost of
+   a micro-batch.
 
 The printed loop of the paper never exits on success; this one stops at the first ``m`` that
 works. It always terminates: with one sequence per micro-batch every sequence fits, since none
@@ -37,10 +43,42 @@ def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[l
     return bins
 
 
-def split_strided(
+def deal_by_tokens(mine: Sequence[int], m: int, lengths: Sequence[int]) -> list[list[int]]:
+    """Deal ascending ``mine`` into ``m`` groups: longest first, each to the group with the fewest
+    tokens so far (lowest index on ties); every group ascending, as the strided deal's are."""
+    groups: list[list[int]] = [[] for _ in range(m)]
+    heap = [(0, g) for g in range(m)]  # (tokens so far, group): ties -> lowest group
+    for sid in reversed(mine):
+        tokens, g = heap[0]
+        groups[g].append(sid)
+        heapq.heapreplace(heap, (tokens + lengths[sid], g))
+    for group in groups:
+        group.reverse()
+    return groups
+
+
+def _place_all(
+    groups: list[list[int]], costs: SequenceCosts, bucket_size: int, place: Placer
+) -> list[MicroBatchPlan] | None:
+    """The micro-batches of ``groups``, or ``None`` when one overflows or ``place`` refuses it."""
+    lengths = costs.lengths
+    capacity = costs.cp_size * bucket_size
+    if any(sum(lengths[i] for i in g) > capacity for g in groups):
+        return None
+    plans = []
+    for group in groups:
+        placement = place(group, costs, bucket_size)
+        if placement is None:
+            return None
+        plans.append(MicroBatchPlan(tuple(group), placement))
+    return plans
+
+
+def split_micro_batches(
     ids: Sequence[int], costs: SequenceCosts, bucket_size: int, place: Placer
 ) -> list[MicroBatchPlan]:
-    """Deal one DP rank's sequences into the fewest strided micro-batches that ``place`` accepts."""
+    """Deal one DP rank's sequences into the fewest micro-batches that ``place`` accepts:
+    strided, or dealt by tokens where the strided deal does not fit (module docstring)."""
     if not ids:
         return []
     lengths = costs.lengths
@@ -49,15 +87,14 @@ def split_strided(
     total = sum(lengths[i] for i in mine)
     m = max(1, -(-total // capacity))
     while True:
-        groups = [mine[i::m] for i in range(m)]
-        if all(sum(lengths[i] for i in g) <= capacity for g in groups):
-            plans = []
-            for group in groups:
-                placement = place(group, costs, bucket_size)
-                if placement is None:
-                    break
-                plans.append(MicroBatchPlan(tuple(group), placement))
-            else:
+        strided = [mine[i::m] for i in range(m)]
+        plans = _place_all(strided, costs, bucket_size, place)
+        if plans is not None:
+            return plans
+        dealt = deal_by_tokens(mine, m, lengths)
+        if sorted(dealt) != sorted(strided):  # not the same micro-batches in another order
+            plans = _place_all(dealt, costs, bucket_size, place)
+            if plans is not None:
                 return plans
         if m >= len(mine):  # pragma: no cover - one sequence per micro-batch always fits
             raise AssertionError(
@@ -71,4 +108,4 @@ def plan_gds(
 ) -> list[list[MicroBatchPlan]]:
     """GDS over all ``n`` sequences of the global batch with the given CP placement."""
     bins = balance_dp(range(n), dp_size, costs)
-    return [split_strided(b, costs, bucket_size, place) for b in bins]
+    return [split_micro_batches(b, costs, bucket_size, place) for b in bins]
