@@ -31,6 +31,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lightning_skrull.scheduling import (
     POLICIES,
@@ -246,30 +247,74 @@ def run_setting(
     return out
 
 
-CLUSTER_REPEATS = 5
-"""Runs per cluster-scale batch; the least CPU time counts (the machine is shared)."""
+class PlanTimer:
+    """Skrull planning time of fixed batches, one run of every batch per :meth:`round`.
+
+    The benchmark calls :meth:`round` between its other parts, so the runs of one batch are
+    spread over the whole benchmark: on a shared machine other processes only ever add CPU time
+    (the same batch took 36 and 58 ms minutes apart), and runs taken back to back all land in the
+    same busy or quiet spell. The least run of a batch is its planning cost; the median of all
+    its runs shows what the machine's load added.
+    """
+
+    def __init__(self) -> None:
+        self.work: dict[Any, tuple[Setting, list[list[int]]]] = {}
+        self.ms: dict[Any, list[list[float]]] = {}
+
+    def add(self, key: Any, s: Setting, batches: list[list[int]]) -> None:
+        """Time ``batches`` planned for ``s``'s layout under ``key``."""
+        self.work[key] = (s, batches)
+        self.ms[key] = [[] for _ in batches]
+
+    def round(self) -> None:
+        """Plan every batch once, recording its CPU time."""
+        for key, (s, batches) in self.work.items():
+            model = CostModel(shape=s.shape)
+            for lengths, runs in zip(batches, self.ms[key], strict=True):
+                t0 = time.process_time()
+                plan_for("skrull", lengths, s, model)
+                runs.append((time.process_time() - t0) * 1e3)
+
+    @property
+    def runs(self) -> int:
+        """Runs of each batch so far."""
+        return min((len(r) for rows in self.ms.values() for r in rows), default=0)
+
+    def rows(self) -> list[tuple[Any, float, float, float]]:
+        """Per key: mean and max over batches of each batch's least run, and the median of
+        every run (ms)."""
+        out = []
+        for key, rows in self.ms.items():
+            least = [min(r) for r in rows]
+            every = [x for r in rows for x in r]
+            out.append((key, statistics.fmean(least), max(least), statistics.median(every)))
+        return out
 
 
-def cluster_planning(batches: int, seed: int) -> list[tuple[str, float, float]]:
-    """Skrull planning time at DP=64 x CP=16 with 4096 sequences (BucketSize 13K)."""
-    s = settings()[1]
-    model = CostModel(shape=s.shape)
-    rows = []
+CLUSTER = Setting(
+    "Qwen2.5-7B", QWEN2_5_7B, dp_size=64, cp_size=16, per_dp_rank=64, bucket_size=13_000
+)
+"""Cluster scale: DP=64 x CP=16, 4096 sequences per global batch (7B's bucket)."""
+
+
+def plan_timers(cluster_batches: int, batches: int, seed: int) -> tuple[PlanTimer, PlanTimer]:
+    """Timers of skrull's planning: the cluster-scale batches (keyed by dataset) and the
+    256-sequence Qwen2.5-0.5B batches of the tables (keyed by ``(model, dataset)``)."""
+    cluster, paper = PlanTimer(), PlanTimer()
+    s = CLUSTER
+    small = settings()[0]
     for dataset in DATASETS:
         rng = random.Random(f"{seed}-cluster-{dataset.name}")
-        ms = []
-        for _ in range(batches):
-            lengths = sample_lengths(dataset, 4096, 16 * s.bucket_size, rng)
-            best = math.inf
-            for _ in range(CLUSTER_REPEATS):
-                t0 = time.process_time()
-                plan_global_batch(
-                    lengths, dp_size=64, cp_size=16, bucket_size=s.bucket_size, cost_model=model
-                )
-                best = min(best, time.process_time() - t0)
-            ms.append(best * 1e3)
-        rows.append((dataset.name, statistics.fmean(ms), max(ms)))
-    return rows
+        n, capacity = s.dp_size * s.per_dp_rank, s.cp_size * s.bucket_size
+        cluster.add(
+            dataset.name,
+            s,
+            [sample_lengths(dataset, n, capacity, rng) for _ in range(cluster_batches)],
+        )
+        paper.add(
+            (small.model, dataset.name), small, setting_batches(small, dataset, batches, seed)
+        )
+    return cluster, paper
 
 
 OVERHEADS_S = (10e-3, 20e-3)
@@ -352,16 +397,26 @@ def bandwidth_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list
     return out
 
 
-def format_tables(results, cluster, sensitivity, args, measured_section=(), bandwidths=None) -> str:
-    """The Markdown report."""
+def format_tables(
+    results,
+    cluster,
+    sensitivity,
+    args,
+    measured_section=(),
+    bandwidths=None,
+    paper_timing=(),
+    runs=0,
+) -> str:
+    """The Markdown report; ``cluster`` and ``paper_timing`` hold :meth:`PlanTimer.rows` from
+    ``runs`` runs of every batch (see :func:`plan_timers`)."""
     lines = [
         "Length distributions are rebuilt from the shares published in the paper's Table 1 "
         f"(log-uniform inside each band, shortest sample {SHORTEST} tokens, lengths above one CP "
         "group's capacity cut to it); times are simulated with the cost model, not measured.",
         f"{args.batches} global batches per setting, seed {args.seed}. `deepspeed` = static CP "
         "with one sequence per micro-batch (the paper's DeepSpeed baseline as we read it); "
-        "`static` = the same with packing. Planning time: least CPU time of 3 runs, mean over "
-        "batches (max over batches in the targets).",
+        "`static` = the same with packing. Planning time: least CPU time of 3 runs back to "
+        "back, mean over batches; the planning targets are judged on the timing table below.",
         "",
     ]
     header = (
@@ -379,13 +434,23 @@ def format_tables(results, cluster, sensitivity, args, measured_section=(), band
             )
     lines += [
         "",
-        "Cluster-scale planning (skrull, DP=64 x CP=16, 4096 sequences, BucketSize 13K; "
-        f"least CPU time of {CLUSTER_REPEATS} runs per batch):",
+        "Skrull's planning time: Qwen2.5-0.5B's 256-sequence batches of the table above "
+        "(DP=4 x CP=8) and cluster-scale batches (DP=64 x CP=16, 4096 sequences, BucketSize "
+        f"13K). Every batch planned {runs} times, the runs spread over the whole benchmark; a "
+        "batch's least CPU time is its planning cost (mean and max over batches), the median "
+        "of all its runs shows what the machine's load added:",
         "",
+        "| batches | dataset | plan mean (ms) | plan max (ms) | median of all runs (ms) |",
+        "|---|---|---:|---:|---:|",
     ]
-    lines += ["| dataset | plan mean (ms) | plan max (ms) |", "|---|---:|---:|"]
-    for name, mean, worst in cluster:
-        lines.append(f"| {name} | {mean:.1f} | {worst:.1f} |")
+    for key, mean, worst, median in paper_timing:
+        lines.append(
+            f"| {key[0]}, 256 sequences | {key[1]} | {mean:.2f} | {worst:.2f} | {median:.2f} |"
+        )
+    for name, mean, worst, median in cluster:
+        lines.append(
+            f"| DP=64 x CP=16, 4096 sequences | {name} | {mean:.1f} | {worst:.1f} | {median:.1f} |"
+        )
     lines += [
         "",
         "The speedup over the DeepSpeed baseline depends mostly on the fixed cost of a "
@@ -441,7 +506,7 @@ def format_tables(results, cluster, sensitivity, args, measured_section=(), band
         "Targets (skrull, default constants):",
         "",
     ]
-    lines += target_lines(results, cluster)
+    lines += target_lines(results, cluster, paper_timing)
     lines += list(measured_section)
     return "\n".join(lines) + "\n"
 
@@ -453,11 +518,15 @@ def _beyond(ceiling: dict[str, float], key: str, target: float) -> str:
     return f"; no plan can reach it under this model, ceiling {ceiling[key]:.2f}x"
 
 
-def target_lines(results, cluster) -> list[str]:
-    """One line per target: met or missed, with the numbers."""
+def target_lines(results, cluster, paper_timing=()) -> list[str]:
+    """One line per target: met or missed, with the numbers. ``paper_timing`` holds
+    :meth:`PlanTimer.rows` keyed by ``(model, dataset)``; where given, the planning target is
+    judged on them instead of the table's back-to-back runs."""
+    spread = {key: worst for key, _, worst, _ in paper_timing}
     out = []
     for (model, dataset), res in results.items():
         r, ceiling = res["skrull"], res[CEILING]
+        plan_max = spread.get((model, dataset), r["plan_ms_max"])
         paper = PAPER_SPEEDUP[(model, dataset)]
 
         checks = [
@@ -481,13 +550,13 @@ def target_lines(results, cluster) -> list[str]:
         if model == "Qwen2.5-0.5B":
             checks.append(
                 (
-                    r["plan_ms_max"] < 5.0,
-                    f"planning < 5 ms per 256 sequences (max {r['plan_ms_max']:.2f} ms)",
+                    plan_max < 5.0,
+                    f"planning < 5 ms per 256 sequences (max {plan_max:.2f} ms)",
                 )
             )
         for ok, text in checks:
             out.append(f"- {'met' if ok else 'MISSED'}: {model} / {dataset}: {text}")
-    for name, _, worst in cluster:
+    for name, _, worst, _ in cluster:
         ok = worst < 50.0
         out.append(
             f"- {'met' if ok else 'MISSED'}: cluster-scale planning < 50 ms on {name} "
@@ -561,13 +630,19 @@ READING = """
   micro-batches per DP rank. Measured on one H200 that cost is 53 ms (0.5B) and 69 ms (7B) per
   micro-batch, not the default 2 ms: most of it is the host launching eager kernels layer by
   layer. With the measured constants skrull is 13-32x faster than the baseline on the
-  short-sequence sets, beyond every speedup the paper reports, and 1.76x and 2.63x on
-  ChatQA2-like data (the paper: 1.35x and 2.79x). The paper's baseline was DeepSpeed's own
+  short-sequence sets, beyond every speedup the paper reports, and 1.76x and 2.65x on
+  ChatQA2-like data (the paper: 1.35x and 2.79x). On the latter every sequence is sharded and
+  every DP rank runs the fewest micro-batches its tokens allow (on all 20 batches); the
+  all-gather is exposed, since hiding it would need local sequences of about 9K tokens on
+  every CP rank, each costing its rank 8x its sharded share. The lower bound lets the short
+  sequences hide it without that imbalance, so the ceiling overstates what a plan can reach. The paper's baseline was DeepSpeed's own
   engine, whose fixed cost per micro-batch we did not measure, so these multiples say what
   packing saves on this stack, not what the paper's baseline lost.
 - Planning times move by up to 2x between identical runs on this shared machine (the same
-  cluster-scale batch took 42 and 84 ms within minutes); the tables keep the least of several
-  runs, so a max just above a target can be noise, but a mean above it is not.
+  cluster-scale batch took 36 and 58 ms minutes apart): other processes only ever add CPU
+  time. The paper-scale column keeps the least of 3 runs back to back; the cluster-scale table
+  spreads the runs of each batch over the whole benchmark and keeps the least, with the median
+  of all runs beside it.
 """
 
 
@@ -579,26 +654,44 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/")
     args = parser.parse_args(argv)
 
+    cluster, paper = plan_timers(args.cluster_batches, args.batches, args.seed)
+
+    def time_planning() -> None:  # between the other parts: see PlanTimer
+        cluster.round()
+        paper.round()
+
+    time_planning()
     results = {}
     for s in settings():
         for dataset in DATASETS:
             results[(s.model, dataset.name)] = run_setting(s, dataset, args.batches, args.seed)
-    cluster = cluster_planning(args.cluster_batches, args.seed)
+            time_planning()
     sensitivity = overhead_sensitivity(args.batches, args.seed)
+    time_planning()
     section: list[str] = []
     if MEASURED.exists():
         probe = json.loads(MEASURED.read_text())
         measured = measured_constants(probe)
-        results_measured = {
-            (s.model, dataset.name): run_setting(
-                s, dataset, args.batches, args.seed, measured[s.model]
-            )
-            for s in settings()
-            for dataset in DATASETS
-        }
+        results_measured = {}
+        for s in settings():
+            for dataset in DATASETS:
+                results_measured[(s.model, dataset.name)] = run_setting(
+                    s, dataset, args.batches, args.seed, measured[s.model]
+                )
+                time_planning()
         section = measured_tables(results_measured, measured, probe)
     bandwidths = bandwidth_sensitivity(args.batches, args.seed)
-    report = format_tables(results, cluster, sensitivity, args, section, bandwidths)
+    time_planning()
+    report = format_tables(
+        results,
+        cluster.rows(),
+        sensitivity,
+        args,
+        section,
+        bandwidths,
+        paper_timing=paper.rows(),
+        runs=cluster.runs,
+    )
     print(report)
     if not args.no_write:
         command = "python benchmarks/simulate_paper.py"

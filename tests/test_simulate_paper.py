@@ -58,7 +58,7 @@ def test_report_has_the_ceiling_table() -> None:
     class Args:
         batches, seed = 1, 0
 
-    report = sim.format_tables(results, [("Wikipedia", 1.0, 2.0)], sensitivity, Args)
+    report = sim.format_tables(results, [("Wikipedia", 1.0, 2.0, 3.0)], sensitivity, Args)
     assert "| model | dataset | ceiling vs static | ceiling vs deepspeed |" in report
     assert "| ceiling |" not in report  # the ceiling is not listed as a policy
 
@@ -90,3 +90,32 @@ def test_measured_section_uses_the_measured_constants() -> None:
     report = sim.format_tables({key: default}, [], sensitivity, Args, lines, bandwidths)
     assert "| 100 GB/s | 50 GB/s | 25 GB/s |" in report
     assert "## Under the compute constants measured on one H200" in report
+
+
+def test_plan_timer_spreads_runs_and_judges_targets_on_the_least() -> None:
+    cluster, paper = sim.plan_timers(cluster_batches=1, batches=2, seed=0)
+    assert cluster.runs == paper.runs == 0
+    cluster.round()
+    paper.round()
+    cluster.round()
+    paper.round()
+    assert cluster.runs == paper.runs == 2
+    rows = cluster.rows()
+    assert [r[0] for r in rows] == [d.name for d in sim.DATASETS]
+    for name, mean, worst, median in rows:
+        (runs,) = cluster.ms[name]  # one batch
+        assert mean == worst == min(runs) and min(runs) <= median <= max(runs)
+    lines = sim.target_lines({}, rows)
+    assert lines[0].endswith(f"(max {rows[0][2]:.1f} ms)") and "cluster-scale" in lines[0]
+    # The 256-sequence target is judged on the spread runs, not the table's back-to-back ones.
+    small = sim.settings()[0]
+    dataset = sim.DATASETS[0]
+    key = (small.model, dataset.name)
+    results = {key: sim.run_setting(small, dataset, batches=2, seed=0)}
+    timing = [r for r in paper.rows() if r[0] == key]
+    assert timing[0][2] == max(min(r) for r in paper.ms[key])
+    (line,) = [x for x in sim.target_lines(results, [], timing) if "256 sequences" in x]
+    assert line.endswith(f"(max {timing[0][2]:.2f} ms)")
+    fake = [(key, 1.0, 9.0, 9.0)]
+    (line,) = [x for x in sim.target_lines(results, [], fake) if "256 sequences" in x]
+    assert line.startswith("- MISSED") and "(max 9.00 ms)" in line
