@@ -616,9 +616,10 @@ READING = """
   the batch, and no balance lost to whole sequences between CP ranks. It does charge one
   micro-batch per DP rank that holds a sequence, and it forces onto the distributed path every
   sequence whose local time alone exceeds the iteration time it claims. Where a ratio stays
-  above 1.1 (ChatQA2-like batches, Qwen2.5-7B's short-sequence sets) the best plan we found
-  by hand was not much better: on one 7B Wikipedia-like batch, the best of "shard the k
-  longest, balance the rest" over every k was 2.4% faster than skrull's plan.
+  above 1.1 (ChatQA2-like batches of 0.5B, Qwen2.5-7B's Wikipedia-like set), the best plans
+  we found by hand were of the form "shard the k longest, spread the rest whole"; DACP builds
+  that placement where sharding short sequences wastes time, which took 1.2-1.9% off the 7B
+  short-sequence plans, and trying it on every micro-batch would take off under 0.1% more.
 - Against packed `static`, skrull gains what sharding short sequences costs: communication
   and attention tiles. On Qwen2.5-7B's short-sequence sets the matmuls dominate so much that
   those costs are small at the default 100 GB/s: even a plan at the lower bound would be only

@@ -345,6 +345,48 @@ def test_skrull_beats_static_on_short_heavy_data() -> None:
     assert times["skrull"] <= min(times.values()) * 1.02
 
 
+def test_split_runs_where_sharding_short_sequences_wastes_time() -> None:
+    # Qwen2.5-7B's shape, CP=16, the default 100 GB/s: the greedy (refined) shards 19 of these
+    # sequences, 14 of them 200-token ones whose tiles are mostly empty on 16 ranks. Their
+    # communication is only 11% of its estimate, under the communication gate, but with the
+    # tile waste they cost 14% beyond an even spread, over the waste gate. The split shards the
+    # 5 longest and keeps the short ones whole: 1.3% faster.
+    model = CostModel(shape=QWEN2_5_7B)
+    lengths = [9000] + [1500] * 4 + [200] * 30
+    costs = SequenceCosts(lengths, 16, model)
+    base, rest = dacp._forced(range(len(lengths)), costs, 13_000)
+    greedy = base.copy()
+    assert dacp._greedy(greedy, rest, look_ahead=True)
+    dacp._improve(greedy, max_moves=2 * len(lengths) + 16)
+    estimate = greedy.estimate()
+    assert len(greedy.distributed) == 19
+    assert costs.comm(greedy.dist_tokens) < dacp._SPLIT_COMM_SHARE * estimate
+    assert dacp._shard_waste(greedy) >= dacp._SPLIT_WASTE_SHARE * estimate
+    plan = plan_global_batch(lengths, dp_size=1, cp_size=16, bucket_size=13_000, cost_model=model)
+    (mb,) = plan.micro_batches[0]
+    shards = [lengths[sid] for sid, p in zip(mb.sequence_ids, mb.placement) if p == DISTRIBUTED]
+    assert sorted(shards) == [1500] * 4 + [9000]
+    assert simulate(plan, lengths, model) < 0.99 * (estimate + model.micro_batch_overhead_s)
+
+
+def test_shard_waste_counts_only_sequences_that_fit_a_rank() -> None:
+    # Tile waste plus communication of the shards a rank could hold whole; a forced one (over
+    # the bucket) is not a choice and is left out. Tile size 1: no tile waste, so each counted
+    # shard adds its distributed time minus an even share of its whole time, plus its bytes.
+    model = CostModel(shape=QWEN2_5_7B, tile_size=1)
+    lengths = [3000, 64, 640]
+    costs = SequenceCosts(lengths, 4, model)
+    state = dacp.CpGroupState(costs, 1000)
+    for sid in range(3):
+        state.put_distributed(sid)
+    expected = sum(
+        costs.distributed(sid) - costs.local(sid) / 4 + costs.comm_per_token * lengths[sid]
+        for sid in (1, 2)
+    )
+    assert dacp._shard_waste(state) == pytest.approx(expected, rel=1e-12)
+    assert expected > 0
+
+
 def test_slow_communication_keeps_short_sequences_whole() -> None:
     # Qwen2.5-7B's shape, CP=16 over a 25 GB/s network: the greedy, deciding longest first,
     # shards 15 of these sequences (keeping the first short one whole always raises the slowest
