@@ -620,6 +620,9 @@ READING = """
   we found by hand were of the form "shard the k longest, spread the rest whole"; DACP builds
   that placement where sharding short sequences wastes time, which took 1.2-1.9% off the 7B
   short-sequence plans, and trying it on every micro-batch would take off under 0.1% more.
+  `benchmarks/placement_search.py` searched every micro-batch of these plans for a faster
+  placement and beat DACP's by 0.8% at most (docs/benchmarks.md): the rest of the gap is the
+  bound's relaxation.
 - Against packed `static`, skrull gains what sharding short sequences costs: communication
   and attention tiles. On Qwen2.5-7B's short-sequence sets the matmuls dominate so much that
   those costs are small at the default 100 GB/s: even a plan at the lower bound would be only
