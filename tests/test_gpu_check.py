@@ -7,7 +7,6 @@ GPU and for forwarding its arguments.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -15,22 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 
-def _module():
-    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "benchmarks" / "gpu_check.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["gpu_check"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
-    gpu_check = _module()
+    gpu_check = load_benchmark("gpu_check")
     out = tmp_path / "gpu_check.json"
     status = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "1", "--json", str(out)])
     report = json.loads(out.read_text())
@@ -59,7 +50,7 @@ def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
 
 
 def test_summary_flags_a_mismatch() -> None:
-    gpu_check = _module()
+    gpu_check = load_benchmark("gpu_check")
     report = {
         "device_name": "test",
         "backends": {
@@ -124,13 +115,7 @@ def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:
 
 
 def test_attention_benchmark_runs_only_the_rows_asked_for(tmp_path: Path) -> None:
-    _module()  # attention_gpu imports gpu_check from the benchmarks folder
-    spec = importlib.util.spec_from_file_location(
-        "attention_gpu", ROOT / "benchmarks" / "attention_gpu.py"
-    )
-    assert spec is not None and spec.loader is not None
-    attention_gpu = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(attention_gpu)
+    attention_gpu = load_benchmark("attention_gpu")
     out = tmp_path / "attention_gpu.json"
     argv = ["--device", "cpu", "--tiny", "--reps", "1", "--rows", "sdpa,flash", "--json", str(out)]
     assert attention_gpu.main(argv) == 0
@@ -138,21 +123,16 @@ def test_attention_benchmark_runs_only_the_rows_asked_for(tmp_path: Path) -> Non
     assert list(json.loads(out.read_text())["ms_per_layer"]) == ["sdpa"]
 
 
-def _cost_probe():
-    spec = importlib.util.spec_from_file_location(
-        "cost_probe", ROOT / "benchmarks" / "cost_probe.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_cost_probe_tiny_cpu_run_fits_every_model(tmp_path: Path, capsys) -> None:
     # benchmarks/cost_probe.py on a tiny model: every micro-batch timed through the package's
     # path and the plain model, the constants fitted at two depths and extrapolated.
     out = tmp_path / "cost_probe.json"
-    assert _cost_probe().main(["--device", "cpu", "--tiny", "--reps", "1", "--json", str(out)]) == 0
+    assert (
+        load_benchmark("cost_probe").main(
+            ["--device", "cpu", "--tiny", "--reps", "1", "--json", str(out)]
+        )
+        == 0
+    )
     report = json.loads(out.read_text())
     assert set(report["models"]) == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
     for m in report["models"].values():
@@ -168,7 +148,7 @@ def test_cost_probe_tiny_cpu_run_fits_every_model(tmp_path: Path, capsys) -> Non
 
 
 def test_cost_probe_extrapolates_the_fixed_cost_linearly_in_depth() -> None:
-    probe = _cost_probe()
+    probe = load_benchmark("cost_probe")
     fits = [
         {"layers": 4, "achieved_flops": 5e14, "micro_batch_overhead_s": 0.009},
         {"layers": 2, "achieved_flops": 4e14, "micro_batch_overhead_s": 0.005},

@@ -3,30 +3,15 @@ placement or better, and it refuses placements over the bucket."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
+
+from benchmark_scripts import load_benchmark
 
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.costs import SequenceCosts
 
-ROOT = Path(__file__).resolve().parent.parent
-
-
-def _load():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    spec = importlib.util.spec_from_file_location(
-        "placement_search", ROOT / "benchmarks" / "placement_search.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-search_mod = _load()
+search_mod = load_benchmark("placement_search")
 
 
 def test_search_from_all_sharded_reaches_dacp() -> None:

@@ -3,26 +3,11 @@ target it cannot reach says so."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmark_scripts import load_benchmark
 
-
-def _load():
-    spec = importlib.util.spec_from_file_location(
-        "simulate_paper", ROOT / "benchmarks" / "simulate_paper.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["simulate_paper"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load()
+sim = load_benchmark("simulate_paper")
 
 
 def test_ceiling_bounds_every_policy_and_marks_unreachable_targets() -> None:
