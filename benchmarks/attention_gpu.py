@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import os
 import random
 import sys
 from collections.abc import Callable, Iterator
@@ -39,7 +37,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import SHARES, median_seconds, sample_lengths
+from gpu_check import SHARES, default_json, median_seconds, sample_lengths, write_json
 
 from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
 from lightning_skrull.attention import flash as flash_backend
@@ -189,15 +187,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--rows", default="", help="comma-separated row labels to run, e.g. 'flash,sdpa' (all)"
     )
-    default = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
-    parser.add_argument("--json", type=Path, default=default / "attention_gpu.json")
+    parser.add_argument("--json", type=Path, default=default_json("attention_gpu.json"))
     args = parser.parse_args(argv)
     if args.tiny:
         args.bucket = min(args.bucket, 256)
     report = run(args)
     print(table(report))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
     return 0
 
 

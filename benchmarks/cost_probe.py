@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 from pathlib import Path
@@ -35,7 +34,14 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import QWEN2_5_0_5B, TINY, fit_constants, median_seconds
+from gpu_check import (
+    QWEN2_5_0_5B,
+    TINY,
+    default_json,
+    fit_constants,
+    median_seconds,
+    write_json,
+)
 
 QWEN2_5_7B: dict[str, Any] = {
     **QWEN2_5_0_5B,
@@ -235,13 +241,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="tiny model (CPU test)")
     parser.add_argument("--reps", type=int, default=3, help="measured repetitions")
-    default = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
-    parser.add_argument("--json", type=Path, default=default / "cost_probe.json")
+    parser.add_argument("--json", type=Path, default=default_json("cost_probe.json"))
     args = parser.parse_args(argv)
     report = run(args)
     print(table(report))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1))
+    write_json(args.json, report)
     return 0
 
 

@@ -539,6 +539,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return report
 
 
+def default_json(name: str) -> Path:
+    """Where a GPU benchmark writes its JSON unless told: ``$OUT`` (the device machine's
+    folder that comes back), else ``benchmarks/out/``."""
+    return Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out") / name
+
+
+def write_json(
+    path: Path, report: dict[str, Any], default: Callable[[Any], Any] | None = None
+) -> None:
+    """Write a benchmark's report, creating its folder."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1, default=default))
+
+
 def main(argv: list[str] | None = None) -> int:
     """Parse arguments, run, print the summary, write the JSON; exit 1 if a check failed."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -547,13 +561,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bucket", type=int, default=None, help="tokens per micro-batch")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per policy and set")
     parser.add_argument("--budget-s", type=float, default=360.0, help="stop measuring after this")
-    default_dir = Path(os.environ.get("OUT") or Path(__file__).resolve().parent / "out")
-    parser.add_argument("--json", type=Path, default=default_dir / "gpu_check.json")
+    parser.add_argument("--json", type=Path, default=default_json("gpu_check.json"))
     args = parser.parse_args(argv)
     report = run(args)
     print(summary(report), flush=True)
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(report, indent=1, default=str))
+    write_json(args.json, report, default=str)
     print(f"wrote {args.json}")
     return 0 if report["passed"] else 1
 
