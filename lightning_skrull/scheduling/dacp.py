@@ -231,10 +231,11 @@ def place_micro_batch(
     if forced is None:
         return None
     base, rest = forced
+    tails = _tails(rest, costs)  # shared by every construction
     moves = 2 * len(ids) + costs.cp_size  # the local search's budget, every construction
     first = base.copy()
     best: CpGroupState | None = None
-    if _greedy(first, rest, look_ahead=True):
+    if _greedy(first, rest, look_ahead=True, tails=tails):
         chosen, chosen_max = first.chosen_shards, first.chosen_local_max
         _improve(first, max_moves=moves)
         if chosen == 0:
@@ -245,7 +246,7 @@ def place_micro_batch(
             costs.comm(first.dist_tokens) >= _SPLIT_COMM_SHARE * estimate
             or _shard_waste(first) >= _SPLIT_WASTE_SHARE * estimate
         ):
-            split = _split_longest(base, rest, estimate)
+            split = _split_longest(base, rest, estimate, tails)
             if split is not None:  # it beats the estimate
                 _improve(split, max_moves=moves)
                 best = split
@@ -257,13 +258,25 @@ def place_micro_batch(
         if _paper_rule_gives_up(base, rest, give_up):
             return best.placement(ids)
     other = base  # the last use of the forced state: no copy needed
-    if _greedy(other, rest, look_ahead=False, give_up_at=give_up) and (
+    if _greedy(other, rest, look_ahead=False, give_up_at=give_up, tails=tails) and (
         give_up is None or other.estimate() < give_up
     ):
         _improve(other, max_moves=moves)
         if best is None or other.estimate() < best.estimate():
             best = other
     return None if best is None else best.placement(ids)
+
+
+def _tails(rest: Sequence[int], costs: SequenceCosts) -> tuple[list[float], list[float]]:
+    """Linear and attention seconds of ``rest[i:]``, every one kept whole, for each ``i``
+    (``len(rest) + 1`` entries, the last 0)."""
+    lin_of, att_of = costs.linear_table, costs.local_attention_table
+    tail_lin = [0.0] * (len(rest) + 1)
+    tail_att = [0.0] * (len(rest) + 1)
+    for i in range(len(rest) - 1, -1, -1):
+        tail_lin[i] = tail_lin[i + 1] + lin_of[rest[i]]
+        tail_att[i] = tail_att[i + 1] + att_of[rest[i]]
+    return tail_lin, tail_att
 
 
 def _forced(
@@ -297,7 +310,12 @@ def _shard_waste(state: CpGroupState) -> float:
     )
 
 
-def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGroupState | None:
+def _split_longest(
+    base: CpGroupState,
+    rest: Sequence[int],
+    beat: float,
+    tails: tuple[list[float], list[float]],
+) -> CpGroupState | None:
     """Distribute the ``k`` longest of ``rest`` and spread the others whole over the ranks.
 
     The greedy decides one sequence at a time, longest first, and the first sequence kept
@@ -310,6 +328,8 @@ def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGr
     ones, which must share a rank. The others go longest first to the rank with the least
     local time that has room (one that fits no rank is distributed).
 
+    ``tails`` is :func:`_tails` of ``rest``.
+
     Returns:
         The state, or ``None`` when it does not ``beat`` the given estimate (checked on the
         bound before spreading and on plain lists before building), when the best ``k`` is 0
@@ -321,11 +341,7 @@ def _split_longest(base: CpGroupState, rest: Sequence[int], beat: float) -> CpGr
     if m < 2:
         return None
     lin_of, att_of = c.linear_table, c.local_attention_table
-    suffix_lin = [0.0] * (m + 1)  # linear and attention seconds of rest[i:], all local
-    suffix_att = [0.0] * (m + 1)
-    for i in range(m - 1, -1, -1):
-        suffix_lin[i] = suffix_lin[i + 1] + lin_of[rest[i]]
-        suffix_att[i] = suffix_att[i + 1] + att_of[rest[i]]
+    suffix_lin, suffix_att = tails  # seconds of rest[i:], all local
     lin0 = sum(base.linear)
     att0 = sum(base.attn)
     best_k, best_value = 0, math.inf
@@ -431,7 +447,11 @@ def _paper_rule_gives_up(base: CpGroupState, rest: Sequence[int], give_up_at: fl
 
 
 def _greedy(
-    state: CpGroupState, rest: Sequence[int], look_ahead: bool, give_up_at: float | None = None
+    state: CpGroupState,
+    rest: Sequence[int],
+    look_ahead: bool,
+    give_up_at: float | None = None,
+    tails: tuple[list[float], list[float]] | None = None,
 ) -> bool:
     """Place ``rest`` (longest first), choosing local or distributed by a look-ahead estimate.
 
@@ -439,6 +459,8 @@ def _greedy(
     mean rank time once every remaining sequence is placed locally (a lower bound of what is
     left to balance), plus the distributed compute. Keeping a sequence local is chosen on
     ties; a sequence that fits no rank whole is distributed, or a local one is rolled back.
+
+    ``tails`` is :func:`_tails` of ``rest``, when the caller already has it.
 
     Returns:
         ``False`` when the micro-batch cannot fit, or when the estimate so far (slowest rank
@@ -449,14 +471,10 @@ def _greedy(
     costs, n, cap = state.costs, state.n, state.cap
     lengths = costs.lengths
     tokens, linear, attn, where = state.tokens, state.linear, state.attn, state.where
-    # Linear and attention seconds of the sequences after position i (all assumed local).
-    tail_lin = [0.0] * (len(rest) + 1)
-    tail_att = [0.0] * (len(rest) + 1)
+    # Linear and attention seconds of the sequences from position i on (all assumed local).
+    tail_lin, tail_att = _tails(rest, costs) if tails is None else tails
     lin_of, att_of = costs.linear_table, costs.local_attention_table
     comm_fixed, comm_per_token = costs.comm_fixed, costs.comm_per_token
-    for i in range(len(rest) - 1, -1, -1):
-        tail_lin[i] = tail_lin[i + 1] + lin_of[rest[i]]
-        tail_att[i] = tail_att[i + 1] + att_of[rest[i]]
     comm = costs.comm(state.dist_tokens)
     times: list[float] | None = state.rank_times(comm)
     # max over ranks of linear + max(c, attention) == max(max_lin + c, max_lin_att) for any c.
