@@ -639,14 +639,16 @@ READING = """
   every DP rank runs the fewest micro-batches its tokens allow (on all 20 batches); the
   all-gather is exposed, since hiding it would need local sequences of about 9K tokens on
   every CP rank, each costing its rank 8x its sharded share. The lower bound lets the short
-  sequences hide it without that imbalance, so the ceiling overstates what a plan can reach. The paper's baseline was DeepSpeed's own
-  engine, whose fixed cost per micro-batch we did not measure, so these multiples say what
-  packing saves on this stack, not what the paper's baseline lost.
+  sequences hide it without that imbalance, so the ceiling overstates what a plan can reach.
+  The paper's baseline was DeepSpeed's own engine, whose fixed cost per micro-batch we did not
+  measure, so these multiples say what packing saves on this stack, not what the paper's
+  baseline lost.
 - Planning times move by up to 2x between identical runs on this shared machine (the same
   cluster-scale batch took 36 and 58 ms minutes apart): other processes only ever add CPU
-  time. The paper-scale column keeps the least of 3 runs back to back; the cluster-scale table
-  spreads the runs of each batch over the whole benchmark and keeps the least, with the median
-  of all runs beside it.
+  time. The `plan (ms)` column keeps the least of 3 runs back to back; the planning-time table
+  (skrull's 256-sequence and cluster-scale batches, on which the targets are judged) spreads
+  the runs of each batch over the whole benchmark and keeps the least, with the median of all
+  runs beside it.
 """
 
 
