@@ -39,6 +39,7 @@ from simulate_paper import (  # noqa: E402
 
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, MicroBatchPlan  # noqa: E402
 from lightning_skrull.scheduling.costs import SequenceCosts  # noqa: E402
+from lightning_skrull.scheduling.kv_groups import choose_kv_groups  # noqa: E402
 from lightning_skrull.scheduling.simulate import micro_batch_terms  # noqa: E402
 
 CASES = (
@@ -55,11 +56,14 @@ in docs/simulate_paper.md)."""
 def seconds(
     ids: list[int], placement: list[int], costs: SequenceCosts, model: CostModel, bucket: int
 ) -> float | None:
-    """Estimated seconds of a micro-batch, or ``None`` when a CP rank is over the bucket."""
+    """Estimated seconds of a micro-batch, or ``None`` when a CP rank is over the bucket.
+
+    Each placement is judged with its own best K/V groups, as the planner would give it.
+    """
     mb = MicroBatchPlan(tuple(ids), tuple(placement))
     if max(mb.tokens_per_cp_rank(costs.lengths, costs.cp_size)) > bucket:
         return None
-    return micro_batch_terms(mb, costs, model).seconds
+    return micro_batch_terms(choose_kv_groups(mb, costs), costs, model).seconds
 
 
 def descend(

@@ -18,8 +18,16 @@ The time of CP rank ``j`` in a micro-batch is::
 
     overhead + linear(all tokens on j) + max(comm, local_attention(j)) + distributed_attention
 
-Only the attention of the local sequences overlaps the K/V communication (the paper's Eq. 2):
-the projections run before the all-gather can start and the MLP after the attention ends.
+The attention of the local sequences overlaps the K/V communication (the paper's Eq. 2): the
+projections run before the all-gather can start and the MLP after the attention ends.
+
+A plan may cut the distributed sequences into K/V groups (``MicroBatchPlan.kv_groups``), each
+exchanged by its own collectives, all started together: group ``g + 1``'s exchange then also
+runs while group ``g``'s distributed attention computes. With groups ``1..G`` of communication
+``c_g`` (each paying the latency) and distributed attention ``d_g``, the attention part of rank
+``j`` becomes ``max(local_attention(j) + D, K)`` with ``D = sum(d)`` and
+``K = max over g of (c_1 + ... + c_g) + (d_g + ... + d_G)`` (:func:`kv_pipeline_span`), the
+longest path of a two-stage pipeline; one group gives back the formula above.
 """
 
 from __future__ import annotations
@@ -124,6 +132,34 @@ QWEN2_5_7B = ModelShape(
     vocab_size=152064,
 )
 """Shape of Qwen2.5-7B (``CostModel(shape=QWEN2_5_7B)``)."""
+
+
+def kv_pipeline_span(comm: Sequence[float], attention: Sequence[float]) -> tuple[float, int]:
+    """Longest path of the K/V pipeline, and the group on it.
+
+    Group ``g``'s attention starts once its exchange (after the groups before it, one
+    communication stream) and the previous group's attention are done, so the last attention
+    ends at ``max over g of (comm[0] + ... + comm[g]) + (attention[g] + ... + attention[-1])``,
+    measured from the first exchange's start (local attention left out; see
+    :class:`CostModel`).
+
+    Args:
+        comm: seconds of each group's exchange, in order.
+        attention: seconds of each group's distributed attention, same order.
+
+    Returns:
+        ``(span, g)``: the longest path and the first group ``g`` that reaches it; ``(0.0, 0)``
+        for no groups.
+    """
+    total = sum(attention)
+    best, arg = 0.0, 0
+    sent = 0.0
+    for g, (c, d) in enumerate(zip(comm, attention, strict=True)):
+        sent += c
+        if sent + total > best:
+            best, arg = sent + total, g
+        total -= d
+    return best, arg
 
 
 def causal_tiles(start: int, end: int, tile: int) -> int:
@@ -391,19 +427,28 @@ class CostModel:
         """Estimated seconds of every CP rank of one micro-batch (overhead included)."""
         linear = [0.0] * cp_size
         attn = [0.0] * cp_size
-        dist_tokens = 0
-        dist_attn = 0.0
+        dist: list[int] = []
         for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
             s = lengths[sid]
             if where == DISTRIBUTED:
-                dist_tokens += s
-                dist_attn += self.distributed_attention_seconds(s, cp_size)
+                dist.append(s)
             else:
                 linear[where] += self.linear_seconds(s)
                 attn[where] += self.local_attention_seconds(s)
-        comm = self.comm_seconds(dist_tokens, cp_size)
+        dist_tokens = sum(dist)
+        dist_attn = [self.distributed_attention_seconds(s, cp_size) for s in dist]
         dist_linear = self.linear_seconds(dist_tokens / cp_size)
-        base = self.micro_batch_overhead_s + dist_linear + dist_attn
+        ranges = mb.kv_group_ranges()
+        if len(ranges) > 1:
+            span, _ = kv_pipeline_span(
+                [self.comm_seconds(sum(dist[a:b]), cp_size) for a, b in ranges],
+                [sum(dist_attn[a:b]) for a, b in ranges],
+            )
+            total = sum(dist_attn)
+            base = self.micro_batch_overhead_s + dist_linear
+            return [base + linear[j] + max(attn[j] + total, span) for j in range(cp_size)]
+        comm = self.comm_seconds(dist_tokens, cp_size)
+        base = self.micro_batch_overhead_s + dist_linear + sum(dist_attn)
         return [base + linear[j] + max(comm, attn[j]) for j in range(cp_size)]
 
     def micro_batch_seconds(

@@ -46,6 +46,7 @@ class SequenceCosts:
         self._linear = [s * lin for s in lengths]
         self._local = [s + a for s, a in zip(self._linear, self._attn, strict=True)]
         self._dist: list[float | None] = [None] * len(lengths)
+        self._dist_attn: list[float | None] = [None] * len(lengths)
         # Distributed attention seconds per zigzag block on one rank, and linear per rank-token:
         # the same products CostModel.distributed_seconds forms, in the same order.
         self._dist_block = per_block / cp_size
@@ -87,14 +88,25 @@ class SequenceCosts:
                 return self._dist[sid]  # type: ignore[return-value]
             s = self.lengths[sid]
             tiles = zigzag_tiles(s, self.cp_size, self.cost_model.tile_size)
-            value = self._dist[sid] = s * self._dist_linear + tiles * self._dist_block
+            attention = self._dist_attn[sid] = tiles * self._dist_block
+            value = self._dist[sid] = s * self._dist_linear + attention
         return value
+
+    def distributed_attention(self, sid: int) -> float:
+        """Seconds of the sequence's attention on each CP rank when distributed: the part of
+        :meth:`distributed` that can overlap K/V communication of later groups."""
+        value = self._dist_attn[sid]
+        if value is None:
+            self.distributed(sid)
+            value = self._dist_attn[sid]
+        return value  # type: ignore[return-value]
 
     def _fill_distributed(self) -> None:
         """:meth:`distributed` of every sequence at once (the same products, the same floats)."""
         tiles = zigzag_tiles_many(self.lengths, self.cp_size, self.cost_model.tile_size)
         lin, block = self._dist_linear, self._dist_block
-        self._dist = [s * lin + t * block for s, t in zip(self.lengths, tiles, strict=True)]
+        self._dist_attn = [t * block for t in tiles]
+        self._dist = [s * lin + a for s, a in zip(self.lengths, self._dist_attn, strict=True)]
 
     def distributed_lower_bound(self, sid: int) -> float:
         """Cheap lower bound of :meth:`distributed` (``O(1)``).

@@ -52,9 +52,8 @@ def _features(
             seconds += terms.seconds
             flops += terms.compute_seconds * flops_per_second
             count += 1.0
-            if terms.comm_exposed:
-                coll += model.num_collectives(plan.cp_size)
-                nbytes += model.comm_bytes(terms.distributed_tokens, plan.cp_size)
+            coll += terms.exposed_collectives
+            nbytes += model.comm_bytes(terms.exposed_tokens, plan.cp_size)
         if seconds > best[0]:
             best = (seconds, (flops, count, coll, nbytes))
     return best[1]

@@ -24,6 +24,22 @@ def shard_tokens(length: int, cp_size: int) -> int:
     return -(-length // cp_size)
 
 
+def kv_group_ranges(kv_groups: Sequence[int], num_distributed: int) -> list[tuple[int, int]]:
+    """``[start, end)`` ranges over the distributed sequences of a micro-batch, one per K/V group.
+
+    ``kv_groups`` gives the sequences per group (see :attr:`MicroBatchPlan.kv_groups`); ``()``
+    is one group of all ``num_distributed`` (none when there are none).
+    """
+    if not kv_groups:
+        return [(0, num_distributed)] if num_distributed else []
+    out = []
+    start = 0
+    for g in kv_groups:
+        out.append((start, start + g))
+        start += g
+    return out
+
+
 @dataclass(frozen=True)
 class MicroBatchPlan:
     """One micro-batch of one DP rank: which sequences, and where each one runs.
@@ -32,10 +48,16 @@ class MicroBatchPlan:
         sequence_ids: indices into the global batch's ``lengths``.
         placement: same order as ``sequence_ids``; ``-1`` (:data:`DISTRIBUTED`) = sharded over
             the CP group, ``0..cp_size-1`` = kept whole (local) on that CP rank.
+        kv_groups: how the K/V exchange of the distributed sequences is cut into groups: the
+            number of distributed sequences in each group, in plan order (summing to their
+            count). Every group is gathered by its own collective, all started at once, so
+            group ``g + 1``'s gather runs while group ``g``'s attention computes (and the other
+            way round in the backward). ``()`` = one group for all of them.
     """
 
     sequence_ids: tuple[int, ...]
     placement: tuple[int, ...]
+    kv_groups: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if len(self.sequence_ids) != len(self.placement):
@@ -43,6 +65,21 @@ class MicroBatchPlan:
                 f"MicroBatchPlan has {len(self.sequence_ids)} sequence_ids but "
                 f"{len(self.placement)} placements; give one placement per sequence."
             )
+        if self.kv_groups:
+            distributed = sum(1 for p in self.placement if p == DISTRIBUTED)
+            if (
+                any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.kv_groups)
+                or sum(self.kv_groups) != distributed
+            ):
+                raise ValueError(
+                    f"MicroBatchPlan.kv_groups={self.kv_groups} must be positive counts of "
+                    f"distributed sequences summing to their number ({distributed}); use () for "
+                    "one group."
+                )
+
+    def kv_group_ranges(self) -> list[tuple[int, int]]:
+        """``[start, end)`` of every K/V group over :attr:`distributed_ids` (one when ``()``)."""
+        return kv_group_ranges(self.kv_groups, sum(1 for p in self.placement if p == DISTRIBUTED))
 
     def tokens_per_cp_rank(self, lengths: Sequence[int], cp_size: int) -> list[int]:
         """Tokens each CP rank holds (the planner's budget accounting, ceil for shards)."""
@@ -99,5 +136,5 @@ class GlobalBatchPlan:
         )
         for dp_rank, mbs in enumerate(self.micro_batches):
             for mb in mbs:
-                h.update(repr((dp_rank, mb.sequence_ids, mb.placement)).encode())
+                h.update(repr((dp_rank, mb.sequence_ids, mb.placement, mb.kv_groups)).encode())
         return h.hexdigest()

@@ -15,6 +15,7 @@ from lightning_skrull.scheduling.cost_model import CostModel
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
 from lightning_skrull.scheduling.gds import plan_gds
+from lightning_skrull.scheduling.kv_groups import choose_kv_groups
 from lightning_skrull.scheduling.plan import GlobalBatchPlan, MicroBatchPlan
 
 POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
@@ -130,6 +131,8 @@ def plan_global_batch(
             ranks = plan_data_order(n, dp_size, costs, bucket_size, place_micro_batch)
         else:
             ranks = plan_data_order(n, dp_size, costs, bucket_size, place_round_robin)
+        if policy in ("skrull", "dacp"):
+            ranks = [[choose_kv_groups(mb, costs) for mb in r] for r in ranks]
     return GlobalBatchPlan(
         micro_batches=tuple(tuple(r) for r in ranks),
         dp_size=dp_size,

@@ -6,7 +6,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from lightning_skrull.scheduling.cost_model import CostModel
+from lightning_skrull.scheduling.cost_model import CostModel, kv_pipeline_span
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
@@ -30,15 +30,23 @@ class MicroBatchTerms:
     Attributes:
         seconds: estimated seconds of the micro-batch.
         compute_seconds: compute on the slowest rank's critical path (local linear, distributed
-            compute, and the local attention when it hides the communication).
-        comm_exposed: whether the communication, not the local attention, sets the overlap.
+            compute, and whatever attention the communication does not replace on that path).
+        exposed_collectives: collectives on the critical path (each pays ``comm_latency_s``).
+        exposed_tokens: whole tokens of the distributed sequences whose exchange lies on the
+            critical path (its bytes over the bandwidth count).
         distributed_tokens: whole tokens of the distributed sequences.
     """
 
     seconds: float
     compute_seconds: float
-    comm_exposed: bool
+    exposed_collectives: int
+    exposed_tokens: int
     distributed_tokens: int
+
+    @property
+    def comm_exposed(self) -> bool:
+        """Whether communication, not attention, sets part of the slowest rank's time."""
+        return self.exposed_collectives > 0
 
 
 def micro_batch_terms(
@@ -48,22 +56,43 @@ def micro_batch_terms(
     n = costs.cp_size
     linear = [0.0] * n
     attn = [0.0] * n
-    dist_tokens = 0
+    dist: list[int] = []
     dist_compute = 0.0
     for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
         if where == DISTRIBUTED:
-            dist_tokens += costs.lengths[sid]
+            dist.append(sid)
             dist_compute += costs.distributed(sid)
         else:
             linear[where] += costs.linear(sid)
             attn[where] += costs.local_attention(sid)
+    lengths = costs.lengths
+    dist_tokens = sum(lengths[sid] for sid in dist)
+    ranges = mb.kv_group_ranges()
+    collectives = cost_model.num_collectives(n)
+    if len(ranges) > 1:
+        tokens = [sum(lengths[sid] for sid in dist[a:b]) for a, b in ranges]
+        att = [sum(costs.distributed_attention(sid) for sid in dist[a:b]) for a, b in ranges]
+        span, g = kv_pipeline_span([costs.comm(t) for t in tokens], att)
+        total = sum(att)
+        times = [lin + max(a + total, span) for lin, a in zip(linear, attn, strict=True)]
+        j = max(range(n), key=times.__getitem__)
+        seconds = cost_model.micro_batch_overhead_s + times[j] + (dist_compute - total)
+        if span > attn[j] + total:  # the pipeline's longest path: groups 0..g sent, g.. computed
+            compute = linear[j] + dist_compute - total + sum(att[g:])
+            return MicroBatchTerms(
+                seconds, compute, collectives * (g + 1), sum(tokens[: g + 1]), dist_tokens
+            )
+        compute = linear[j] + dist_compute + attn[j]
+        return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens)
     comm = costs.comm(dist_tokens)
     times = [lin + max(comm, a) for lin, a in zip(linear, attn, strict=True)]
     j = max(range(n), key=times.__getitem__)
     exposed = comm > attn[j]
     compute = linear[j] + dist_compute + (0.0 if exposed else attn[j])
     seconds = cost_model.micro_batch_overhead_s + times[j] + dist_compute
-    return MicroBatchTerms(seconds, compute, exposed, dist_tokens)
+    if exposed:
+        return MicroBatchTerms(seconds, compute, collectives, dist_tokens, dist_tokens)
+    return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens)
 
 
 def dp_rank_seconds(
@@ -186,16 +215,18 @@ def _relaxation(
     """The two relaxations of :func:`lower_bound` with the ``forced`` sequences distributed."""
     n = costs.cp_size
     per_token_comm = costs.comm(2) - costs.comm(1)  # bytes over bandwidth, latency excluded
-    total = 0.0  # per-rank seconds summed over the batch, before the comm excess
-    excess = 0.0  # communication minus the local attention that could hide it
+    total = 0.0  # per-rank seconds summed over the batch, every optional sequence local
+    excess = 0.0  # communication minus the attention that could hide it, likewise
     total_tokens = 0
     slowest = 0.0
-    options: list[tuple[float, float]] = []  # (saving of distributing, comm capacity it uses)
+    options: list[tuple[float, float]] = []  # (added seconds, added excess) of distributing
     for sid, s in enumerate(lengths):
         dist = costs.distributed(sid)
+        # Distributed, a sequence's own attention can hide other groups' communication.
+        dist_excess = per_token_comm * s - costs.distributed_attention(sid)
         if forced[sid]:
             total += dist
-            excess += per_token_comm * s
+            excess += dist_excess
             total_tokens += n * costs.shard(sid)
             slowest = max(slowest, dist + costs.comm(s))
             continue
@@ -205,23 +236,54 @@ def _relaxation(
         slowest = max(slowest, min(costs.local(sid), dist + costs.comm(s)))
         total += local
         excess -= hide
-        saving = local - dist
-        uses = per_token_comm * s + hide
-        if saving > uses:  # worth it even with its communication fully exposed
-            total -= saving
-            excess += uses
-        elif saving > 0:
-            options.append((saving, uses))
-    options.sort(key=lambda o: o[0] / o[1] if o[1] > 0 else math.inf, reverse=True)
-    for saving, uses in options:
-        if excess >= 0:
-            break
-        x = 1.0 if uses <= 0 else min(1.0, -excess / uses)
-        total -= x * saving
-        excess += x * uses
+        options.append((dist - local, dist_excess + hide))
     # A DP rank that holds a sequence runs at least one micro-batch, and fewer ranks only
     # raise the mean: spread over every rank that can hold one, each paying one overhead.
     ranks = min(dp_size, len(lengths))
     micro_batches = max(-(-total_tokens // (n * bucket_size)), ranks)
-    spread = (total + max(0.0, excess) + overhead * micro_batches) / ranks
+    work = total + _least_exposed(excess, options)
+    spread = (work + overhead * micro_batches) / ranks
     return max(spread, overhead + slowest)
+
+
+def _least_exposed(excess: float, options: Sequence[tuple[float, float]]) -> float:
+    """``min over x in [0, 1]^n of  sum(x_i * a_i) + max(0, excess + sum(x_i * b_i))``.
+
+    The fractional choice of which optional sequences to distribute (``(a_i, b_i)`` = seconds
+    and excess communication that distributing sequence ``i`` adds). Solved exactly through
+    its dual: the value is the maximum over ``lam`` in ``[0, 1]`` of the concave
+    ``lam * excess + sum(min(0, a_i + lam * b_i))``, found by walking the breakpoints
+    ``lam = -a_i / b_i`` in order until its slope turns negative.
+    """
+    value = 0.0  # sum of a_i over the terms active at lam = 0
+    slope = excess  # d/dlam of the dual at lam = 0+
+    events: list[tuple[float, float]] = []  # (lam, b): a term enters or leaves there
+    for a, b in options:
+        if b == 0.0:
+            if a < 0:
+                value += a
+            continue
+        t = -a / b
+        if b > 0:  # active (a + lam b < 0) for lam < t
+            if t > 0:
+                value += a
+                slope += b
+                if t < 1:
+                    events.append((t, b))
+        elif t <= 0:  # b < 0: active for lam > t, so on all of (0, 1]
+            value += a
+            slope += b
+        elif t < 1:
+            events.append((t, b))
+    lam = 0.0
+    if slope > 0:
+        events.sort()
+        for t, b in events:
+            value += slope * (t - lam)
+            lam = t
+            slope -= abs(b)  # a term leaves (b > 0) or enters (b < 0): a + t * b == 0 here
+            if slope <= 0:
+                break
+        else:
+            value += slope * (1.0 - lam)
+    return value
