@@ -105,8 +105,9 @@ class SequenceCosts:
         """:meth:`distributed` of every sequence at once (the same products, the same floats)."""
         tiles = zigzag_tiles_many(self.lengths, self.cp_size, self.cost_model.tile_size)
         lin, block = self._dist_linear, self._dist_block
-        self._dist_attn = [t * block for t in tiles]
-        self._dist = [s * lin + a for s, a in zip(self.lengths, self._dist_attn, strict=True)]
+        attention = [t * block for t in tiles]
+        self._dist = [s * lin + a for s, a in zip(self.lengths, attention, strict=True)]
+        self._dist_attn = list(attention)
 
     def distributed_lower_bound(self, sid: int) -> float:
         """Cheap lower bound of :meth:`distributed` (``O(1)``).
