@@ -201,7 +201,9 @@ def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
         from lightning_skrull.attention.flash import flash_attention
         from lightning_skrull.attention.sdpa import sdpa_attention
 
-        layout = build_rank_layout(mb.sequence_ids, mb.placement, lengths, cp_rank=0, cp_size=1)
+        layout = build_rank_layout(
+            mb.sequence_ids, mb.placement, lengths, cp_rank=0, cp_size=1, kv_groups=mb.kv_groups
+        )
         heads, kv_heads = s.model["num_attention_heads"], s.model["num_key_value_heads"]
         dim = s.model["head_dim"]
         g = torch.Generator(device=device).manual_seed(0)

@@ -2,7 +2,9 @@
 
 Each CP size is one spawn call running a batch of random micro-batches that mix local and
 distributed sequences (lengths 1, primes, lengths < 2N, zero-token ranks, no distributed
-sequence at all), GQA 4/2 and 4/1, float64 and float32. Every rank runs the registered
+sequence at all), GQA 4/2 and 4/1, float64 and float32, the distributed sequences exchanged in
+one K/V group or cut into 2 or 3 (``kv_groups``, also a group in which some rank holds no
+token, and a group of only such a sequence). Every rank runs the registered
 ``"skrull"`` attention function on its packed tokens and backpropagates a given output
 gradient; the parent unpacks outputs and dq/dk/dv to whole sequences and compares them with
 plain SDPA run on each whole sequence in one process (float64 reference).
@@ -53,6 +55,7 @@ class Case:
     scale: float | None
     seed: int
     broken: bool = False
+    kv_groups: tuple[int, ...] = ()
 
 
 def _make_cases(cp_size: int, seed: int) -> list[Case]:
@@ -94,6 +97,51 @@ def _make_cases(cp_size: int, seed: int) -> list[Case]:
     add([97, 5], [0, 1], [DISTRIBUTED, cp_size - 1], dtype=torch.float32)
     # deliberately wrong layout on every rank: the checker must flag it
     add([29, 6, 13], [0, 1, 2], [DISTRIBUTED, 0, DISTRIBUTED], dtype=torch.float64, broken=True)
+    # K/V groups. Two groups: a long and a one-token sequence (every rank but 0 holds nothing of
+    # the latter), then a sequence shorter than 2N; local sequences on the first and last rank.
+    add(
+        [23, 1, 9, 2 * cp_size - 1, 6],
+        [0, 1, 2, 3, 4],
+        [DISTRIBUTED, DISTRIBUTED, 0, DISTRIBUTED, cp_size - 1],
+        dtype=torch.float64,
+        kv_groups=(2, 1),
+    )
+    # Three groups, the middle one a single one-token sequence (ranks > 0 have no chunk in it)
+    add(
+        [31, 1, 5, 17, 4, 2],
+        [3, 1, 0, 2, 5, 4],
+        [DISTRIBUTED, DISTRIBUTED, cp_size - 1, DISTRIBUTED, 0, DISTRIBUTED],
+        dtype=torch.float64,
+        kv_groups=(1, 1, 2),
+    )
+    # Three groups of only distributed sequences, the last one shorter than N
+    add(
+        [13, 40, max(1, cp_size - 1), 7],
+        [1, 0, 2, 3],
+        [DISTRIBUTED, DISTRIBUTED, DISTRIBUTED, 0],
+        dtype=torch.float64,
+        kv_groups=(1, 1, 1),
+        scale=0.3,
+    )
+    # float32, two groups, scale given
+    add(
+        [19, 3, 11, 8],
+        [0, 1, 2, 3],
+        [DISTRIBUTED, cp_size - 1, DISTRIBUTED, DISTRIBUTED],
+        dtype=torch.float32,
+        kv_groups=(1, 2),
+        scale=0.3,
+    )
+    # random micro-batches with their distributed sequences cut into random groups
+    for _ in range(3):
+        lengths = [rng.choice(pool) if rng.random() < 0.6 else rng.randint(1, 60) for _ in range(7)]
+        ids = rng.sample(range(len(lengths)), rng.randint(3, len(lengths)))
+        placement = [rng.choice([DISTRIBUTED, DISTRIBUTED, *range(cp_size)]) for _ in ids]
+        placement[:2] = [DISTRIBUTED, DISTRIBUTED]
+        num_distributed = placement.count(DISTRIBUTED)
+        cuts = sorted(rng.sample(range(1, num_distributed), rng.randint(1, num_distributed - 1)))
+        groups = [b - a for a, b in zip([0, *cuts], [*cuts, num_distributed], strict=True)]
+        add(lengths, ids, placement, dtype=torch.float64, kv_groups=tuple(groups))
     return cases
 
 
@@ -146,7 +194,12 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
     try:
         for case in cases:
             layout = build_rank_layout(
-                case.sequence_ids, case.placement, case.lengths, cp_rank=rank, cp_size=cp_size
+                case.sequence_ids,
+                case.placement,
+                case.lengths,
+                cp_rank=rank,
+                cp_size=cp_size,
+                kv_groups=case.kv_groups,
             )
             data = {sid: _sequence_data(case, sid) for sid in case.sequence_ids}
             packed = {
@@ -205,7 +258,11 @@ def _reference(case: Case, sid: int) -> dict[str, torch.Tensor]:
 def _mismatches(case: Case, per_rank: list[dict[str, Any]]) -> list[str]:
     """Every (sequence, tensor) where the ranks' result differs from the reference."""
     layouts = build_rank_layouts(
-        case.sequence_ids, case.placement, case.lengths, cp_size=len(per_rank)
+        case.sequence_ids,
+        case.placement,
+        case.lengths,
+        cp_size=len(per_rank),
+        kv_groups=case.kv_groups,
     )
     tol = TOLERANCE[case.dtype]
     problems = []
@@ -241,6 +298,7 @@ def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
 ) -> None:
     cases, results = cp_results[cp_size]
     checked_broken = 0
+    checked_groups: set[int] = set()
     for i, case in enumerate(cases):
         per_rank = [results[rank][i] for rank in range(cp_size)]
         problems = _mismatches(case, per_rank)
@@ -249,9 +307,12 @@ def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
             checked_broken += 1
             continue
         assert not problems, f"case {i} ({case}):\n" + "\n".join(problems)
-        # exactly one all-gather and one reduce-scatter per rank when something is distributed,
-        # none otherwise
-        expected = 1 if DISTRIBUTED in case.placement else 0
+        # exactly one all-gather and one reduce-scatter per K/V group and rank when something
+        # is distributed (one group unless kv_groups cuts them), none otherwise
+        groups = len(case.kv_groups) or 1
+        expected = groups if DISTRIBUTED in case.placement else 0
         for rank, r in enumerate(per_rank):
             assert (r["all_gather"], r["reduce_scatter"]) == (expected, expected), (i, rank, r)
+        checked_groups.add(groups)
     assert checked_broken == 1
+    assert checked_groups >= {1, 2, 3}

@@ -1,18 +1,49 @@
-"""Autograd all-gather of the distributed sequences' K and V over the CP group.
+"""Autograd K/V exchange of the distributed sequences over the CP group, and the schedule.
 
-Forward: every CP rank stacks its distributed part of K and V (``[n, 2, Hkv, D]``), pads it to
-the largest rank's part (ranks hold ``floor`` or ``ceil`` shares), and one
-``all_gather_into_tensor`` is started with ``async_op=True``; the caller computes the local
-sequences while it is in flight and then calls :meth:`PendingKV.wait`, which returns the whole
-distributed sequences laid end to end (``layout.gather_index`` reorders the gathered rows).
+The distributed sequences of a micro-batch are exchanged in one or more K/V groups
+(``MicroBatchPlan.kv_groups``; one group unless the plan cuts them,
+:attr:`SkrullAttentionContext.kv_group_contexts` otherwise). One group's exchange is two
+autograd nodes sharing a small state object:
 
-Backward: the gradients of the whole sequences are scattered back to their gathered rows (pad
-rows get zero) and one ``reduce_scatter`` sums every rank's contribution onto the owning rank.
-The group, the index and the sizes are saved at forward, so backward needs no context.
+* **start** (:func:`gather_distributed_kv`): every CP rank stacks its rows of the group's K and V
+  (``[n, 2, Hkv, D]``), pads them to the largest rank's rows (ranks hold ``floor`` or ``ceil``
+  shares) and starts one ``all_gather_single`` with ``async_op=True``. The node's output is an
+  empty "token" tensor; its backward waits for the group's reduce-scatter and hands this rank's
+  K and V gradient rows back.
+* **finish** (:meth:`PendingKV.wait`): takes the token, waits for the all-gather and returns the
+  whole sequences of the group laid end to end (``layout.gather_index`` reorders the gathered
+  rows). Its backward scatters the whole sequences' gradients back to their gathered rows (pad
+  rows get zero), **starts** one ``reduce_scatter_single`` with ``async_op=True`` that sums every
+  rank's contribution onto the owning rank, and returns at once (a zero gradient for the token).
+
+Schedule of :func:`context_parallel_attention` with groups ``0 .. G-1``, forward::
+
+    start gather 0, 1, ..., G-1        (all in flight at once)
+    local attention                    (gathers run behind it)
+    wait gather 0, distributed attention of group 0
+    wait gather 1, distributed attention of group 1   (gather 1 also ran behind group 0)
+    ...
+
+Autograd runs the nodes ready to run in decreasing creation order, and each start node is
+created before the local attention and each finish node after it, so the backward is::
+
+    distributed attention backward of group G-1, start reduce-scatter G-1
+    distributed attention backward of group G-2, start reduce-scatter G-2  (G-1 in flight)
+    ...
+    distributed attention backward of group 0, start reduce-scatter 0
+    local attention backward           (every reduce-scatter still in flight runs behind it)
+    wait reduce-scatter G-1, ..., wait reduce-scatter 0
+
+Group ``g``'s gather is thus hidden behind the local attention and the distributed attention of
+groups ``< g``, and its reduce-scatter behind the distributed attention backward of groups
+``< g`` and the local attention backward. With one group only the local attention hides the
+communication, in both directions. The group's gradient buffer (``N x max_r(n_r)`` rows of K
+and V) stays alive from its reduce-scatter's start to its wait. The group, the index and the
+sizes are saved at forward, so backward needs no context.
 
 ``torch.distributed.nn.functional.all_gather`` is not used: on gloo its backward gives wrong
 gradients (it reduces into a non-contiguous tensor). gloo supports ``reduce_scatter`` of a
-single tensor in this torch, so no all-reduce fallback is needed.
+single tensor in this torch (also asynchronously), so no all-reduce fallback is needed.
 """
 
 from __future__ import annotations
@@ -28,38 +59,88 @@ from lightning_skrull.attention.context import SkrullAttentionContext
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from lightning_skrull.attention.layout import RankLayout
+
 
 def _all_gather(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup) -> Any:
+    """Start the all-gather of ``input`` into ``output``; returns its work handle."""
     fn = getattr(dist, "all_gather_single", None)  # newer name of all_gather_into_tensor
     if fn is None:  # pragma: no cover - older torch
         fn = dist.all_gather_into_tensor
     return fn(output, input, group=group, async_op=True)
 
 
-def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup) -> None:
+def _reduce_scatter(output: torch.Tensor, input: torch.Tensor, group: ProcessGroup) -> Any:
+    """Start the summing reduce-scatter of ``input`` into ``output``; returns its work handle."""
     fn = getattr(dist, "reduce_scatter_single", None)  # newer name of reduce_scatter_tensor
     if fn is None:  # pragma: no cover - older torch
         fn = dist.reduce_scatter_tensor
-    fn(output, input, op=dist.ReduceOp.SUM, group=group)
+    return fn(output, input, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
-class _GatheredKV(torch.autograd.Function):
-    """Waits for the started all-gather; backward reduce-scatters the gradients."""
+class _Exchange:
+    """What one group's start and finish nodes share: the backward reduce-scatter in flight.
+
+    Attributes:
+        work: the reduce-scatter's work handle (``None`` before it starts, and without a
+            process group, where the gradient needs no communication).
+        grad_gathered: the reduce-scatter's input, kept alive until it is waited.
+        grad_mine: this rank's rows of the summed gradient (the reduce-scatter's output).
+    """
+
+    def __init__(self) -> None:
+        self.work: Any = None
+        self.grad_gathered: torch.Tensor | None = None
+        self.grad_mine: torch.Tensor | None = None
+
+    def finish(self) -> torch.Tensor | None:
+        """Wait for the reduce-scatter and release it: this rank's rows, ``None`` if none came."""
+        if self.work is not None:
+            self.work.wait()
+        mine = self.grad_mine
+        self.work = self.grad_gathered = self.grad_mine = None
+        return mine
+
+
+class _StartGather(torch.autograd.Function):
+    """Created when the all-gather starts; backward waits for the reduce-scatter."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        fctx: Any, k: torch.Tensor, v: torch.Tensor, exchange: _Exchange
+    ) -> torch.Tensor:
+        fctx.exchange = exchange
+        fctx.num_rows = k.shape[0]
+        return k.new_empty(0)  # the token: links this node to the finish node
+
+    @staticmethod
+    def backward(  # type: ignore[override]
+        fctx: Any, grad_token: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        mine = fctx.exchange.finish()
+        if mine is None:
+            return None, None, None
+        n = fctx.num_rows
+        return mine[:n, 0], mine[:n, 1], None
+
+
+class _FinishGather(torch.autograd.Function):
+    """Waits for the all-gather; backward starts the reduce-scatter of the gradients."""
 
     @staticmethod
     def forward(  # type: ignore[override]
         fctx: Any,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        token: torch.Tensor,
         gathered: torch.Tensor,
         work: Any,
         gather_index: torch.Tensor,
         group: ProcessGroup | None,
+        exchange: _Exchange,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if work is not None:
             work.wait()
         fctx.group = group
-        fctx.num_rows = k.shape[0]
+        fctx.exchange = exchange
         fctx.width = gathered.shape[0] // (dist.get_world_size(group) if group is not None else 1)
         fctx.gathered_shape = gathered.shape
         fctx.save_for_backward(gather_index)
@@ -81,13 +162,14 @@ class _GatheredKV(torch.autograd.Function):
             grad_gathered[:, 0].index_copy_(0, gather_index, grad_k.contiguous())
         if grad_v is not None:
             grad_gathered[:, 1].index_copy_(0, gather_index, grad_v.contiguous())
+        exchange = fctx.exchange
         if fctx.group is None:
-            mine = grad_gathered
+            exchange.grad_mine = grad_gathered
         else:
             mine = ref.new_empty((fctx.width, *shape[1:]))
-            _reduce_scatter(mine, grad_gathered, fctx.group)
-        n = fctx.num_rows
-        return mine[:n, 0], mine[:n, 1], None, None, None, None
+            exchange.work = _reduce_scatter(mine, grad_gathered, fctx.group)
+            exchange.grad_gathered, exchange.grad_mine = grad_gathered, mine
+        return ref.new_zeros(0), None, None, None, None, None
 
 
 class PendingKV:
@@ -95,14 +177,21 @@ class PendingKV:
 
     def __init__(
         self,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        token: torch.Tensor,
         gathered: torch.Tensor,
         work: Any,
         ctx: SkrullAttentionContext,
+        exchange: _Exchange,
     ) -> None:
-        # The arguments of the gather's autograd function; dropped once it has run.
-        self._args: tuple[object, ...] = (k, v, gathered, work, ctx.gather_index, ctx.group)
+        # The arguments of the finish node; dropped once it has run.
+        self._args: tuple[object, ...] = (
+            token,
+            gathered,
+            work,
+            ctx.gather_index,
+            ctx.group,
+            exchange,
+        )
         self._done = False
 
     def wait(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -119,9 +208,19 @@ class PendingKV:
         if self._done:
             raise RuntimeError("PendingKV.wait() was already called; call it once per gather.")
         self._done = True
-        out = _GatheredKV.apply(*self._args)
+        out = _FinishGather.apply(*self._args)
         self._args = ()
         return out
+
+
+def _check_distributed_part(k_dist: torch.Tensor, v_dist: torch.Tensor, layout: RankLayout) -> None:
+    n = layout.num_distributed_tokens
+    if k_dist.shape[0] != n or v_dist.shape != k_dist.shape:
+        raise ValueError(
+            f"distributed K/V have shapes {tuple(k_dist.shape)} and {tuple(v_dist.shape)} but CP "
+            f"rank {layout.cp_rank} holds {n} distributed tokens; the packed input does not match "
+            "the attention context's layout (build both from the same plan)."
+        )
 
 
 def gather_distributed_kv(
@@ -132,13 +231,14 @@ def gather_distributed_kv(
     Every CP rank of the micro-batch must call it (also a rank that holds no token of the
     distributed sequences): it is a collective whenever the micro-batch has a distributed
     sequence. Without one it returns ``None`` and communicates nothing; every rank agrees,
-    since all know the plan.
+    since all know the plan. ``ctx`` may be a K/V group's context
+    (:attr:`SkrullAttentionContext.kv_group_contexts`): then it gathers that group only.
 
     Args:
         k_dist: ``[n, Hkv, D]`` keys of this rank's distributed part (``n`` =
             ``layout.num_distributed_tokens``).
         v_dist: ``[n, Hkv, D]`` values, same shape.
-        ctx: the micro-batch's attention context.
+        ctx: the micro-batch's (or K/V group's) attention context.
 
     Returns:
         A :class:`PendingKV`, or ``None`` when nothing is distributed.
@@ -149,34 +249,43 @@ def gather_distributed_kv(
     layout = ctx.layout
     if not layout.has_distributed:
         return None
+    _check_distributed_part(k_dist, v_dist, layout)
     n = layout.num_distributed_tokens
-    if k_dist.shape[0] != n or v_dist.shape != k_dist.shape:
-        raise ValueError(
-            f"distributed K/V have shapes {tuple(k_dist.shape)} and {tuple(v_dist.shape)} but CP "
-            f"rank {layout.cp_rank} holds {n} distributed tokens; the packed input does not match "
-            "the attention context's layout (build both from the same plan)."
-        )
     width = layout.max_distributed_tokens
     heads_dim = k_dist.shape[1:]
     send = k_dist.new_zeros((width, 2, *heads_dim))
     send[:n, 0] = k_dist.detach()
     send[:n, 1] = v_dist.detach()
+    exchange = _Exchange()
     if ctx.group is None:
-        return PendingKV(k_dist, v_dist, send, None, ctx)
-    gathered = send.new_empty((layout.cp_size * width, 2, *heads_dim))
-    work = _all_gather(gathered, send, ctx.group)
-    return PendingKV(k_dist, v_dist, gathered, work, ctx)
+        gathered, work = send, None
+    else:
+        gathered = send.new_empty((layout.cp_size * width, 2, *heads_dim))
+        work = _all_gather(gathered, send, ctx.group)
+    token = _StartGather.apply(k_dist, v_dist, exchange)
+    return PendingKV(token, gathered, work, ctx, exchange)
+
+
+def _kv_groups(ctx: SkrullAttentionContext) -> tuple[SkrullAttentionContext, ...]:
+    """The contexts of the micro-batch's K/V groups: ``(ctx,)`` for one group, ``()`` for none."""
+    if not ctx.layout.has_distributed:
+        return ()
+    return ctx.kv_group_contexts or (ctx,)
 
 
 def distributed_kv_bytes(
     ctx: SkrullAttentionContext, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
-    """Bytes this rank receives per layer in the forward all-gather (the backward
-    reduce-scatter sends the same amount); 0 without distributed sequences."""
+    """Bytes this rank receives per layer in the forward all-gathers (the backward
+    reduce-scatters send the same amount); 0 without distributed sequences.
+
+    Each K/V group's gather is padded to that group's largest rank part, so the sum over groups
+    of ``(N - 1) x max_r(n_r)`` rows (never fewer than one group's padding).
+    """
     layout = ctx.layout
-    if not layout.has_distributed or layout.cp_size == 1:
+    if layout.cp_size == 1:
         return 0
-    rows = (layout.cp_size - 1) * layout.max_distributed_tokens
+    rows = sum((layout.cp_size - 1) * g.layout.max_distributed_tokens for g in _kv_groups(ctx))
     return rows * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -212,12 +321,15 @@ def context_parallel_attention(
     local_attention: LocalAttention,
     distributed_attention: DistributedAttention,
 ) -> torch.Tensor:
-    """The schedule shared by every backend.
+    """The schedule shared by every backend (see the module docstring).
 
-    Starts the all-gather of the distributed part's K/V, runs ``local_attention`` on the local
-    sequences while it is in flight, waits, then runs ``distributed_attention`` on this rank's
-    distributed chunks against the whole gathered sequences. A rank with no distributed query
-    still joins the all-gather and, through a zero-weighted term, the backward reduce-scatter.
+    Starts the all-gather of every K/V group's part of the distributed K/V at once, runs
+    ``local_attention`` on the local sequences while they are in flight, then, group by group,
+    waits for the group's gather and runs ``distributed_attention`` on this rank's chunks of the
+    group against the group's whole gathered sequences. The backward starts each group's
+    reduce-scatter as soon as the group's attention backward is done and waits for them all
+    after the local attention backward. A rank with no query chunk in a group still joins the
+    group's all-gather and, through a zero-weighted term, its backward reduce-scatter.
 
     Args:
         q: ``[T, Hq, D]`` in this rank's packed order.
@@ -226,23 +338,41 @@ def context_parallel_attention(
         ctx: the micro-batch's attention context.
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         local_attention: the backend's local-sequence attention.
-        distributed_attention: the backend's distributed-chunk attention.
+        distributed_attention: the backend's distributed-chunk attention, called once per K/V
+            group with the group's context.
 
     Returns:
         ``[T, Hq, D]`` in packed order.
+
+    Raises:
+        ValueError: the distributed part of ``k`` / ``v`` does not match the layout.
     """
-    n_local = ctx.layout.num_local_tokens
+    layout = ctx.layout
+    n_local = layout.num_local_tokens
     (q_local, q_dist), (k_local, k_dist), (v_local, v_dist) = (
         _local_and_distributed(t, n_local) for t in (q, k, v)
     )
-    pending = gather_distributed_kv(k_dist, v_dist, ctx)
+    groups = _kv_groups(ctx)
+    if len(groups) > 1:
+        _check_distributed_part(k_dist, v_dist, layout)
+        sizes = [g.layout.num_distributed_tokens for g in groups]
+        q_parts, k_parts, v_parts = (t.split(sizes) for t in (q_dist, k_dist, v_dist))
+    else:  # one group (or none: then nothing is gathered)
+        q_parts, k_parts, v_parts = ((t,) if groups else () for t in (q_dist, k_dist, v_dist))
+    # Every gather starts before any attention runs (and so, in the backward, every
+    # reduce-scatter is waited only after all attention backwards).
+    pending = [
+        gather_distributed_kv(k_g, v_g, g)
+        for g, k_g, v_g in zip(groups, k_parts, v_parts, strict=True)
+    ]
     outs = []
     if n_local:
         outs.append(local_attention(q_local, k_local, v_local, ctx, scale=scale))
-    if pending is not None:
-        k_whole, v_whole = pending.wait()
-        if ctx.layout.distributed_chunks:
-            outs.append(distributed_attention(q_dist, k_whole, v_whole, ctx, scale=scale))
+    for g, q_g, gather in zip(groups, q_parts, pending, strict=True):
+        assert gather is not None  # a group has a distributed sequence
+        k_whole, v_whole = gather.wait()
+        if g.layout.distributed_chunks:
+            outs.append(distributed_attention(q_g, k_whole, v_whole, g, scale=scale))
         else:
             # No query here, but the gathered K/V must stay in the graph so that this rank's
             # backward joins the other ranks' reduce-scatter.

@@ -8,7 +8,9 @@ only per-batch state; nothing else is global.
 
 Example::
 
-    layout = build_rank_layout(mb.sequence_ids, mb.placement, lengths, cp_rank=r, cp_size=n)
+    layout = build_rank_layout(
+        mb.sequence_ids, mb.placement, lengths, cp_rank=r, cp_size=n, kv_groups=mb.kv_groups
+    )
     ctx = SkrullAttentionContext.build(layout, group=cp_group, backend="auto", device=device)
     with attention_context(ctx):
         loss = model(**batch).loss
@@ -55,6 +57,11 @@ class SkrullAttentionContext:
             prefixes; built only for the ``flash`` backend (empty otherwise).
         auto: the backend was chosen by ``"auto"``: a ``flash`` context then runs float32 or
             float64 activations (which FlashAttention kernels refuse) with ``sdpa``.
+        kv_group_contexts: with two or more K/V groups (``layout.kv_group_layouts``), one full
+            context per group in group order, same group, backend and device: each describes
+            the group's distributed sequences alone, so a backend's distributed attention and
+            :func:`~lightning_skrull.attention.comm.gather_distributed_kv` run on a group as
+            on a whole micro-batch. Empty with one group.
     """
 
     layout: RankLayout
@@ -67,6 +74,7 @@ class SkrullAttentionContext:
     chunk_cu_seqlens_k: torch.Tensor
     chunk_key_index: torch.Tensor
     auto: bool = False
+    kv_group_contexts: tuple[SkrullAttentionContext, ...] = ()
 
     @classmethod
     def build(
@@ -102,6 +110,18 @@ class SkrullAttentionContext:
         auto = backend == "auto"
         backend = resolve_backend(backend, device)
         _check_group(layout, group)
+        return cls._make(layout, group, backend, device, auto)
+
+    @classmethod
+    def _make(
+        cls,
+        layout: RankLayout,
+        group: ProcessGroup | None,
+        backend: str,
+        device: torch.device,
+        auto: bool,
+    ) -> SkrullAttentionContext:
+        """The context of a checked layout and a resolved backend, with its groups' contexts."""
         return cls(
             layout=layout,
             group=group,
@@ -109,6 +129,10 @@ class SkrullAttentionContext:
             device=device,
             **_index_tensors(layout, backend, device),
             auto=auto,
+            kv_group_contexts=tuple(
+                cls._make(group_layout, group, backend, device, auto)
+                for group_layout in layout.kv_group_layouts
+            ),
         )
 
     @property

@@ -11,6 +11,16 @@ The packed token order of CP rank ``r`` is::
     [ local sequences whole, plan order ][ seq A: chunk r | chunk 2N-1-r ][ seq B: ... ] ...
       <------- local part -------------><------------- distributed part --------------->
 
+A plan may cut the distributed sequences into K/V groups (``MicroBatchPlan.kv_groups``: how
+many consecutive distributed sequences each group has, in plan order). Each group's K/V are
+exchanged by a collective of their own, so with two or more groups the layout also carries one
+layout per group (:attr:`RankLayout.kv_group_layouts`): the layout of a micro-batch of only that
+group's sequences, all distributed. Since the distributed part is laid out sequence by sequence,
+a group's packed buffer is a contiguous run of this rank's distributed part, and the groups'
+runs follow each other in group order::
+
+    [ local part ][ group 0: seq A | seq B ][ group 1: seq C ] ...
+
 Everything here is plain Python data computed identically on every rank from the plan and the
 lengths of the global batch; :mod:`lightning_skrull.attention.context` turns it into tensors.
 """
@@ -23,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED
+from lightning_skrull.scheduling.plan import DISTRIBUTED, kv_group_ranges
 
 
 class Segment(NamedTuple):
@@ -126,6 +136,13 @@ class RankLayout:
             ``max_distributed_tokens`` rows, rank after rank).
         token_sequence_ids: sequence id of every packed token.
         position_ids: position of every packed token inside its sequence (global position).
+        kv_group_layouts: with two or more K/V groups, one layout per group in group order:
+            that of a micro-batch of the group's distributed sequences only (no local part),
+            whose packed buffer is this rank's rows of the group, a contiguous run of the
+            distributed part, and whose ``gather_index`` indexes the group's own all-gathered
+            buffer (each rank's rows of the group padded to the group's largest). Empty with
+            one group (``kv_groups`` of ``()`` or of one count), where the fields above
+            describe the only exchange.
     """
 
     cp_rank: int
@@ -142,6 +159,7 @@ class RankLayout:
     gather_index: tuple[int, ...] = field(repr=False)
     token_sequence_ids: tuple[int, ...] = field(repr=False)
     position_ids: tuple[int, ...] = field(repr=False)
+    kv_group_layouts: tuple[RankLayout, ...] = field(default=(), repr=False)
 
     @property
     def num_tokens(self) -> int:
@@ -208,6 +226,20 @@ def _check_plan(
             )
 
 
+def _check_kv_groups(kv_groups: Sequence[int], num_distributed: int) -> None:
+    if not kv_groups:
+        return
+    if (
+        any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in kv_groups)
+        or sum(kv_groups) != num_distributed
+    ):
+        raise ValueError(
+            f"kv_groups={tuple(kv_groups)} must be positive counts of distributed sequences "
+            f"summing to their number ({num_distributed}); pass MicroBatchPlan.kv_groups, or () "
+            "for one group."
+        )
+
+
 def build_rank_layout(
     sequence_ids: Sequence[int],
     placement: Sequence[int],
@@ -215,6 +247,7 @@ def build_rank_layout(
     *,
     cp_rank: int,
     cp_size: int,
+    kv_groups: Sequence[int] = (),
 ) -> RankLayout:
     """The packed token layout of CP rank ``cp_rank`` for one micro-batch.
 
@@ -224,13 +257,17 @@ def build_rank_layout(
         lengths: lengths of the whole global batch, indexed by sequence id.
         cp_rank: the CP rank whose layout to build.
         cp_size: ranks in the CP group.
+        kv_groups: distributed sequences per K/V group, in plan order
+            (``MicroBatchPlan.kv_groups``); ``()`` = one group. With two or more groups the
+            layout gets :attr:`RankLayout.kv_group_layouts`; the other fields do not change.
 
     Returns:
         The rank's :class:`RankLayout`.
 
     Raises:
         ValueError: inconsistent plan (length mismatch, duplicate or out-of-range ids, bad
-            placement, length < 1, bad rank).
+            placement, length < 1, bad rank, ``kv_groups`` not positive counts summing to the
+            number of distributed sequences).
     """
     _check_plan(sequence_ids, placement, lengths, cp_rank, cp_size)
     segments: list[Segment] = []
@@ -245,6 +282,7 @@ def build_rank_layout(
     dist_ids = [
         sid for sid, where in zip(sequence_ids, placement, strict=True) if where == DISTRIBUTED
     ]
+    _check_kv_groups(kv_groups, len(dist_ids))
     dist_lengths = [lengths[sid] for sid in dist_ids]
     dist_cu = [0]
     for length in dist_lengths:
@@ -284,6 +322,21 @@ def build_rank_layout(
     for seg in segments:
         token_sids.extend([seg.sequence_id] * (seg.end - seg.start))
         positions.extend(range(seg.start, seg.end))
+    ranges = kv_group_ranges(kv_groups, len(dist_ids))
+    group_layouts = (
+        tuple(
+            build_rank_layout(
+                dist_ids[start:end],
+                [DISTRIBUTED] * (end - start),
+                lengths,
+                cp_rank=cp_rank,
+                cp_size=cp_size,
+            )
+            for start, end in ranges
+        )
+        if len(ranges) > 1
+        else ()
+    )
     return RankLayout(
         cp_rank=cp_rank,
         cp_size=cp_size,
@@ -299,6 +352,7 @@ def build_rank_layout(
         gather_index=tuple(gather_index),
         token_sequence_ids=tuple(token_sids),
         position_ids=tuple(positions),
+        kv_group_layouts=group_layouts,
     )
 
 
@@ -308,10 +362,14 @@ def build_rank_layouts(
     lengths: Sequence[int],
     *,
     cp_size: int,
+    kv_groups: Sequence[int] = (),
 ) -> list[RankLayout]:
-    """The layouts of every CP rank of a micro-batch, indexed by CP rank."""
+    """The layouts of every CP rank of a micro-batch, indexed by CP rank (see
+    :func:`build_rank_layout` for ``kv_groups``)."""
     return [
-        build_rank_layout(sequence_ids, placement, lengths, cp_rank=r, cp_size=cp_size)
+        build_rank_layout(
+            sequence_ids, placement, lengths, cp_rank=r, cp_size=cp_size, kv_groups=kv_groups
+        )
         for r in range(cp_size)
     ]
 

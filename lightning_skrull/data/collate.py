@@ -353,8 +353,14 @@ def _collate_micro_batch(
             placement.append(r)
             if r == cp_rank:
                 placeholder_id = len(lengths) + r
+    # The placeholders are local, so the plan's K/V group counts still hold.
     layout = build_rank_layout(
-        sequence_ids, placement, all_lengths, cp_rank=cp_rank, cp_size=cp_size
+        sequence_ids,
+        placement,
+        all_lengths,
+        cp_rank=cp_rank,
+        cp_size=cp_size,
+        kv_groups=mb.kv_groups,
     )
 
     held = {seg.sequence_id for seg in layout.segments}
