@@ -26,17 +26,22 @@ from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 MAX_KV_GROUPS = 8
 """Most K/V groups of one micro-batch: each adds two collectives per layer."""
 
-SPAN_TOLERANCE = 1e-4
-"""The span is searched to this fraction of itself (a 0.01% longer span than the least one is
-accepted; the cost model resolves nothing that fine), and groups are kept only when they
-shorten the single group's span by more than this fraction."""
+FIRST_PROBE = 0.1
+"""The first span tried above the lower limit, as a fraction of it: on the paper's settings the
+least span lies 0-9% above the limit."""
+
+SPAN_TOLERANCE = 2e-3
+"""The span is searched to this fraction of itself (a span up to 0.2% longer than the least one
+is accepted: on the paper's settings that costs under 0.02% of the iteration time and takes 40%
+fewer trials than 0.01%), and groups are kept only when they shorten the single group's span by
+more than this fraction."""
 
 
 def _greedy_groups(
     sent: Sequence[float], after: Sequence[float], latency: float, span: float
 ) -> tuple[list[int], float] | None:
-    """The fewest contiguous groups whose pipeline span is at most ``span`` and their actual
-    span, or ``None`` when there are none.
+    """The fewest contiguous groups whose pipeline span is at most ``span`` (as the end of each
+    group) and their actual span, or ``None`` when there are none.
 
     ``sent[i]`` is the communication of sequences ``0..i-1`` (``sent[0] == 0``), ``after[i]``
     the distributed attention of sequences ``i`` to the end. Group ``g`` (0-based) covering
@@ -46,21 +51,23 @@ def _greedy_groups(
     possible decides feasibility and gives the fewest groups.
     """
     n = len(sent) - 1
-    groups: list[int] = []
+    ends: list[int] = []
     longest = 0.0
     i = 0
-    while i < n:
-        if len(groups) == MAX_KV_GROUPS:
+    for g in range(1, MAX_KV_GROUPS + 1):
+        fixed = g * latency + after[i]
+        # The last end b > i with sent[b] + fixed <= span (sent is non-decreasing).
+        end = bisect.bisect_right(sent, span - fixed, i + 1) - 1
+        if end == i:
             return None
-        fixed = (len(groups) + 1) * latency + after[i]
-        # The last end b with sent[b] + fixed <= span (sent is non-decreasing).
-        end = min(n, bisect.bisect_right(sent, span - fixed) - 1)
-        if end <= i:
-            return None
-        groups.append(end - i)
-        longest = max(longest, sent[end] + fixed)
+        path = sent[end] + fixed
+        if path > longest:
+            longest = path
+        ends.append(end)
+        if end == n:
+            return ends, longest
         i = end
-    return groups, longest
+    return None
 
 
 def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan:
@@ -97,29 +104,26 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
     floor = max(lin + a for lin, a in zip(linear, attn, strict=True)) + total - max(linear)
     if one <= floor:
         return _one_group(mb)
-    lo = max(floor, latency + sent[1] + total)
-    found = _greedy_groups(sent, after, latency, lo)
-    if found is None:
-        best, hi = [len(dist)], one
-        while hi - lo > SPAN_TOLERANCE * hi:
-            # A quarter of the way down from the best span so far: groups found reach a
-            # span at most that (often far shorter); none found raises the floor.
-            step = (hi - lo) / 4
-            if step <= SPAN_TOLERANCE * hi:  # the last try: just under the best span
-                found = _greedy_groups(sent, after, latency, hi * (1 - SPAN_TOLERANCE))
-                if found is None:
-                    break
-            else:
-                found = _greedy_groups(sent, after, latency, hi - step)
-                if found is None:
-                    lo = hi - step
-                    continue
-            best, hi = found
-    else:
-        best, hi = found
+    # Every cut has a first group (its exchange before all attention) and a last one (all
+    # exchange before its attention): its span is at least either path with one sequence.
+    lo = max(floor, latency + sent[1] + total, sent[-1] + latency + after[-2])
+    best, hi = [len(dist)], one  # group ends
+    ask = lo
+    while True:
+        found = _greedy_groups(sent, after, latency, ask)
+        if found is None:
+            lo = ask
+        else:
+            best, hi = found  # the span these groups reach, at most the one asked for
+        if hi - lo <= SPAN_TOLERANCE * hi:
+            break
+        # The least span is usually within a few percent of ``lo``: probe just above it
+        # first, then halve the interval.
+        ask = min((lo + hi) / 2, lo * (1 + FIRST_PROBE)) if ask == lo else (lo + hi) / 2
     if len(best) == 1 or hi > one * (1 - SPAN_TOLERANCE):
         return _one_group(mb)
-    return MicroBatchPlan(mb.sequence_ids, mb.placement, tuple(best))
+    counts = tuple(end - start for start, end in zip([0, *best], best, strict=False))
+    return MicroBatchPlan(mb.sequence_ids, mb.placement, counts)
 
 
 def _one_group(mb: MicroBatchPlan) -> MicroBatchPlan:
