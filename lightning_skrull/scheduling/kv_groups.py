@@ -80,35 +80,54 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
     Returns:
         ``mb`` itself when one group is as fast, else a copy with ``kv_groups`` set.
     """
-    dist = [sid for sid, where in zip(mb.sequence_ids, mb.placement, strict=True) if where < 0]
-    if len(dist) < 2 or costs.cp_size == 1 or costs.comm_per_token == 0.0:
+    if costs.cp_size == 1 or costs.comm_per_token == 0.0:
         return _one_group(mb)
     n = costs.cp_size
-    linear = [0.0] * n
-    attn = [0.0] * n
+    linear_t, attention_t = costs.linear_table, costs.local_attention_table
+    dist: list[int] = []
+    linear: list[float] = []  # per CP rank, of the local sequences (empty: none)
+    attn: list[float] = []
     for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
-        if where != DISTRIBUTED:
-            linear[where] += costs.linear(sid)
-            attn[where] += costs.local_attention(sid)
-    lengths = costs.lengths
+        if where == DISTRIBUTED:
+            dist.append(sid)
+            continue
+        if not linear:
+            linear, attn = [0.0] * n, [0.0] * n
+        linear[where] += linear_t[sid]
+        attn[where] += attention_t[sid]
+    if len(dist) < 2:
+        return _one_group(mb)
+    lengths, per_token = costs.lengths, costs.comm_per_token
     sent = [0.0]  # communication of the first i distributed sequences
+    acc = 0.0
     for sid in dist:
-        sent.append(sent[-1] + costs.comm_per_token * lengths[sid])
+        acc += per_token * lengths[sid]
+        sent.append(acc)
     after = [0.0] * (len(dist) + 1)  # distributed attention of sequences i.. end
-    for i in range(len(dist) - 1, -1, -1):
-        after[i] = after[i + 1] + costs.distributed_attention(dist[i])
+    acc = 0.0
+    for i, a in zip(
+        range(len(dist) - 1, -1, -1),
+        [costs.distributed_attention(sid) for sid in reversed(dist)],
+        strict=True,
+    ):
+        acc += a
+        after[i] = acc
     latency = costs.comm_fixed
     total = after[0]
     one = latency + sent[-1] + total  # the span of a single group
     # Below this span the slowest rank is set by its own attention, not by the pipeline.
-    floor = max(lin + a for lin, a in zip(linear, attn, strict=True)) + total - max(linear)
+    floor = total
+    if linear:
+        floor += max(lin + a for lin, a in zip(linear, attn, strict=True)) - max(linear)
     if one <= floor:
         return _one_group(mb)
     # Every cut has a first group (its exchange before all attention) and a last one (all
     # exchange before its attention): its span is at least either path with one sequence.
     lo = max(floor, latency + sent[1] + total, sent[-1] + latency + after[-2])
     best, hi = [len(dist)], one  # group ends
-    ask = lo
+    # The least span is usually a few percent above ``lo`` (and almost never ``lo`` itself):
+    # probe just above it first, and again after each miss there; else halve the interval.
+    ask = min((lo + hi) / 2, lo * (1 + FIRST_PROBE))
     while True:
         found = _greedy_groups(sent, after, latency, ask)
         if found is None:
@@ -117,8 +136,6 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
             best, hi = found  # the span these groups reach, at most the one asked for
         if hi - lo <= SPAN_TOLERANCE * hi:
             break
-        # The least span is usually within a few percent of ``lo``: probe just above it
-        # first, then halve the interval.
         ask = min((lo + hi) / 2, lo * (1 + FIRST_PROBE)) if ask == lo else (lo + hi) / 2
     if len(best) == 1 or hi > one * (1 - SPAN_TOLERANCE):
         return _one_group(mb)
