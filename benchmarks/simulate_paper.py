@@ -612,34 +612,36 @@ READING = """
   guesses; the last section uses the compute constants measured on one H200. They compare
   plans; they do not predict wall time of a multi-GPU run (communication is not measured).
 - The lower bound relaxes a plan three ways: work spread evenly over the GPUs, sequences
-  fractionally local or distributed with communication hidden behind any local attention of
-  the batch, and no balance lost to whole sequences between CP ranks. It does charge one
-  micro-batch per DP rank that holds a sequence, and it forces onto the distributed path every
-  sequence whose local time alone exceeds the iteration time it claims. Where a ratio stays
-  above 1.1 (ChatQA2-like batches of 0.5B, Qwen2.5-7B's Wikipedia-like set), the best plans
-  we found by hand were of the form "shard the k longest, spread the rest whole"; DACP builds
-  that placement where sharding short sequences wastes time, which took 1.2-1.9% off the 7B
-  short-sequence plans, and trying it on every micro-batch would take off under 0.1% more.
+  fractionally local or distributed with communication hidden behind any attention of the
+  batch (local, and distributed, which K/V groups let hide other groups' exchange), and no
+  balance lost to whole sequences between CP ranks. It does charge one micro-batch per DP
+  rank that holds a sequence, and it forces onto the distributed path every sequence whose
+  local time alone exceeds the iteration time it claims. Where a ratio stays above 1.1
+  (Qwen2.5-7B's short-sequence sets), the best plans we found by hand were of the form "shard
+  the k longest, spread the rest whole"; DACP builds that placement where sharding short
+  sequences wastes time, which took 1.2-1.9% off the 7B short-sequence plans.
   `benchmarks/placement_search.py` searched every micro-batch of these plans for a faster
-  placement and beat DACP's by 0.8% at most (docs/benchmarks.md): the rest of the gap is the
-  bound's relaxation.
+  placement (docs/benchmarks.md) and found little: the rest of the gap is the bound's
+  relaxation.
 - Against packed `static`, skrull gains what sharding short sequences costs: communication
   and attention tiles. On Qwen2.5-7B's short-sequence sets the matmuls dominate so much that
-  those costs are small at the default 100 GB/s: even a plan at the lower bound would be only
-  1.28x and 1.25x faster than `static` there, so the 1.3x target cannot be met under this
-  model. A CP group of 16 spans two nodes, though; over the inter-node network (the
-  communication table) skrull's gain grows to 1.3x, which a construction added to DACP for
-  slow communication makes possible (the greedy alone stayed at 1.14x at 25 GB/s).
+  those costs are small at the default 100 GB/s: skrull is 1.17x faster than `static` there,
+  and a plan at the lower bound would be 1.32x and 1.27x (1.28x and 1.25x before the bound let
+  distributed attention hide communication; no plan we know comes near either). A CP group
+  of 16 spans two nodes, though; over the inter-node network (the communication table)
+  skrull's gain grows to 1.28-1.30x, which a construction added to DACP for slow
+  communication makes possible (the greedy alone stayed at 1.14x at 25 GB/s). The baselines
+  keep one K/V exchange per micro-batch, as the systems they stand for do; cut into groups
+  like skrull's, packed `static` would be 4-10% faster on these settings (default constants).
 - Against the unpacked DeepSpeed baseline the gain is mostly the fixed cost of its 64 tiny
   micro-batches per DP rank. Measured on one H200 that cost is 53 ms (0.5B) and 69 ms (7B) per
   micro-batch, not the default 2 ms: most of it is the host launching eager kernels layer by
-  layer. With the measured constants skrull is 13-32x faster than the baseline on the
-  short-sequence sets, beyond every speedup the paper reports, and 1.76x and 2.65x on
-  ChatQA2-like data (the paper: 1.35x and 2.79x). On the latter every sequence is sharded and
-  every DP rank runs the fewest micro-batches its tokens allow (on all 20 batches); the
-  all-gather is exposed, since hiding it would need local sequences of about 9K tokens on
-  every CP rank, each costing its rank 8x its sharded share. The lower bound lets the short
-  sequences hide it without that imbalance, so the ceiling overstates what a plan can reach.
+  layer. With the measured constants skrull is 12-32x faster than the baseline on the
+  short-sequence sets, beyond every speedup the paper reports, and 1.97x and 2.85x on
+  ChatQA2-like data (the paper: 1.35x and 2.79x). On the latter every sequence is sharded, so
+  no local attention hides the K/V exchange; with one all-gather per micro-batch it was fully
+  exposed and skrull reached 1.76x and 2.65x. K/V groups (docs/scheduling.md) run each
+  group's exchange behind the previous group's distributed attention, in the backward too.
   The paper's baseline was DeepSpeed's own engine, whose fixed cost per micro-batch we did not
   measure, so these multiples say what packing saves on this stack, not what the paper's
   baseline lost.
@@ -648,7 +650,9 @@ READING = """
   time. The `plan (ms)` column keeps the least of 3 runs back to back; the planning-time table
   (skrull's 256-sequence and cluster-scale batches, on which the targets are judged) spreads
   the runs of each batch over the whole benchmark and keeps the least, with the median of all
-  runs beside it.
+  runs beside it. Choosing K/V groups costs about 10 ms of the cluster-scale ChatQA2-like
+  plans, where every one of 256 micro-batches is cut (38 ms before), and under 1 ms of the
+  256-sequence ones.
 """
 
 
