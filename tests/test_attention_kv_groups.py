@@ -167,19 +167,24 @@ def test_collate_builds_the_plans_groups() -> None:
         assert [g.distributed_sequence_ids for g in groups] == [(0,), (2, 3)]
 
 
-def test_grouped_cp1_through_dispatch_equals_one_group() -> None:
-    # cp_size 1 runs the grouped path without a collective: outputs and gradients must equal
-    # the one-group run's and whole-sequence SDPA (float64, 1e-10)
-    lengths, ids = [6, 1, 9, 4, 11], [2, 0, 1, 3, 4]
-    placement = [0, D, D, 0, D]
-    gen = torch.Generator().manual_seed(0)
-    seqs = {
+def _random_qkv(lengths: list[int], ids: list[int], *, seed: int) -> dict[int, list[torch.Tensor]]:
+    """Per sequence: float64 q (4 heads), k and v (2 heads), drawn in ``ids`` order."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
         s: [
             torch.randn(lengths[s], h, HEAD_DIM, generator=gen, dtype=torch.float64)
             for h in (4, 2, 2)
         ]
         for s in ids
     }
+
+
+def test_grouped_cp1_through_dispatch_equals_one_group() -> None:
+    # cp_size 1 runs the grouped path without a collective: outputs and gradients must equal
+    # the one-group run's and whole-sequence SDPA (float64, 1e-10)
+    lengths, ids = [6, 1, 9, 4, 11], [2, 0, 1, 3, 4]
+    placement = [0, D, D, 0, D]
+    seqs = _random_qkv(lengths, ids, seed=0)
     results = []
     for groups in ((), (1, 2), (1, 1, 1)):
         layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1, kv_groups=groups)
@@ -249,14 +254,7 @@ def test_flash_backend_runs_each_group_on_its_own_context(monkeypatch: Any) -> N
     # equals the sdpa backend's, forward and gradients, float64 to 1e-10.
     monkeypatch.setattr(flash_backend, "_varlen_func", lambda: _varlen_via_sdpa)
     lengths, ids, placement = [6, 13, 9, 4, 11], [2, 0, 1, 3, 4], [0, D, D, 0, D]
-    gen = torch.Generator().manual_seed(1)
-    per_seq = {
-        s: [
-            torch.randn(lengths[s], h, HEAD_DIM, generator=gen, dtype=torch.float64)
-            for h in (4, 2, 2)
-        ]
-        for s in ids
-    }
+    per_seq = _random_qkv(lengths, ids, seed=1)
     results = []
     for backend, groups in (("sdpa", ()), ("flash", (2, 1)), ("flash", (1, 1, 1))):
         layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1, kv_groups=groups)

@@ -33,7 +33,7 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED, kv_group_ranges
+from lightning_skrull.scheduling.plan import DISTRIBUTED, check_kv_groups, kv_group_ranges
 
 
 class Segment(NamedTuple):
@@ -226,20 +226,6 @@ def _check_plan(
             )
 
 
-def _check_kv_groups(kv_groups: Sequence[int], num_distributed: int) -> None:
-    if not kv_groups:
-        return
-    if (
-        any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in kv_groups)
-        or sum(kv_groups) != num_distributed
-    ):
-        raise ValueError(
-            f"kv_groups={tuple(kv_groups)} must be positive counts of distributed sequences "
-            f"summing to their number ({num_distributed}); pass MicroBatchPlan.kv_groups, or () "
-            "for one group."
-        )
-
-
 def build_rank_layout(
     sequence_ids: Sequence[int],
     placement: Sequence[int],
@@ -282,7 +268,7 @@ def build_rank_layout(
     dist_ids = [
         sid for sid, where in zip(sequence_ids, placement, strict=True) if where == DISTRIBUTED
     ]
-    _check_kv_groups(kv_groups, len(dist_ids))
+    check_kv_groups(kv_groups, len(dist_ids))
     dist_lengths = [lengths[sid] for sid in dist_ids]
     dist_cu = [0]
     for length in dist_lengths:

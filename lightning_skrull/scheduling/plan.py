@@ -24,6 +24,25 @@ def shard_tokens(length: int, cp_size: int) -> int:
     return -(-length // cp_size)
 
 
+def check_kv_groups(kv_groups: Sequence[int], num_distributed: int, owner: str = "") -> None:
+    """Refuse K/V group counts that are not positive ints summing to ``num_distributed``.
+
+    Raises:
+        ValueError: naming the counts (prefixed by ``owner``), the rule and the fix.
+    """
+    if not kv_groups:
+        return
+    if (
+        any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in kv_groups)
+        or sum(kv_groups) != num_distributed
+    ):
+        raise ValueError(
+            f"{owner}kv_groups={tuple(kv_groups)} must be positive counts of distributed "
+            f"sequences summing to their number ({num_distributed}); pass "
+            "MicroBatchPlan.kv_groups, or () for one group."
+        )
+
+
 def kv_group_ranges(kv_groups: Sequence[int], num_distributed: int) -> list[tuple[int, int]]:
     """``[start, end)`` ranges over the distributed sequences of a micro-batch, one per K/V group.
 
@@ -67,15 +86,7 @@ class MicroBatchPlan:
             )
         if self.kv_groups:
             distributed = sum(1 for p in self.placement if p == DISTRIBUTED)
-            if (
-                any(isinstance(g, bool) or not isinstance(g, int) or g < 1 for g in self.kv_groups)
-                or sum(self.kv_groups) != distributed
-            ):
-                raise ValueError(
-                    f"MicroBatchPlan.kv_groups={self.kv_groups} must be positive counts of "
-                    f"distributed sequences summing to their number ({distributed}); use () for "
-                    "one group."
-                )
+            check_kv_groups(self.kv_groups, distributed, "MicroBatchPlan.")
 
     def kv_group_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` of every K/V group over :attr:`distributed_ids` (one when ``()``)."""
