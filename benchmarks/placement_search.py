@@ -49,8 +49,8 @@ CASES = (
     ("Qwen2.5-7B", "Wikipedia", "measured"),
     ("Qwen2.5-7B", "LMsysChat1M", "default"),
 )
-"""(model, dataset, constants) where skrull's ratio to the lower bound is highest (1.09-1.15
-in docs/simulate_paper.md)."""
+"""(model, dataset, constants) where skrull's ratio to the lower bound was highest (1.09-1.15
+before K/V groups; 1.03-1.12 in docs/simulate_paper.md now)."""
 
 
 def seconds(
