@@ -104,14 +104,8 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
         acc += per_token * lengths[sid]
         sent.append(acc)
     after = [0.0] * (len(dist) + 1)  # distributed attention of sequences i.. end
-    acc = 0.0
-    for i, a in zip(
-        range(len(dist) - 1, -1, -1),
-        [costs.distributed_attention(sid) for sid in reversed(dist)],
-        strict=True,
-    ):
-        acc += a
-        after[i] = acc
+    for i in range(len(dist) - 1, -1, -1):
+        after[i] = after[i + 1] + costs.distributed_attention(dist[i])
     latency = costs.comm_fixed
     total = after[0]
     one = latency + sent[-1] + total  # the span of a single group

@@ -85,12 +85,11 @@ class MicroBatchPlan:
                 f"{len(self.placement)} placements; give one placement per sequence."
             )
         if self.kv_groups:
-            distributed = sum(1 for p in self.placement if p == DISTRIBUTED)
-            check_kv_groups(self.kv_groups, distributed, "MicroBatchPlan.")
+            check_kv_groups(self.kv_groups, len(self.distributed_ids), "MicroBatchPlan.")
 
     def kv_group_ranges(self) -> list[tuple[int, int]]:
         """``[start, end)`` of every K/V group over :attr:`distributed_ids` (one when ``()``)."""
-        return kv_group_ranges(self.kv_groups, sum(1 for p in self.placement if p == DISTRIBUTED))
+        return kv_group_ranges(self.kv_groups, len(self.distributed_ids))
 
     def tokens_per_cp_rank(self, lengths: Sequence[int], cp_size: int) -> list[int]:
         """Tokens each CP rank holds (the planner's budget accounting, ceil for shards)."""
