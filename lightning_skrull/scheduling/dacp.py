@@ -351,8 +351,12 @@ def _split_longest(
             sid = rest[k - 1]
             dist += c.distributed_lower_bound(sid)
             tokens += lengths[sid]
-        mean = _mean_rank(lin0 + suffix_lin[k], att0 + suffix_att[k], tokens, c)
-        longest = _longest_whole(rest, k, local, n)
+        longest = local[rest[k]] if k < m else 0.0
+        if k + n < m:  # n + 1 sequences on n ranks: two of them share one
+            longest = max(longest, local[rest[k + n - 1]] + local[rest[k + n]])
+        comm = c.comm(tokens)
+        mean_att = (att0 + suffix_att[k]) / n
+        mean = (lin0 + suffix_lin[k]) / n + (mean_att if mean_att > comm else comm)
         value = dist + (mean if mean > longest else longest)
         if value < best_value:
             best_k, best_value = k, value
@@ -412,37 +416,17 @@ def _split_longest(
     return state
 
 
-def _mean_rank(linear: float, attention: float, dist_tokens: int, costs: SequenceCosts) -> float:
-    """Mean CP-rank time of local work of ``linear`` and ``attention`` seconds in all, next to
-    distributed sequences of ``dist_tokens`` tokens (their compute not included)."""
-    n = costs.cp_size
-    comm = costs.comm(dist_tokens)
-    mean_att = attention / n
-    return linear / n + (mean_att if mean_att > comm else comm)
-
-
-def _longest_whole(rest: Sequence[int], k: int, local: Sequence[float], n: int) -> float:
-    """Least time of the slowest rank when ``rest[k:]`` (longest first) stay whole: the longest
-    one, and the two shortest of the ``n + 1`` longest, which must share a rank."""
-    m = len(rest)
-    longest = local[rest[k]] if k < m else 0.0
-    if k + n < m:
-        pair = local[rest[k + n - 1]] + local[rest[k + n]]
-        if pair > longest:
-            return pair
-    return longest
-
-
 def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: int) -> float:
     """Quick estimate of one micro-batch of ``ids`` (fixed overhead included), without placing it.
 
     Sequences longer than ``bucket_size`` are distributed; of the others the ``k`` longest are
     distributed too and the rest stay whole, and the estimate is the least over ``k`` of the
     bound :func:`_split_longest` minimises (distributed compute, plus the larger of the mean rank
-    and the slowest rank that whole sequences force). The mean rank only grows with ``k`` while
-    the distributed compute grows too, so the search stops at the first ``k`` where the mean
-    rank reaches the whole sequences' bound. Used to compare DP splits (:mod:`gds`), in a few
-    operations per sequence; no memory check.
+    and the slowest rank that whole sequences force). Distributing one more sequence adds at
+    least the compute it takes off the mean rank (sharding only adds tile waste and
+    communication), so once the mean rank reaches the whole sequences' bound no larger ``k``
+    is lower and the search stops. Used to compare DP splits (:mod:`gds`), in a few operations
+    per sequence; no memory check.
     """
     if not ids:
         return 0.0
@@ -458,15 +442,21 @@ def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: 
     linear = sum(lin_of[sid] for sid in rest)
     attention = sum(att_of[sid] for sid in rest)
     best = math.inf
-    for k in range(len(rest) + 1):
+    m = len(rest)
+    for k in range(m + 1):
         if k:
             sid = rest[k - 1]
             tokens += lengths[sid]
             dist_compute += costs.distributed(sid)
             linear -= lin_of[sid]
             attention -= att_of[sid]
-        mean = _mean_rank(linear, attention, tokens, costs)
-        longest = _longest_whole(rest, k, local, n)
+        # The bound of _split_longest, spelled out here too: this loop is a hot path.
+        longest = local[rest[k]] if k < m else 0.0
+        if k + n < m:  # n + 1 sequences on n ranks: two of them share one
+            longest = max(longest, local[rest[k + n - 1]] + local[rest[k + n]])
+        comm = costs.comm(tokens)
+        mean_att = attention / n
+        mean = linear / n + (mean_att if mean_att > comm else comm)
         value = dist_compute + (mean if mean > longest else longest)
         if value < best:
             best = value
