@@ -616,21 +616,22 @@ READING = """
   batch (local, and distributed, which K/V groups let hide other groups' exchange), and no
   balance lost to whole sequences between CP ranks. It does charge one micro-batch per DP
   rank that holds a sequence, and it forces onto the distributed path every sequence whose
-  local time alone exceeds the iteration time it claims. Where a ratio stays above 1.1
-  (Qwen2.5-7B's short-sequence sets), the best plans we found by hand were of the form "shard
-  the k longest, spread the rest whole"; DACP builds that placement where sharding short
-  sequences wastes time, which took 1.2-1.9% off the 7B short-sequence plans.
-  `benchmarks/placement_search.py` searched every micro-batch of these plans for a faster
-  placement (docs/benchmarks.md) and found little: the rest of the gap is the bound's
-  relaxation.
+  local time alone exceeds the iteration time it claims. The ratio is highest on Qwen2.5-7B's
+  short-sequence sets, where whole sequences balance 16 CP ranks only in coarse steps and every
+  sharded token pays exposed communication. There the DP split mattered most: balanced over
+  both DP ranks, a few long sequences left no CP rank room for the medium ones to stay whole.
+  GDS now also weighs a split that gathers the sequences sharded anyway on few DP ranks
+  (docs/scheduling.md), which took the 7B ratios from 1.12 and 1.11 to 1.07 and 1.06;
+  `benchmarks/placement_search.py` found little left in the placements themselves
+  (docs/benchmarks.md).
 - Against packed `static`, skrull gains what sharding short sequences costs: communication
   and attention tiles. On Qwen2.5-7B's short-sequence sets the matmuls dominate so much that
-  those costs are small at the default 100 GB/s: skrull is 1.17x faster than `static` there,
-  and a plan at the lower bound would be 1.32x and 1.27x (1.28x and 1.25x before the bound let
-  distributed attention hide communication; no plan we know comes near either). A CP group
-  of 16 spans two nodes, though; over the inter-node network (the communication table)
-  skrull's gain grows to 1.28-1.30x, which a construction added to DACP for slow
-  communication makes possible (the greedy alone stayed at 1.14x at 25 GB/s). The baselines
+  those costs are small at the default 100 GB/s: skrull is 1.22x and 1.21x faster than
+  `static` there (1.17x before GDS weighed the gathered split), and a plan at the lower bound
+  would be 1.32x and 1.27x. A CP group of 16 spans two nodes, though; over the inter-node
+  network (the communication table) skrull's gain grows to 1.30-1.33x, which a construction
+  added to DACP for slow communication makes possible (the greedy alone stayed at 1.14x at
+  25 GB/s). The baselines
   keep one K/V exchange per micro-batch, as the systems they stand for do; cut into groups
   like skrull's, packed `static` would be 4-10% faster on these settings (default constants).
 - Against the unpacked DeepSpeed baseline the gain is mostly the fixed cost of its 64 tiny
