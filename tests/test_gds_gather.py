@@ -46,6 +46,10 @@ def test_gather_sharded_declines_where_there_is_nothing_to_gather() -> None:
     # Two long ones that need both ranks between them, next to one short one.
     costs = SequenceCosts([6000, 6000, 100], 4, MODEL_7B)
     assert gather_sharded(range(3), 2, costs, 8192) is None
+    # Three long ones whose tokens two ranks of one micro-batch each (2 x 2000) cannot hold.
+    lengths = [1200] * 3 + [100] * 60
+    costs = SequenceCosts(lengths, 2, MODEL_7B)
+    assert gather_sharded(range(len(lengths)), 2, costs, 1000) is None
 
 
 def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster() -> None:

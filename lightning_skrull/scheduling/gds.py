@@ -128,6 +128,8 @@ def gather_sharded(
         heapq.heapreplace(heap, (w + weight[sid], rank))
         for item in full:
             heapq.heappush(heap, item)
+    if max(tokens) > capacity:  # a sharded one went over, to the least loaded rank
+        return None
     return bins
 
 
@@ -194,7 +196,8 @@ def split_micro_batches(
 def plan_gds(
     n: int, dp_size: int, costs: SequenceCosts, bucket_size: int, place: Placer
 ) -> list[list[MicroBatchPlan]]:
-    """GDS over all ``n`` sequences of the global batch with the given CP placement."""
+    """GDS over all ``n`` sequences of the global batch with the given CP placement: the
+    balanced DP split, or the gathered one where step 4 weighs it and it wins."""
     bins = balance_dp(range(n), dp_size, costs)
     lengths = costs.lengths
     if n <= GATHER_MAX_SEQUENCES and sum(lengths) <= dp_size * costs.cp_size * bucket_size:
