@@ -12,6 +12,8 @@ from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import estimate_micro_batch, place_micro_batch
 from lightning_skrull.scheduling.gds import balance_dp, gather_sharded, plan_gds
+from lightning_skrull.scheduling.kv_groups import choose_kv_groups
+from lightning_skrull.scheduling.plan import GlobalBatchPlan
 
 MODEL_7B = CostModel(shape=QWEN2_5_7B)
 # Found by a random search over small 7B batches: the gathered split plans 10% faster.
@@ -46,13 +48,17 @@ def test_gather_sharded_declines_where_there_is_nothing_to_gather() -> None:
     # Two long ones that need both ranks between them, next to one short one.
     costs = SequenceCosts([6000, 6000, 100], 4, MODEL_7B)
     assert gather_sharded(range(3), 2, costs, 8192) is None
+    # Where both splits are planned, that split is built all the same: one long one per rank.
+    both = gather_sharded(range(3), 2, costs, 8192, need_free_rank=False)
+    assert both is not None and {0, 1} == {both[0][0], both[1][0]}
     # Three long ones whose tokens two ranks of one micro-batch each (2 x 2000) cannot hold.
     lengths = [1200] * 3 + [100] * 60
     costs = SequenceCosts(lengths, 2, MODEL_7B)
     assert gather_sharded(range(len(lengths)), 2, costs, 1000) is None
 
 
-def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster() -> None:
+def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster(monkeypatch) -> None:
+    monkeypatch.setattr(gds, "PLAN_BOTH_MAX_SEQUENCES", 0)  # the quick estimate decides
     lengths = GATHER_WINS
     costs = SequenceCosts(lengths, 4, MODEL_7B)
     lpt = balance_dp(range(len(lengths)), 2, costs)
@@ -74,7 +80,10 @@ def test_the_gathered_split_beats_the_balanced_one_on_this_batch(monkeypatch) ->
     assert gathered < 0.92 * balanced  # 0.896 when found; margin for float changes only
 
 
-def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches() -> None:
+def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches(
+    monkeypatch,
+) -> None:
+    monkeypatch.setattr(gds, "PLAN_BOTH_MAX_SEQUENCES", 0)  # the quick estimate decides
     lengths = GATHER_WINS
     costs = SequenceCosts(lengths, 4, MODEL_7B)
     gathered = gather_sharded(range(len(lengths)), 2, costs, 8192)
@@ -95,6 +104,50 @@ def test_plan_gds_skips_the_gathered_split_above_the_size_limit(monkeypatch) -> 
     plan = plan_global_batch(lengths, dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
     costs = SequenceCosts(lengths, 4, MODEL_7B)
     assert _ranks(plan) == [set(b) for b in balance_dp(range(len(lengths)), 2, costs)]
+
+
+def _plan_of(bins, lengths, cp, bucket, model) -> GlobalBatchPlan:
+    """A DP split planned as GDS plans each rank: DACP, then K/V groups."""
+    costs = SequenceCosts(lengths, cp, model)
+    ranks = [
+        tuple(
+            choose_kv_groups(mb, costs)
+            for mb in gds.split_micro_batches(b, costs, bucket, place_micro_batch)
+        )
+        for b in bins
+    ]
+    return GlobalBatchPlan(tuple(ranks), len(bins), cp, bucket, "skrull")
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_small_batches_keep_the_faster_of_both_planned_splits(seed: int, monkeypatch) -> None:
+    # Both splits planned in full and judged by the simulator: the plan is the faster one (the
+    # balanced one on ties), so step 4 never makes a small batch's plan slower.
+    rng = random.Random(seed)
+    for _ in range(100):  # draw until there is a gathered split to weigh (a few draws)
+        cp, dp = rng.choice([2, 4, 8, 16]), rng.choice([2, 3, 4])
+        bucket = rng.choice([2048, 8192])
+        n = rng.randint(2, 60)
+        lengths = [max(1, min(bucket, int(2 ** rng.uniform(5, 14)))) for _ in range(n)]
+        lengths[0] = rng.randint(bucket // 2, cp * bucket // dp)  # at least one long one
+        model = CostModel(shape=QWEN2_5_7B, comm_bandwidth=rng.choice([25e9, 100e9]))
+        costs = SequenceCosts(lengths, cp, model)
+        bins = gather_sharded(range(n), dp, costs, bucket, need_free_rank=False)
+        if sum(lengths) <= dp * cp * bucket and bins is not None:
+            break
+    else:
+        raise AssertionError("no draw with a gathered split to weigh")
+    assert bins is not None
+    kwargs = dict(dp_size=dp, cp_size=cp, bucket_size=bucket, cost_model=model)
+    plan = plan_global_batch(lengths, **kwargs)
+    gathered = simulate(_plan_of(bins, lengths, cp, bucket, model), lengths, model)
+    monkeypatch.setattr(gds, "GATHER_MAX_SEQUENCES", -1)  # step 4 off: the balanced split
+    balanced_plan = plan_global_batch(lengths, **kwargs)
+    balanced = simulate(balanced_plan, lengths, model)
+    got = simulate(plan, lengths, model)
+    assert got == min(gathered, balanced)  # the same plans, the same floats
+    want = [set(b) for b in bins] if gathered < balanced else _ranks(balanced_plan)
+    assert _ranks(plan) == want
 
 
 def _estimate_by_definition(ids, lengths, cp, bucket, model) -> float:

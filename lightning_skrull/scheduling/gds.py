@@ -20,10 +20,14 @@
    others balanced over all ranks. A sharded sequence occupies every CP rank of its micro-batch,
    leaving less room there for whole sequences; gathered on a few DP ranks, they leave the
    other ranks' CP ranks free for the medium sequences to stay whole, which elsewhere would be
-   sharded and pay communication. The split with the lower quick estimate
-   (:func:`~lightning_skrull.scheduling.dacp.estimate_micro_batch` of each rank) is planned;
-   if the second one then needs more than one micro-batch on a rank, the first is planned
-   instead.
+   sharded and pay communication. Up to :data:`PLAN_BOTH_MAX_SEQUENCES` sequences both splits
+   are planned and the faster is kept (the cost model's time of every micro-batch, K/V groups
+   included; the balanced one on ties), so step 4 never makes a plan slower there. Above, only
+   the split with the lower quick estimate
+   (:func:`~lightning_skrull.scheduling.dacp.estimate_micro_batch` of each rank) is planned,
+   and the second one only when its sharded sequences leave a DP rank free (the estimate is
+   within about 10% of the plan's time, too coarse where they need every rank); if it then
+   needs more than one micro-batch on a rank, the first is planned instead.
 
 The printed loop of the paper never exits on success; this one stops at the first ``m`` that
 works. It always terminates: with one sequence per micro-batch every sequence fits, since none
@@ -37,7 +41,9 @@ from collections.abc import Callable, Sequence
 
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
+from lightning_skrull.scheduling.kv_groups import choose_kv_groups
 from lightning_skrull.scheduling.plan import MicroBatchPlan
+from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
 
@@ -45,6 +51,11 @@ GATHER_MAX_SEQUENCES = 1024
 """Step 4 is weighed only for global batches of at most this many sequences: its ranks hold
 more sequences each, and at DP=64 x CP=16 with 4096 sequences placing them took the planner from
 35 to 52 ms, past its 50 ms budget."""
+
+PLAN_BOTH_MAX_SEQUENCES = 128
+"""Up to this many sequences, step 4 plans both DP splits and keeps the faster. Planning twice
+costs about what planning 256 sequences once does, the size the planner's 5 ms budget is set for;
+above, the quick estimate picks one split to plan."""
 
 
 def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[list[int]]:
@@ -62,7 +73,12 @@ def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[l
 
 
 def gather_sharded(
-    ids: Sequence[int], dp_size: int, costs: SequenceCosts, bucket_size: int
+    ids: Sequence[int],
+    dp_size: int,
+    costs: SequenceCosts,
+    bucket_size: int,
+    *,
+    need_free_rank: bool = True,
 ) -> list[list[int]] | None:
     """The DP split of step 4 (module docstring), or ``None`` when there is none to weigh.
 
@@ -73,10 +89,14 @@ def gather_sharded(
     DP rank and within one micro-batch's tokens (``cp_size * bucket_size``), else to the least
     loaded; then the others, heaviest first, to the least loaded rank with tokens to spare (LPT).
 
+    Args:
+        need_free_rank: decline when the sharded ones would need every DP rank (their weight
+            over ``dp_size - 1`` ranks' share); off where both splits are planned and compared.
+
     Returns:
         One list of ids per DP rank, or ``None`` when ``dp_size`` is 1, when no sequence or every
-        sequence is sharded anyway, when the sharded ones would need every DP rank (their weight
-        over ``dp_size - 1`` ranks' share), or when a rank ends over one micro-batch's tokens.
+        sequence is sharded anyway, when ``need_free_rank`` declines, or when a rank ends over
+        one micro-batch's tokens.
     """
     if dp_size < 2:
         return None
@@ -96,7 +116,7 @@ def gather_sharded(
     if not sharded or not kept:
         return None
     share = sum(weight.values()) / dp_size
-    if sum(weight[sid] for sid in sharded) > (dp_size - 1) * share:
+    if need_free_rank and sum(weight[sid] for sid in sharded) > (dp_size - 1) * share:
         return None
     capacity = n * bucket_size
     bins: list[list[int]] = [[] for _ in range(dp_size)]
@@ -201,7 +221,12 @@ def plan_gds(
     bins = balance_dp(range(n), dp_size, costs)
     lengths = costs.lengths
     if n <= GATHER_MAX_SEQUENCES and sum(lengths) <= dp_size * costs.cp_size * bucket_size:
-        gathered = gather_sharded(range(n), dp_size, costs, bucket_size)
+        both = n <= PLAN_BOTH_MAX_SEQUENCES
+        gathered = gather_sharded(range(n), dp_size, costs, bucket_size, need_free_rank=not both)
+        if gathered is not None and both:
+            ranks = [split_micro_batches(b, costs, bucket_size, place) for b in gathered]
+            balanced = [split_micro_batches(b, costs, bucket_size, place) for b in bins]
+            return ranks if _seconds(ranks, costs) < _seconds(balanced, costs) else balanced
         if gathered is not None and _estimate(gathered, costs, bucket_size) < _estimate(
             bins, costs, bucket_size
         ):
@@ -209,6 +234,15 @@ def plan_gds(
             if all(len(r) <= 1 for r in ranks):
                 return ranks
     return [split_micro_batches(b, costs, bucket_size, place) for b in bins]
+
+
+def _seconds(ranks: Sequence[Sequence[MicroBatchPlan]], costs: SequenceCosts) -> float:
+    """The slowest DP rank of planned micro-batches, each with the K/V groups it will get."""
+    model = costs.cost_model
+    return max(
+        sum(micro_batch_terms(choose_kv_groups(mb, costs), costs, model).seconds for mb in r)
+        for r in ranks
+    )
 
 
 def _estimate(bins: Sequence[Sequence[int]], costs: SequenceCosts, bucket_size: int) -> float:
