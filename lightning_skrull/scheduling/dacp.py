@@ -287,7 +287,8 @@ def _forced(
     lengths = costs.lengths
     state = CpGroupState(costs, bucket_size)
     rest = []
-    for sid in sorted(ids, key=lambda i: (-lengths[i], i)):
+    # Longest first, ascending ids on ties (a stable sort of sorted ids; cheaper than tuple keys).
+    for sid in sorted(sorted(ids), key=lengths.__getitem__, reverse=True):
         if lengths[sid] > bucket_size:
             state.put_distributed(sid)
         else:
@@ -432,7 +433,7 @@ def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: 
         return 0.0
     lengths, n = costs.lengths, costs.cp_size
     lin_of, att_of, local = costs.linear_table, costs.local_attention_table, costs.local_table
-    order = sorted(ids, key=lambda i: (-lengths[i], i))
+    order = sorted(sorted(ids), key=lengths.__getitem__, reverse=True)  # as _forced's
     rest = [sid for sid in order if lengths[sid] <= bucket_size]
     tokens = 0
     dist_compute = 0.0
@@ -477,6 +478,7 @@ def _paper_rule_gives_up(base: CpGroupState, rest: Sequence[int], give_up_at: fl
     c = base.costs
     lengths, cap = c.lengths, base.cap
     reserved, dist_tokens, dist_compute = base.reserved, base.dist_tokens, base.dist_compute
+    n, comm_fixed, per_token = base.n, c.comm_fixed, c.comm_per_token
     for sid in rest:
         s = lengths[sid]
         if s + reserved <= cap:
@@ -484,13 +486,13 @@ def _paper_rule_gives_up(base: CpGroupState, rest: Sequence[int], give_up_at: fl
             att = c.local_attention(sid)
             first = c.linear(sid) + (att if att > comm else comm)
             return first + dist_compute >= give_up_at
-        shard = c.shard(sid)
+        shard = -(-s // n)  # c.shard(sid), inlined as below: this loop runs per micro-batch
         if reserved + shard > cap:
             return True  # nothing local to roll back: the construction fails
         reserved += shard
         dist_tokens += s
         dist_compute += c.distributed(sid)
-        if c.comm(dist_tokens) + dist_compute >= give_up_at:
+        if comm_fixed + per_token * dist_tokens + dist_compute >= give_up_at:  # c.comm(...)
             return True
     return False
 
@@ -531,6 +533,7 @@ def _greedy(
     max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
     sum_lin, sum_att = sum(linear), sum(attn)
     min_tokens = min(tokens)
+    max_tokens = max(tokens)  # CpGroupState.can_distribute, inlined below: a hot path
     # Until a sequence stays whole, every rank's linear and attention seconds are exactly 0, so
     # every rank's time is the communication and the first minimum is rank 0: on long-sequence
     # data most micro-batches distribute everything, and recomputing each rank's time after
@@ -581,7 +584,7 @@ def _greedy(
                         as_dist + lin_k / n < as_local
                         and as_dist + costs.distributed_lower_bound(sid) < as_local
                         and as_dist + costs.distributed(sid) < as_local
-                        and state.can_distribute(sid)
+                        and max_tokens + state.reserved - (-s // n) <= cap
                     ):
                         go_local = False
                         state.chosen_shards += 1
@@ -595,6 +598,8 @@ def _greedy(
                     min_tokens = min(tokens)
                 else:
                     tokens[rank] += s
+                if tokens[rank] > max_tokens:
+                    max_tokens = tokens[rank]
                 lin = linear[rank] = linear[rank] + lin_k
                 a = attn[rank] = attn[rank] + att_k
                 where[sid] = rank
@@ -610,11 +615,15 @@ def _greedy(
                 ):
                     return False
                 break
-            if rank >= 0 or state.can_distribute(sid):  # rank >= 0: checked above
+            # rank >= 0: checked above
+            if rank >= 0 or max_tokens + state.reserved - (-s // n) <= cap:
                 state.put_distributed(sid)  # local ranks unchanged: only comm moves
                 comm = costs.comm(state.dist_tokens)
                 times = None
-                if max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at:
+                if (
+                    can_give_up
+                    and max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at
+                ):
                     return False
                 break
             if not state.roll_back():
@@ -622,6 +631,7 @@ def _greedy(
             comm = costs.comm(state.dist_tokens)
             times = None
             min_tokens = min(tokens)
+            max_tokens = max(tokens)
             max_lin = max(linear)
             max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
             sum_lin, sum_att = sum(linear), sum(attn)
@@ -706,17 +716,19 @@ def _improve(state: CpGroupState, max_moves: int) -> None:
             la_all = [lin + a for lin, a in zip(linear, attn, strict=True)]
             la1, la1_at, la2 = _two_largest(la_all)
             min_la, min_lin = min(la_all), min(linear)
+            dist_tokens, local_of, lin_of = state.dist_tokens, c.local_table, c.linear_table
             for sid in state.distributed:
                 s = lengths[sid]
                 if s > cap:
                     continue
                 dq = c.distributed(sid)
-                comm2 = c.comm(state.dist_tokens - s)
+                others = dist_tokens - s  # c.comm(others), inlined: a hot loop
+                comm2 = c.comm_fixed + c.comm_per_token * others if others else 0.0
                 # A lower bound of the move's value below, whichever rank takes it back: the
                 # other ranks keep at least the second-largest linear and linear + attention,
                 # and the taker ends no sooner than the least-loaded rank plus the sequence.
                 # The slack only guards the bound's own rounding.
-                bound = max(l2 + comm2, la2, min_la + c.local(sid), min_lin + c.linear(sid) + comm2)
+                bound = max(l2 + comm2, la2, min_la + local_of[sid], min_lin + lin_of[sid] + comm2)
                 if (bound + dc - dq) * _BOUND_SLACK >= best:
                     continue
                 need = s - c.shard(sid)  # its shard leaves every rank
