@@ -717,13 +717,14 @@ def _improve(state: CpGroupState, max_moves: int) -> None:
             la1, la1_at, la2 = _two_largest(la_all)
             min_la, min_lin = min(la_all), min(linear)
             dist_tokens, local_of, lin_of = state.dist_tokens, c.local_table, c.linear_table
+            comm_fixed, per_token = c.comm_fixed, c.comm_per_token
             for sid in state.distributed:
                 s = lengths[sid]
                 if s > cap:
                     continue
                 dq = c.distributed(sid)
                 others = dist_tokens - s  # c.comm(others), inlined: a hot loop
-                comm2 = c.comm_fixed + c.comm_per_token * others if others else 0.0
+                comm2 = comm_fixed + per_token * others if others else 0.0
                 # A lower bound of the move's value below, whichever rank takes it back: the
                 # other ranks keep at least the second-largest linear and linear + attention,
                 # and the taker ends no sooner than the least-loaded rank plus the sequence.

@@ -218,22 +218,24 @@ def plan_gds(
 ) -> list[list[MicroBatchPlan]]:
     """GDS over all ``n`` sequences of the global batch with the given CP placement: the
     balanced DP split, or the gathered one where step 4 weighs it and it wins."""
+
+    def planned(split: list[list[int]]) -> list[list[MicroBatchPlan]]:
+        return [split_micro_batches(b, costs, bucket_size, place) for b in split]
+
     bins = balance_dp(range(n), dp_size, costs)
-    lengths = costs.lengths
-    if n <= GATHER_MAX_SEQUENCES and sum(lengths) <= dp_size * costs.cp_size * bucket_size:
+    if n <= GATHER_MAX_SEQUENCES and sum(costs.lengths) <= dp_size * costs.cp_size * bucket_size:
         both = n <= PLAN_BOTH_MAX_SEQUENCES
         gathered = gather_sharded(range(n), dp_size, costs, bucket_size, need_free_rank=not both)
         if gathered is not None and both:
-            ranks = [split_micro_batches(b, costs, bucket_size, place) for b in gathered]
-            balanced = [split_micro_batches(b, costs, bucket_size, place) for b in bins]
+            ranks, balanced = planned(gathered), planned(bins)
             return ranks if _seconds(ranks, costs) < _seconds(balanced, costs) else balanced
         if gathered is not None and _estimate(gathered, costs, bucket_size) < _estimate(
             bins, costs, bucket_size
         ):
-            ranks = [split_micro_batches(b, costs, bucket_size, place) for b in gathered]
+            ranks = planned(gathered)
             if all(len(r) <= 1 for r in ranks):
                 return ranks
-    return [split_micro_batches(b, costs, bucket_size, place) for b in bins]
+    return planned(bins)
 
 
 def _seconds(ranks: Sequence[Sequence[MicroBatchPlan]], costs: SequenceCosts) -> float:
