@@ -29,6 +29,18 @@
    within about 10% of the plan's time, too coarse where they need every rank); if it then
    needs more than one micro-batch on a rank, the first is planned instead.
 
+5. Where communication is slow and memory tight, each DP rank's micro-batches are also dealt in
+   rows (:func:`deal_rows`) and the faster is kept. A micro-batch filled to its token budget
+   leaves no CP rank room for a whole sequence next to the shards, so DACP must shard everything
+   and the K/V exchange lies on every rank's critical path. Dealt in rows of ``cp_size``
+   sequences of similar length (one per CP rank), over the same number of micro-batches and up
+   to :data:`ROWS_EXTRA_MICRO_BATCHES` more, a row can stay whole, balanced over the CP ranks,
+   and its local attention hides the exchange of the sequences sharded next to it. Tried only
+   where the plan's exposed communication is at least :data:`ROWS_COMM_SHARE` of the rank's
+   time and one of its micro-batches holds at least :data:`ROWS_MIN_FILL` of its token budget
+   (elsewhere they won rarely and little: see those constants); kept only when the cost model's time of the rank's
+   micro-batches (K/V groups included) is lower, so it never makes a rank slower.
+
 The printed loop of the paper never exits on success; this one stops at the first ``m`` that
 works. It always terminates: with one sequence per micro-batch every sequence fits, since none
 is longer than ``cp_size * bucket_size`` (checked before planning).
@@ -37,12 +49,13 @@ is longer than ``cp_size * bucket_size`` (checked before planning).
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
-from lightning_skrull.scheduling.plan import MicroBatchPlan
+from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
@@ -56,6 +69,21 @@ PLAN_BOTH_MAX_SEQUENCES = 128
 """Up to this many sequences, step 4 plans both DP splits and keeps the faster. Planning twice
 costs about what planning 256 sequences once does, the size the planner's 5 ms budget is set for;
 above, the quick estimate picks one split to plan."""
+
+
+ROWS_COMM_SHARE = 0.15
+"""GDS step 5 runs on a DP rank whose communication is at least this share of the least its
+micro-batches can take (overhead, communication and distributed compute)."""
+
+ROWS_MIN_FILL = 0.5
+"""... and one of whose micro-batches holds at least this share of ``cp_size * bucket_size``
+tokens. In the paper's settings at 25 and 100 GB/s the rows won on every rank whose fullest
+micro-batch was over 0.75 full and on none under 0.26."""
+
+ROWS_EXTRA_MICRO_BATCHES = 2
+"""GDS step 5 deals rows into as many micro-batches as step 2 found and up to this many more
+(more room per CP rank for whole sequences; each pays the fixed cost of a micro-batch). In the
+paper's settings no win needed more than two more."""
 
 
 def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[list[int]]:
@@ -167,6 +195,29 @@ def deal_by_tokens(mine: Sequence[int], m: int, lengths: Sequence[int]) -> list[
     return groups
 
 
+def deal_rows(
+    mine: Sequence[int], m: int, lengths: Sequence[int], cp_size: int, bucket_size: int
+) -> list[list[int]]:
+    """Deal ``mine`` into ``m`` groups in rows (GDS step 5, module docstring).
+
+    The sequences that fit one CP rank whole, longest first, are cut into rows of ``cp_size``
+    (the last may be shorter); each row, then each longer sequence, goes to the group with the
+    fewest tokens so far (lowest index on ties). Every group comes out ascending, as the other
+    deals'.
+    """
+    order = sorted(sorted(mine), key=lengths.__getitem__, reverse=True)  # ties: ascending ids
+    whole = [sid for sid in order if lengths[sid] <= bucket_size]
+    items = [whole[k : k + cp_size] for k in range(0, len(whole), cp_size)]
+    items += [[sid] for sid in order if lengths[sid] > bucket_size]
+    groups: list[list[int]] = [[] for _ in range(m)]
+    heap = [(0, g) for g in range(m)]  # (tokens so far, group): ties -> lowest group
+    for item in items:
+        tokens, g = heap[0]
+        groups[g].extend(item)
+        heapq.heapreplace(heap, (tokens + sum(lengths[sid] for sid in item), g))
+    return [sorted(g, key=lambda i: (lengths[i], i)) for g in groups]
+
+
 def _place_all(
     groups: list[list[int]], costs: SequenceCosts, bucket_size: int, place: Placer
 ) -> list[MicroBatchPlan] | None:
@@ -213,11 +264,60 @@ def split_micro_batches(
         m += 1
 
 
+def rows_if_faster(
+    plans: list[MicroBatchPlan], costs: SequenceCosts, bucket_size: int, place: Placer
+) -> list[MicroBatchPlan]:
+    """GDS step 5 on one DP rank's micro-batches: the rows dealt (:func:`deal_rows`) into as
+    many micro-batches and up to :data:`ROWS_EXTRA_MICRO_BATCHES` more, where they are faster
+    (module docstring); ``plans`` itself otherwise."""
+    n, lengths, distributed = costs.cp_size, costs.lengths, costs.distributed
+    if n < 2:
+        return plans
+    # One pass, a few operations per sequence (the exact time of the micro-batches took a tenth
+    # of the planning budget at DP=64 x CP=16): the fullest micro-batch's tokens, and the
+    # communication against the least the micro-batches can take (overhead, communication and
+    # distributed compute), which bounds the exposed communication's share from above.
+    fullest = 0
+    comm = floor = 0.0
+    for mb in plans:
+        fullest = max(fullest, sum(map(lengths.__getitem__, mb.sequence_ids)))
+        dist = [sid for sid, where in zip(mb.sequence_ids, mb.placement) if where == DISTRIBUTED]
+        c = costs.comm(sum(map(lengths.__getitem__, dist)))
+        comm += c
+        floor += c + sum(map(distributed, dist))
+    floor += len(plans) * costs.cost_model.micro_batch_overhead_s
+    if fullest < ROWS_MIN_FILL * n * bucket_size or comm < ROWS_COMM_SHARE * floor:
+        return plans
+    mine = sorted(sid for mb in plans for sid in mb.sequence_ids)
+    best = _rank_seconds(plans, costs)
+    previous = math.inf
+    for m in range(len(plans), min(len(plans) + ROWS_EXTRA_MICRO_BATCHES, len(mine)) + 1):
+        other = _place_all(deal_rows(mine, m, lengths, n, bucket_size), costs, bucket_size, place)
+        if other is None:
+            continue
+        seconds = _rank_seconds(other, costs)
+        if seconds < best:
+            best, plans = seconds, other
+        if seconds >= previous:  # one more micro-batch did not help: more will not either
+            break
+        previous = seconds
+    return plans
+
+
 def plan_gds(
     n: int, dp_size: int, costs: SequenceCosts, bucket_size: int, place: Placer
 ) -> list[list[MicroBatchPlan]]:
     """GDS over all ``n`` sequences of the global batch with the given CP placement: the
-    balanced DP split, or the gathered one where step 4 weighs it and it wins."""
+    balanced DP split, or the gathered one where step 4 weighs it and it wins; then step 5 on
+    every DP rank."""
+    ranks = _split_and_deal(n, dp_size, costs, bucket_size, place)
+    return [rows_if_faster(r, costs, bucket_size, place) for r in ranks]
+
+
+def _split_and_deal(
+    n: int, dp_size: int, costs: SequenceCosts, bucket_size: int, place: Placer
+) -> list[list[MicroBatchPlan]]:
+    """GDS steps 1-4 (module docstring)."""
 
     def planned(split: list[list[int]]) -> list[list[MicroBatchPlan]]:
         return [split_micro_batches(b, costs, bucket_size, place) for b in split]
@@ -240,11 +340,13 @@ def plan_gds(
 
 def _seconds(ranks: Sequence[Sequence[MicroBatchPlan]], costs: SequenceCosts) -> float:
     """The slowest DP rank of planned micro-batches, each with the K/V groups it will get."""
+    return max(_rank_seconds(r, costs) for r in ranks)
+
+
+def _rank_seconds(plans: Sequence[MicroBatchPlan], costs: SequenceCosts) -> float:
+    """Seconds of one DP rank's micro-batches, each with the K/V groups it will get."""
     model = costs.cost_model
-    return max(
-        sum(micro_batch_terms(choose_kv_groups(mb, costs), costs, model).seconds for mb in r)
-        for r in ranks
-    )
+    return sum(micro_batch_terms(choose_kv_groups(mb, costs), costs, model).seconds for mb in plans)
 
 
 def _estimate(bins: Sequence[Sequence[int]], costs: SequenceCosts, bucket_size: int) -> float:
