@@ -36,10 +36,11 @@
    sequences of similar length (one per CP rank), over the same number of micro-batches and up
    to :data:`ROWS_EXTRA_MICRO_BATCHES` more, a row can stay whole, balanced over the CP ranks,
    and its local attention hides the exchange of the sequences sharded next to it. Tried only
-   where the plan's exposed communication is at least :data:`ROWS_COMM_SHARE` of the rank's
-   time and one of its micro-batches holds at least :data:`ROWS_MIN_FILL` of its token budget
-   (elsewhere they won rarely and little: see those constants); kept only when the cost model's time of the rank's
-   micro-batches (K/V groups included) is lower, so it never makes a rank slower.
+   where the rank's fullest micro-batch holds at least :data:`ROWS_MIN_FILL` of its token budget
+   and its communication is at least :data:`ROWS_COMM_SHARE` of the least it can take
+   (elsewhere the rows won rarely and little: see those constants); kept only when the cost
+   model's time of the rank's micro-batches (K/V groups included) is lower, so it never makes a
+   rank slower.
 
 The printed loop of the paper never exits on success; this one stops at the first ``m`` that
 works. It always terminates: with one sequence per micro-batch every sequence fits, since none
@@ -55,7 +56,7 @@ from collections.abc import Callable, Sequence
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
-from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.plan import MicroBatchPlan
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
@@ -72,16 +73,19 @@ above, the quick estimate picks one split to plan."""
 
 
 ROWS_COMM_SHARE = 0.15
-"""GDS step 5 runs on a DP rank whose communication is at least this share of the least its
-micro-batches can take (overhead, communication and distributed compute)."""
+"""GDS step 5 runs on a DP rank whose fullest micro-batch's communication is at least this share
+of the least that micro-batch can take (overhead, communication and distributed compute). In the
+paper's settings and at DP=64 x CP=16 on ChatQA2-like data that share is at most 0.11 at
+100 GB/s (the default), where the rows won by at most 0.8% on the ranks they won, and at least
+0.18 at 50 GB/s, where they won by up to 1.5%, and by up to 9% at 25 GB/s."""
 
 ROWS_MIN_FILL = 0.5
-"""... and one of whose micro-batches holds at least this share of ``cp_size * bucket_size``
+"""... and whose fullest micro-batch holds at least this share of ``cp_size * bucket_size``
 tokens. In the paper's settings at 25 and 100 GB/s the rows won on every rank whose fullest
 micro-batch was over 0.75 full and on none under 0.26."""
 
 ROWS_EXTRA_MICRO_BATCHES = 2
-"""GDS step 5 deals rows into as many micro-batches as step 2 found and up to this many more
+"""GDS step 5 deals rows into as many micro-batches as steps 2-4 used and up to this many more
 (more room per CP rank for whole sequences; each pays the fixed cost of a micro-batch). In the
 paper's settings no win needed more than two more."""
 
@@ -273,20 +277,18 @@ def rows_if_faster(
     n, lengths, distributed = costs.cp_size, costs.lengths, costs.distributed
     if n < 2:
         return plans
-    # One pass, a few operations per sequence (the exact time of the micro-batches took a tenth
-    # of the planning budget at DP=64 x CP=16): the fullest micro-batch's tokens, and the
-    # communication against the least the micro-batches can take (overhead, communication and
-    # distributed compute), which bounds the exposed communication's share from above.
-    fullest = 0
-    comm = floor = 0.0
-    for mb in plans:
-        fullest = max(fullest, sum(map(lengths.__getitem__, mb.sequence_ids)))
-        dist = [sid for sid, where in zip(mb.sequence_ids, mb.placement) if where == DISTRIBUTED]
-        c = costs.comm(sum(map(lengths.__getitem__, dist)))
-        comm += c
-        floor += c + sum(map(distributed, dist))
-    floor += len(plans) * costs.cost_model.micro_batch_overhead_s
-    if fullest < ROWS_MIN_FILL * n * bucket_size or comm < ROWS_COMM_SHARE * floor:
+    # A few operations per sequence (the exact time of the micro-batches took a tenth of the
+    # planning budget at DP=64 x CP=16): the fullest micro-batch's tokens, then its communication
+    # against the least it can take (overhead, communication and distributed compute), which
+    # bounds its exposed communication's share from above.
+    tokens = [sum(map(lengths.__getitem__, mb.sequence_ids)) for mb in plans]
+    if not tokens or max(tokens) < ROWS_MIN_FILL * n * bucket_size:
+        return plans
+    fullest = plans[tokens.index(max(tokens))]
+    dist = [sid for sid, where in zip(fullest.sequence_ids, fullest.placement) if where < 0]
+    comm = costs.comm(sum(map(lengths.__getitem__, dist)))
+    floor = costs.cost_model.micro_batch_overhead_s + comm + sum(map(distributed, dist))
+    if comm < ROWS_COMM_SHARE * floor:
         return plans
     mine = sorted(sid for mb in plans for sid in mb.sequence_ids)
     best = _rank_seconds(plans, costs)
