@@ -8,7 +8,7 @@ lengths are drawn log-uniformly. Times come from :func:`lightning_skrull.schedul
 with the cost model of each model's real shape and the default H100-class constants, then
 again with the compute constants ``benchmarks/cost_probe.py`` measured on one H200 (kept in
 ``benchmarks/measured/``); the lower bound from :func:`lightning_skrull.scheduling.lower_bound`.
-A last table varies the K/V all-gather bandwidth for Qwen2.5-7B, whose CP group spans nodes.
+A last table varies the K/V all-gather bandwidth (CP groups that span nodes).
 
 Run::
 
@@ -371,29 +371,29 @@ def measured_tables(results, measured, source: dict) -> list[str]:
     return lines
 
 
-BANDWIDTHS = (100e9, 50e9, 25e9)
+BANDWIDTHS = (100e9, 50e9, 25e9, 12.5e9)
 """K/V all-gather bandwidths of the communication table: the default (NVLink-class), and what
-a CP group spanning nodes gets over 400 and 200 Gb/s InfiniBand per GPU."""
+a CP group spanning nodes gets over 400, 200 and 100 Gb/s InfiniBand per GPU."""
 
 
 def bandwidth_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list[tuple]]:
-    """Skrull over packed static (and the ceiling) on Qwen2.5-7B, whose CP=16 spans two nodes
-    of 8 GPUs, at each bandwidth of :data:`BANDWIDTHS` (the same batches)."""
-    s = settings()[1]
+    """Skrull over packed static, the ceiling, and skrull over the lower bound, for both models
+    at each bandwidth of :data:`BANDWIDTHS` (the same batches)."""
     out: dict[tuple[str, str], list[tuple]] = {}
-    for dataset in DATASETS:
-        cells = []
-        same = setting_batches(s, dataset, batches, seed)
-        for bandwidth in BANDWIDTHS:
-            model = CostModel(shape=s.shape, comm_bandwidth=bandwidth)
-            ours, theirs, bound = 0.0, 0.0, 0.0
-            for lengths in same:
-                ours += simulate(plan_for("skrull", lengths, s, model), lengths, model)
-                theirs += simulate(plan_for("static", lengths, s, model), lengths, model)
-                bound += lower_bound(lengths, dp_size=s.dp_size, cp_size=s.cp_size,
-                                     bucket_size=s.bucket_size, cost_model=model)  # fmt: skip
-            cells.append((theirs / ours, theirs / bound))
-        out[(s.model, dataset.name)] = cells
+    for s in settings():
+        for dataset in DATASETS:
+            cells = []
+            same = setting_batches(s, dataset, batches, seed)
+            for bandwidth in BANDWIDTHS:
+                model = CostModel(shape=s.shape, comm_bandwidth=bandwidth)
+                ours, theirs, bound = 0.0, 0.0, 0.0
+                for lengths in same:
+                    ours += simulate(plan_for("skrull", lengths, s, model), lengths, model)
+                    theirs += simulate(plan_for("static", lengths, s, model), lengths, model)
+                    bound += lower_bound(lengths, dp_size=s.dp_size, cp_size=s.cp_size,
+                                         bucket_size=s.bucket_size, cost_model=model)  # fmt: skip
+                cells.append((theirs / ours, theirs / bound, ours / bound))
+            out[(s.model, dataset.name)] = cells
     return out
 
 
@@ -486,16 +486,19 @@ def format_tables(
     if bandwidths:
         lines += [
             "",
-            "Skrull over packed `static` on Qwen2.5-7B when the K/V all-gather is slower: its CP "
-            "group of 16 spans two nodes of 8 GPUs, so a real all-gather crosses the "
-            "inter-node network (the default assumes 100 GB/s, NVLink-class; 50 and 25 GB/s "
-            "are 400 and 200 Gb/s InfiniBand per GPU). Same batches; skrull (ceiling):",
+            "Skrull when the K/V all-gather is slower: Qwen2.5-7B's CP group of 16 spans two "
+            "nodes of 8 GPUs, so a real all-gather crosses the inter-node network, and so does "
+            "a CP group of 8 on nodes of fewer GPUs (the default assumes 100 GB/s, "
+            "NVLink-class; 50, 25 and 12.5 GB/s are 400, 200 and 100 Gb/s InfiniBand per GPU). "
+            "Same batches; skrull over packed `static` (ceiling; skrull over the lower bound):",
             "",
-            "| model | dataset | " + " | ".join(f"{b / 1e9:.0f} GB/s" for b in BANDWIDTHS) + " |",
+            "| model | dataset | " + " | ".join(f"{b / 1e9:g} GB/s" for b in BANDWIDTHS) + " |",
             "|---|---|" + "---:|" * len(BANDWIDTHS),
         ]
         for key, cells in bandwidths.items():
-            row = " | ".join(f"{ours:.2f}x ({ceiling:.2f}x)" for ours, ceiling in cells)
+            row = " | ".join(
+                f"{ours:.2f}x ({ceiling:.2f}x; {ratio:.3f})" for ours, ceiling, ratio in cells
+            )
             lines.append(f"| {key[0]} | {key[1]} | {row} |")
     load = ", ".join(f"{x:.1f}" for x in os.getloadavg())
     lines += [

@@ -70,10 +70,11 @@ def test_measured_section_uses_the_measured_constants() -> None:
     class Args:
         batches, seed = 1, 0
 
-    bandwidths = {key: [(1.1, 1.2)] * len(sim.BANDWIDTHS)}
+    bandwidths = {key: [(1.1, 1.2, 1.05)] * len(sim.BANDWIDTHS)}
     sensitivity = {key: [1.0] * len(sim.OVERHEADS_S)}
     report = sim.format_tables({key: default}, [], sensitivity, Args, lines, bandwidths)
-    assert "| 100 GB/s | 50 GB/s | 25 GB/s |" in report
+    assert "| 100 GB/s | 50 GB/s | 25 GB/s | 12.5 GB/s |" in report
+    assert "| 1.10x (1.20x; 1.050) |" in report  # skrull (ceiling; over the bound)
     assert "## Under the compute constants measured on one H200" in report
 
 
