@@ -38,7 +38,7 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.costs import SequenceCosts, descending
 from lightning_skrull.scheduling.plan import DISTRIBUTED
 
 _SECOND_START_SLACK = 1.0
@@ -287,8 +287,7 @@ def _forced(
     lengths = costs.lengths
     state = CpGroupState(costs, bucket_size)
     rest = []
-    # Longest first, ascending ids on ties (a stable sort of sorted ids; cheaper than tuple keys).
-    for sid in sorted(sorted(ids), key=lengths.__getitem__, reverse=True):
+    for sid in descending(ids, lengths):  # longest first, ascending ids on ties
         if lengths[sid] > bucket_size:
             state.put_distributed(sid)
         else:
@@ -433,7 +432,7 @@ def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: 
         return 0.0
     lengths, n = costs.lengths, costs.cp_size
     lin_of, att_of, local = costs.linear_table, costs.local_attention_table, costs.local_table
-    order = sorted(sorted(ids), key=lengths.__getitem__, reverse=True)  # as _forced's
+    order = descending(ids, lengths)  # as _forced's
     rest = [sid for sid in order if lengths[sid] <= bucket_size]
     tokens = 0
     dist_compute = 0.0

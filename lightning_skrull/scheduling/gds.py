@@ -53,10 +53,10 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.costs import SequenceCosts, descending
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
-from lightning_skrull.scheduling.plan import MicroBatchPlan
+from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
@@ -93,8 +93,7 @@ paper's settings no win needed more than two more."""
 def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[list[int]]:
     """Balance whole sequences over DP ranks by estimated work (LPT, deterministic ties)."""
     work = costs.local_table
-    # Descending work; the sort is stable, so equal work keeps ascending ids.
-    order = sorted(sorted(ids), key=work.__getitem__, reverse=True)
+    order = descending(ids, work)  # equal work keeps ascending ids
     heap = [(0.0, rank) for rank in range(dp_size)]  # (work so far, rank): ties -> lowest rank
     bins: list[list[int]] = [[] for _ in range(dp_size)]
     for sid in order:
@@ -209,7 +208,7 @@ def deal_rows(
     fewest tokens so far (lowest index on ties). Every group comes out ascending, as the other
     deals'.
     """
-    order = sorted(sorted(mine), key=lengths.__getitem__, reverse=True)  # ties: ascending ids
+    order = descending(mine, lengths)
     whole = [sid for sid in order if lengths[sid] <= bucket_size]
     items = [whole[k : k + cp_size] for k in range(0, len(whole), cp_size)]
     items += [[sid] for sid in order if lengths[sid] > bucket_size]
@@ -285,7 +284,8 @@ def rows_if_faster(
     if not tokens or max(tokens) < ROWS_MIN_FILL * n * bucket_size:
         return plans
     fullest = plans[tokens.index(max(tokens))]
-    dist = [sid for sid, where in zip(fullest.sequence_ids, fullest.placement) if where < 0]
+    placed = zip(fullest.sequence_ids, fullest.placement, strict=True)
+    dist = [sid for sid, where in placed if where == DISTRIBUTED]
     comm = costs.comm(sum(map(lengths.__getitem__, dist)))
     floor = costs.cost_model.micro_batch_overhead_s + comm + sum(map(distributed, dist))
     if comm < ROWS_COMM_SHARE * floor:
