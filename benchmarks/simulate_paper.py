@@ -321,6 +321,16 @@ OVERHEADS_S = (10e-3, 20e-3)
 """Per-micro-batch overheads of the sensitivity table (the default is 2 ms)."""
 
 
+def summed_times(
+    policies: tuple[str, ...], batches: list[list[int]], s: Setting, model: CostModel
+) -> list[float]:
+    """Each policy's simulated seconds summed over ``batches``, planned under ``model``."""
+    return [
+        sum(simulate(plan_for(p, lengths, s, model), lengths, model) for lengths in batches)
+        for p in policies
+    ]
+
+
 def overhead_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list[float]]:
     """Skrull's speedup over the DeepSpeed baseline when a micro-batch costs more fixed time."""
     out: dict[tuple[str, str], list[float]] = {}
@@ -330,10 +340,7 @@ def overhead_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list[
             same = setting_batches(s, dataset, batches, seed)
             for overhead in OVERHEADS_S:
                 model = CostModel(shape=s.shape, micro_batch_overhead_s=overhead)
-                ours, theirs = 0.0, 0.0
-                for lengths in same:
-                    ours += simulate(plan_for("skrull", lengths, s, model), lengths, model)
-                    theirs += simulate(plan_for(DEEPSPEED, lengths, s, model), lengths, model)
+                ours, theirs = summed_times(("skrull", DEEPSPEED), same, s, model)
                 speedups.append(theirs / ours)
             out[(s.model, dataset.name)] = speedups
     return out
@@ -386,12 +393,12 @@ def bandwidth_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list
             same = setting_batches(s, dataset, batches, seed)
             for bandwidth in BANDWIDTHS:
                 model = CostModel(shape=s.shape, comm_bandwidth=bandwidth)
-                ours, theirs, bound = 0.0, 0.0, 0.0
-                for lengths in same:
-                    ours += simulate(plan_for("skrull", lengths, s, model), lengths, model)
-                    theirs += simulate(plan_for("static", lengths, s, model), lengths, model)
-                    bound += lower_bound(lengths, dp_size=s.dp_size, cp_size=s.cp_size,
-                                         bucket_size=s.bucket_size, cost_model=model)  # fmt: skip
+                ours, theirs = summed_times(("skrull", "static"), same, s, model)
+                bound = sum(
+                    lower_bound(lengths, dp_size=s.dp_size, cp_size=s.cp_size,
+                                bucket_size=s.bucket_size, cost_model=model)
+                    for lengths in same
+                )  # fmt: skip
                 cells.append((theirs / ours, theirs / bound, ours / bound))
             out[(s.model, dataset.name)] = cells
     return out
