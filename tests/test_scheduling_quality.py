@@ -156,6 +156,32 @@ def test_lower_bound_forces_sequences_longer_than_a_rank_can_hold_in_time() -> N
     assert spread_local < 0.85 * bound  # what the bound was without the forcing
 
 
+def test_lower_bound_charges_the_latency_of_the_micro_batches_forced_sequences_need() -> None:
+    # The batch above with the default latency (20 us per collective, 56 collectives): the plan
+    # pays it once per K/V group, twice; the bound once, for the one micro-batch both sequences
+    # fit in (2 x 1000 tokens per CP rank of 8000).
+    model = CostModel(comm_bandwidth=20e9)
+    lengths = [4_000, 4_000]
+    kw = dict(dp_size=1, cp_size=4, bucket_size=8_000, cost_model=model)
+    plan = plan_global_batch(lengths, **kw)
+    assert plan.micro_batches[0][0].kv_groups == (1, 1)
+    costs = SequenceCosts(lengths, 4, model)
+    assert costs.comm_fixed == pytest.approx(2 * 24 * 20e-6, rel=1e-12)  # Qwen2.5-0.5B layers
+    bound = lower_bound(lengths, **kw)
+    gap = simulate(plan, lengths, model) - bound
+    assert gap == pytest.approx(costs.distributed_attention(0) + costs.comm_fixed, rel=1e-9)
+    without = lower_bound(lengths, **{**kw, "cost_model": model.with_constants(comm_latency_s=0)})
+    assert bound - without == pytest.approx(costs.comm_fixed, rel=1e-9)
+    # With a bucket of 1500 tokens both are forced (longer than the bucket) and need two
+    # micro-batches (1000 tokens per CP rank each): the latency is charged twice.
+    small = dict(dp_size=1, cp_size=4, bucket_size=1_500)
+    bound = lower_bound(lengths, **small, cost_model=model)
+    without = lower_bound(lengths, **small, cost_model=model.with_constants(comm_latency_s=0))
+    assert bound - without == pytest.approx(2 * costs.comm_fixed, rel=1e-9)
+    plan = plan_global_batch(lengths, **small, cost_model=model)
+    assert simulate(plan, lengths, model) >= bound
+
+
 def test_lower_bound_is_below_the_exhaustive_optimum_of_one_micro_batch() -> None:
     rng = random.Random(1)
     for _ in range(30):

@@ -135,14 +135,18 @@ def lower_bound(
 
     **Work spread evenly.** A micro-batch lasts at least its CP ranks' *mean* time, and a DP
     rank at least the mean over DP ranks. The mean CP-rank time of a micro-batch is at least
-    ``overhead + (local compute)/N + distributed compute + max(0, comm - (local attention)/N)``
-    (communication can only hide behind local attention). Summed over all micro-batches and
+    ``overhead + (local compute)/N + distributed compute + max(0, comm - (local attention)/N
+    - distributed attention)`` (communication hides only behind attention: local, and, with
+    K/V groups, the distributed attention of other groups). Summed over all micro-batches and
     relaxed so that each sequence may be *fractionally* local or distributed, the best split
     is a small linear programme solved exactly (greedy, fractional-knapsack style): a sequence
     is distributed when that saves compute, and it may use only as much communication as the
-    local attention left in the batch can hide. Sequences longer than ``bucket_size`` are
-    always distributed. Communication latency is not charged, nor the imbalance that whole
-    sequences leave between CP ranks; the micro-batch count is the fewest the token budget allows
+    attention left in the batch can hide. Sequences longer than ``bucket_size`` are always
+    distributed. Every micro-batch holding a distributed sequence pays the collectives'
+    latency: it is charged for the fewest micro-batches the forced sequences (below) fit in
+    (their shards' tokens over ``cp_size * bucket_size``), not for the others. Nor is the
+    imbalance that whole sequences leave between CP ranks; the micro-batch count is the fewest
+    the token budget allows
     (``ceil(sum of tokens / (cp_size * bucket_size))`` over all DP ranks), but at least one per
     DP rank that can hold a sequence, each paying the fixed overhead. Everything is divided
     evenly over those ``min(dp_size, len(lengths))`` DP ranks: a plan that leaves some DP ranks
@@ -218,6 +222,7 @@ def _relaxation(
     total = 0.0  # per-rank seconds summed over the batch, every optional sequence local
     excess = 0.0  # communication minus the attention that could hide it, likewise
     total_tokens = 0
+    forced_tokens = 0  # per-rank tokens of the forced sequences, summed over the CP ranks
     slowest = 0.0
     options: list[tuple[float, float]] = []  # (added seconds, added excess) of distributing
     for sid, s in enumerate(lengths):
@@ -228,6 +233,7 @@ def _relaxation(
             total += dist
             excess += dist_excess
             total_tokens += n * costs.shard(sid)
+            forced_tokens += n * costs.shard(sid)
             slowest = max(slowest, dist + costs.comm(s))
             continue
         local = costs.local(sid) / n
@@ -239,6 +245,8 @@ def _relaxation(
         options.append((dist - local, dist_excess + hide))
     # A DP rank that holds a sequence runs at least one micro-batch, and fewer ranks only
     # raise the mean: spread over every rank that can hold one, each paying one overhead.
+    if forced_tokens:  # the micro-batches holding them each pay the collectives' latency
+        excess += costs.comm_fixed * -(-forced_tokens // (n * bucket_size))
     ranks = min(dp_size, len(lengths))
     micro_batches = max(-(-total_tokens // (n * bucket_size)), ranks)
     work = total + _least_exposed(excess, options)
