@@ -131,7 +131,7 @@ def plan_global_batch(
             ranks = plan_data_order(n, dp_size, costs, bucket_size, place_micro_batch)
         else:
             ranks = plan_data_order(n, dp_size, costs, bucket_size, place_round_robin)
-        if policy in ("skrull", "dacp"):
+        if policy == "dacp":  # skrull's micro-batches come with theirs (GDS)
             ranks = [[choose_kv_groups(mb, costs) for mb in r] for r in ranks]
     return GlobalBatchPlan(
         micro_batches=tuple(tuple(r) for r in ranks),
