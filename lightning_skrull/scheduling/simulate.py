@@ -243,10 +243,10 @@ def _relaxation(
         total += local
         excess -= hide
         options.append((dist - local, dist_excess + hide))
-    # A DP rank that holds a sequence runs at least one micro-batch, and fewer ranks only
-    # raise the mean: spread over every rank that can hold one, each paying one overhead.
     if forced_tokens:  # the micro-batches holding them each pay the collectives' latency
         excess += costs.comm_fixed * -(-forced_tokens // (n * bucket_size))
+    # A DP rank that holds a sequence runs at least one micro-batch, and fewer ranks only
+    # raise the mean: spread over every rank that can hold one, each paying one overhead.
     ranks = min(dp_size, len(lengths))
     micro_batches = max(-(-total_tokens // (n * bucket_size)), ranks)
     work = total + _least_exposed(excess, options)
