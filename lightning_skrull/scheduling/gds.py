@@ -377,6 +377,7 @@ def _placed(
 
 
 def _micro_batch_seconds(mb: MicroBatchPlan, costs: SequenceCosts) -> float:
+    """Seconds of a micro-batch with the K/V groups it has."""
     return micro_batch_terms(mb, costs, costs.cost_model).seconds
 
 
@@ -428,8 +429,7 @@ def _seconds(ranks: Sequence[Sequence[MicroBatchPlan]], costs: SequenceCosts) ->
 
 def _rank_seconds(plans: Sequence[MicroBatchPlan], costs: SequenceCosts) -> float:
     """Seconds of one DP rank's micro-batches, each with the K/V groups it will get."""
-    model = costs.cost_model
-    return sum(micro_batch_terms(choose_kv_groups(mb, costs), costs, model).seconds for mb in plans)
+    return sum(_micro_batch_seconds(choose_kv_groups(mb, costs), costs) for mb in plans)
 
 
 def _estimate(bins: Sequence[Sequence[int]], costs: SequenceCosts, bucket_size: int) -> float:
