@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.costs import SequenceCosts, ascending
 from lightning_skrull.scheduling.dacp import CpGroupState
 from lightning_skrull.scheduling.gds import Placer
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan, shard_tokens
@@ -72,7 +72,7 @@ def plan_sorted(
     lengths: Sequence[int], dp_size: int, cp_size: int, bucket_size: int
 ) -> list[list[MicroBatchPlan]]:
     """LongAlign sorted batching: sort, give each DP rank a run of neighbours, pack them."""
-    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    order = ascending(range(len(lengths)), lengths)
     base, extra = divmod(len(order), dp_size)
     ranks: list[list[MicroBatchPlan]] = []
     start = 0
@@ -89,7 +89,7 @@ def place_round_robin(
     """The paper's Algorithm 4 (with the corrected roll-back) for one micro-batch."""
     lengths = costs.lengths
     state = CpGroupState(costs, bucket_size)
-    for sid in sorted(ids, key=lambda i: (lengths[i], i)):
+    for sid in ascending(ids, lengths):
         while True:
             rank = max(range(costs.cp_size), key=lambda r: (state.room(r), -r))
             if state.room(rank) >= lengths[sid]:

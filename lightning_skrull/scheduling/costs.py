@@ -19,6 +19,12 @@ def descending(ids: Iterable[int], values: Sequence[float]) -> list[int]:
     return sorted(sorted(ids), key=values.__getitem__, reverse=True)
 
 
+def ascending(ids: Iterable[int], values: Sequence[float]) -> list[int]:
+    """``ids`` by ascending ``values[id]``, ascending ids on ties: the order of a micro-batch's
+    sequences (shortest first) in every deal."""
+    return sorted(sorted(ids), key=values.__getitem__)
+
+
 class SequenceCosts:
     """Seconds of each sequence of a global batch under every placement, computed on demand.
 

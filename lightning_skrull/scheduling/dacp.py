@@ -696,7 +696,7 @@ def _improve(state: CpGroupState, max_moves: int) -> None:
             lin_o, _, _ = _two_largest([linear[r] if r != b else -math.inf for r in range(n)])
             la = [linear[r] + attn[r] if r != b else -math.inf for r in range(n)]
             la_o = max(la)
-            for sid in sorted(state.members[b], key=lambda i: (-lengths[i], i))[:2]:
+            for sid in descending(state.members[b], lengths)[:2]:
                 if others + c.shard(sid) > room:
                     continue
                 comm2 = c.comm(state.dist_tokens + lengths[sid])

@@ -62,7 +62,7 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, descending
+from lightning_skrull.scheduling.costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
@@ -227,7 +227,7 @@ def deal_rows(
         tokens, g = heap[0]
         groups[g].extend(item)
         heapq.heapreplace(heap, (tokens + sum(lengths[sid] for sid in item), g))
-    return [sorted(g, key=lambda i: (lengths[i], i)) for g in groups]
+    return [ascending(g, lengths) for g in groups]
 
 
 def _place_all(
@@ -255,7 +255,7 @@ def split_micro_batches(
     if not ids:
         return []
     lengths = costs.lengths
-    mine = sorted(ids, key=lambda i: (lengths[i], i))
+    mine = ascending(ids, lengths)
     capacity = costs.cp_size * bucket_size
     total = sum(lengths[i] for i in mine)
     m = max(1, -(-total // capacity))
@@ -370,9 +370,7 @@ def _placed(
 ) -> MicroBatchPlan | None:
     """The micro-batch of ``ids`` (ascending by length) placed, with its K/V groups chosen;
     ``None`` when it is over the CP group's tokens or ``place`` refuses it."""
-    plans = _place_all(
-        [sorted(ids, key=lambda i: (costs.lengths[i], i))], costs, bucket_size, place
-    )
+    plans = _place_all([ascending(ids, costs.lengths)], costs, bucket_size, place)
     return None if plans is None else choose_kv_groups(plans[0], costs)
 
 
