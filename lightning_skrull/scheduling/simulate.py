@@ -232,7 +232,6 @@ def _relaxation(
         if forced[sid]:
             total += dist
             excess += dist_excess
-            total_tokens += n * costs.shard(sid)
             forced_tokens += n * costs.shard(sid)
             slowest = max(slowest, dist + costs.comm(s))
             continue
@@ -245,6 +244,7 @@ def _relaxation(
         options.append((dist - local, dist_excess + hide))
     if forced_tokens:  # the micro-batches holding them each pay the collectives' latency
         excess += costs.comm_fixed * -(-forced_tokens // (n * bucket_size))
+    total_tokens += forced_tokens
     # A DP rank that holds a sequence runs at least one micro-batch, and fewer ranks only
     # raise the mean: spread over every rank that can hold one, each paying one overhead.
     ranks = min(dp_size, len(lengths))
