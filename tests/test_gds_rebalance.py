@@ -46,6 +46,7 @@ def test_the_sequence_nearest_half_the_gap_moves(monkeypatch) -> None:
         (mb,) = mbs
         assert list(mb.sequence_ids) == sorted(mb.sequence_ids, key=LENGTHS.__getitem__)
         assert mb.placement == place_micro_batch(mb.sequence_ids, costs, 4000)
+    # 203.6 -> 199.5 ms by the cost model (2.0%); a move gaining under 1.5% would fail here.
     assert simulate(plan, LENGTHS, MODEL_7B) < 0.985 * slow
     assert max(dp_rank_seconds(plan, LENGTHS, MODEL_7B)) == simulate(plan, LENGTHS, MODEL_7B)
 
