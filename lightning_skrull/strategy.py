@@ -32,12 +32,15 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.memory import recursive_detach
 from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
+from lightning_skrull.step_logging import StepLogs, combine_outputs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -59,6 +62,28 @@ SUPPORTED_ACCELERATORS = ("cpu", "cuda")
 
 LOSS_KEYS = {"train": "train_loss", "validation": "val_loss", "test": "test_loss"}
 """Names under which the strategy logs the exact loss of each stage."""
+
+
+def _refuse_metrics_synced_on_step(module: torch.nn.Module) -> None:
+    """Refuse torchmetrics that sync in every ``forward`` (a collective per micro-batch)."""
+    from torchmetrics import Metric
+
+    for name, metric in module.named_modules():
+        if isinstance(metric, Metric) and metric.dist_sync_on_step:
+            raise ValueError(
+                f"the LightningModule's metric {name!r} ({type(metric).__name__}) was built with "
+                "dist_sync_on_step=True, which syncs it across ranks in every call, i.e. once "
+                "per micro-batch; DP ranks run different numbers of micro-batches per step, so "
+                "the run would hang. Build it with dist_sync_on_step=False (the default): its "
+                "state still accumulates every micro-batch, and compute() syncs once per epoch."
+            )
+
+
+def _supervised_tokens(mb: MicroBatch) -> Tensor:
+    """This rank's supervised tokens in ``mb``, as a 0-dim tensor (no host sync)."""
+    from lightning_skrull.data.collate import IGNORE_INDEX
+
+    return (mb.inputs["shift_labels"] != IGNORE_INDEX).sum()
 
 
 class SkrullStrategyMixin:
@@ -90,6 +115,9 @@ class SkrullStrategyMixin:
         self._step_tokens = 0
         self._last_context: ExitStack | None = None
         self._memory_fit: MemoryFit | None = None
+        self._hf_model: torch.nn.Module | None = None
+        self._loss_hook: RemovableHandle | None = None
+        self._in_micro_batches = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -182,6 +210,7 @@ class SkrullStrategyMixin:
                 "fit the longest sequence of the data)."
             )
         module = trainer.lightning_module
+        _refuse_metrics_synced_on_step(module)
         if not module.automatic_optimization:
             raise ValueError(
                 f"{type(self).__name__} needs automatic optimization: it runs the training_step "
@@ -197,6 +226,7 @@ class SkrullStrategyMixin:
         config = self._skrull_config
         module = self.lightning_module  # type: ignore[attr-defined]
         hf_model = find_hf_model(module, attribute=config.model_attribute)
+        self._hf_model = hf_model
         longest = None
         if isinstance(config.bucket_size, int):
             longest = config.cp_size * config.bucket_size
@@ -351,9 +381,20 @@ class SkrullStrategyMixin:
         """Called before the last micro-batch's forward (whose backward syncs)."""
 
     def _earlier_micro_batch_backward(self, loss: Tensor) -> None:
-        """Backward of an earlier micro-batch through the precision plugin."""
+        """Backward of an earlier micro-batch through the precision plugin, without hooks.
+
+        Lightning's ``on_before_backward`` / ``on_after_backward`` belong to the step: they run
+        once, around the last micro-batch's backward, which Lightning runs with the step's loss
+        (the sum of the shares) and after which the step's whole gradient is in place. So this
+        backward skips the plugin's ``pre_backward`` / ``post_backward`` (which call them) and
+        applies only what ``pre_backward`` does to the tensor: the AMP loss scale (16-mixed).
+        """
+        module = self.lightning_module  # type: ignore[attr-defined]
+        precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
         optimizer = self.optimizers[0] if self.optimizers else None  # type: ignore[attr-defined]
-        super().backward(loss, optimizer)  # type: ignore[misc]
+        scaler = getattr(precision, "scaler", None)
+        tensor = scaler.scale(loss) if scaler is not None else loss
+        precision.backward(tensor, module, optimizer)
 
     def _stash_gradients(self) -> None:
         """Keep the earlier micro-batches' gradients away from Lightning's ``zero_grad``.
@@ -402,33 +443,42 @@ class SkrullStrategyMixin:
             )
         precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
         earlier: list[Tensor] = []
+        outputs: list[Any] = []
         last_index = len(micro_batches) - 1
-        with precision.train_step_context():
-            if earlier_count := last_index:
-                # start from clean gradients: Lightning zeroes only after the training step
-                self._clear_gradients()
-            for i in range(earlier_count):
-                mb = micro_batches[i]
-                with self._earlier_micro_batch_sync_context(), self._micro_batch_context(mb):
-                    loss = self._required_loss(
-                        self._call_module_step("training_step", mb, rest, kwargs), i
-                    )
-                    self._earlier_micro_batch_backward(loss)
-                earlier.append(loss.detach())
-            if earlier:
-                self._stash_gradients()
-            self._before_last_micro_batch()
-            # the last micro-batch's context stays set until Lightning's backward has run
-            # (activation checkpointing recomputes attention there)
-            self._last_context = ExitStack()
-            self._last_context.enter_context(self._micro_batch_context(micro_batches[-1]))
-            output = self._call_module_step("training_step", micro_batches[-1], rest, kwargs)
-            last = self._required_loss(output, last_index)
+        logs = self._open_step_logs(rank_batch)
+        try:
+            with precision.train_step_context():
+                if earlier_count := last_index:
+                    # start from clean gradients: Lightning zeroes only after the training step
+                    self._clear_gradients()
+                for i in range(earlier_count):
+                    mb = micro_batches[i]
+                    logs.start_micro_batch(_supervised_tokens(mb))
+                    with self._earlier_micro_batch_sync_context(), self._micro_batch_context(mb):
+                        output = self._call_module_step("training_step", mb, rest, kwargs)
+                        loss = self._required_loss(output, i)
+                        self._earlier_micro_batch_backward(loss)
+                    earlier.append(loss.detach())
+                    outputs.append(recursive_detach(output))
+                if earlier:
+                    self._stash_gradients()
+                self._before_last_micro_batch()
+                # the last micro-batch's context stays set until Lightning's backward has run
+                # (activation checkpointing recomputes attention there)
+                self._last_context = ExitStack()
+                self._last_context.enter_context(self._micro_batch_context(micro_batches[-1]))
+                logs.start_micro_batch(_supervised_tokens(micro_batches[-1]))
+                output = self._call_module_step("training_step", micro_batches[-1], rest, kwargs)
+                last = self._required_loss(output, last_index)
+        finally:
+            self._close_step_logs()
+        logs.flush()
         # gradient flows through the last micro-batch only; the value is the rank's whole share
         share = last + torch.stack(earlier).sum() if earlier else last
-        self._log_step(rank_batch, stats, share.detach(), "train")
+        self._log_step(rank_batch, stats, share.detach(), "train", logs.names)
         if isinstance(output, dict):
-            return {**output, "loss": share}
+            combined = combine_outputs([*outputs, recursive_detach(output)], logs.is_model_loss)
+            return {**combined, "loss": share}
         return share
 
     def _required_loss(self, output: Any, index: int) -> Tensor:
@@ -449,18 +499,89 @@ class SkrullStrategyMixin:
             precision.val_step_context() if stage == "validation" else precision.test_step_context()
         )
         losses: list[Tensor] = []
-        output = None
-        with context:
-            for i, mb in enumerate(rank_batch.micro_batches):
-                with self._micro_batch_context(mb):
-                    output = self._call_module_step(hook, mb, rest, kwargs)
-                loss = self._loss_of(output, hook, i)
-                if loss is not None:
-                    losses.append(loss.detach())
+        outputs: list[Any] = []
+        logs = self._open_step_logs(rank_batch)
+        try:
+            with context:
+                for i, mb in enumerate(rank_batch.micro_batches):
+                    logs.start_micro_batch(_supervised_tokens(mb))
+                    with self._micro_batch_context(mb):
+                        output = self._call_module_step(hook, mb, rest, kwargs)
+                    outputs.append(output)
+                    loss = self._loss_of(output, hook, i)
+                    if loss is not None:
+                        losses.append(loss.detach())
+        finally:
+            self._close_step_logs()
+        logs.flush()
         if losses and len(losses) == len(rank_batch.micro_batches):
             share = torch.stack(losses).sum()
-            self._log_step(rank_batch, stats, share, stage)
-        return output
+            self._log_step(rank_batch, stats, share, stage, logs.names)
+        return combine_outputs(outputs, logs.is_model_loss)
+
+    # ------------------------------------------------------------------ user collectives
+    def _open_step_logs(self, rank_batch: RankBatch) -> StepLogs:
+        """Stand in for the module's ``self.log`` while this step's micro-batches run, note the
+        model's loss of each micro-batch, and refuse collectives from user code meanwhile."""
+        module = self.lightning_module  # type: ignore[attr-defined]
+        logs = StepLogs(
+            module.log,
+            world_size=rank_batch.world_size,
+            global_tokens=rank_batch.num_supervised_tokens,
+        )
+
+        def note_loss(_: torch.nn.Module, __: Any, output: Any) -> None:
+            loss = getattr(output, "loss", None)
+            if isinstance(loss, Tensor):
+                logs.add_model_loss(loss)
+
+        model = self._hf_model
+        self._loss_hook = None if model is None else model.register_forward_hook(note_loss)
+        module.log = logs.record  # an instance attribute shadows the method until closed
+        self._in_micro_batches = True
+        return logs
+
+    def _close_step_logs(self) -> None:
+        self._in_micro_batches = False
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        module = self.lightning_module  # type: ignore[attr-defined]
+        if module is not None and "log" in module.__dict__:
+            del module.__dict__["log"]
+
+    def _refuse_in_micro_batches(self, collective: str) -> None:
+        if self._in_micro_batches:
+            raise RuntimeError(
+                f"{collective} was called while {type(self).__name__} runs a step's micro-batches "
+                "(the LightningModule's training/validation/test_step runs once per "
+                "micro-batch, and DP ranks run different numbers of them), so the collective "
+                "would not pair up across ranks and the run would hang. Log with "
+                "self.log(..., sync_dist=True) instead (synced once per step), or gather in "
+                "on_train_batch_end / on_validation_batch_end / an on_*_epoch_end hook."
+            )
+
+    @override
+    def all_gather(  # type: ignore[misc]
+        self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
+    ) -> Tensor:
+        self._refuse_in_micro_batches("all_gather (self.all_gather)")
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc,no-any-return]
+
+    @override
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+        self._refuse_in_micro_batches("strategy.reduce")
+        return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:  # type: ignore[misc]
+        self._refuse_in_micro_batches("strategy.broadcast")
+        return super().broadcast(obj, src)  # type: ignore[misc]
+
+    @override
+    def barrier(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+        self._refuse_in_micro_batches("strategy.barrier")
+        super().barrier(*args, **kwargs)  # type: ignore[misc]
 
     # ------------------------------------------------------------------ Lightning hooks
     # These override the hooks of the Lightning strategy this mixin is put in front of; the
@@ -528,20 +649,30 @@ class SkrullStrategyMixin:
         super().teardown()  # type: ignore[misc]
 
     # ------------------------------------------------------------------ logging
-    def _log_step(self, rank_batch: RankBatch, stats: Any, share: Tensor, stage: str) -> None:
+    def _log_step(
+        self,
+        rank_batch: RankBatch,
+        stats: Any,
+        share: Tensor,
+        stage: str,
+        user_names: tuple[str, ...] = (),
+    ) -> None:
         """Log the exact loss of the global batch and, in training, the plan statistics.
 
         ``share`` is this rank's sum of micro-batch losses, i.e. its token-loss sum over
         ``T / W``; its mean over the ``W`` ranks is the global token mean. Logged with
         ``batch_size = T``, Lightning's epoch-level weighted mean over batches and ranks is the
-        token mean over the whole epoch.
+        token mean over the whole epoch. A name the module logged itself in this step
+        (``user_names``) is left to the module's value.
         """
         if not self._skrull_config.log_stats:
             return
         module = self.lightning_module  # type: ignore[attr-defined]
-        if module is None or module._trainer is None:
+        if module is None or module._trainer is None or module._trainer.barebones:
             return
         on_step = stage == "train"
+        if LOSS_KEYS[stage] in user_names:
+            return
         module.log(
             LOSS_KEYS[stage],
             share.float(),

@@ -1,0 +1,432 @@
+"""Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping, callbacks'
+outputs and torchmetrics, with DP ranks that run different numbers of micro-batches.
+
+One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case. The data is built so that
+the planner gives the two DP ranks 2 and 1 micro-batches in every training and validation step
+(asserted). Every value is compared with an independent single-process reference: a plain
+Hugging Face model, one sequence at a time, token cross-entropy summed and divided by the
+global batch's supervised tokens.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+import torch
+import torchmetrics
+from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from lightning_skrull.utils.launch import spawn
+
+CFG: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+LENGTHS = (60, 60, 60, 2, 2)
+"""One global batch. At CP=2 with a 32-token bucket the planner gives DP rank 0 two
+micro-batches (one 60-token sequence each, sharded) and DP rank 1 one (a 60-token sequence
+sharded, the two short ones whole on one CP rank each)."""
+CP, BUCKET, STEPS, LR = 2, 32, 2, 0.5
+CLIP = 0.05  # below the gradient norm of these steps (asserted), so clipping changes the update
+# float32: the packed, sharded computation sums the same terms in another order than the
+# reference and DDP averages over 4 ranks; parameters agree to a few ulps (measured ~3e-8).
+PARAM_ATOL = 2e-6
+# a loss, a token accuracy or a gradient norm from float32 sums in another order (measured
+# differences below 1e-6 relative)
+VALUE_REL = 1e-5
+# bf16 autocast rounds every matmul to 8 mantissa bits; this loss (~4.2) moves by up to a few 1e-2
+BF16_LOSS_ATOL = 5e-2
+
+
+def make_data(num_batches: int, seed: int) -> list[dict[str, list[int]]]:
+    """``num_batches`` global batches of :data:`LENGTHS`; the first few tokens of the long
+    samples are an unsupervised prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(num_batches):
+        for length in LENGTHS:
+            ids = torch.randint(0, CFG["vocab_size"], (length,), generator=g).tolist()
+            prompt = 5 if length > 10 else 0
+            out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+class HabitsLM(L.LightningModule):
+    """Logs as Lightning users do, and records what its hooks see."""
+
+    def __init__(self, gather: bool = False) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(
+            num_classes=CFG["vocab_size"], average="micro", ignore_index=-100
+        )
+        self.gather = gather
+        self.before_backward: list[float] = []
+        self.after_backward_norms: list[float] = []
+        self.before_step_norms: list[float] = []
+
+    def _token_stats(self, out: Any, batch: dict[str, torch.Tensor]) -> tuple[Any, ...]:
+        target = batch["shift_labels"][0]
+        mask = target != -100
+        pred = out.logits[0].argmax(-1)
+        correct = (pred[mask] == target[mask]).float()
+        acc = correct.mean() if bool(mask.any()) else torch.zeros(())
+        return acc, mask.sum().float(), pred, target
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        out = self.model(**batch)
+        acc, supervised, _, _ = self._token_stats(out, batch)
+        if self.gather:
+            self.all_gather(out.loss.detach())
+        self.log("user_loss", out.loss, sync_dist=True, prog_bar=True)
+        self.log("token_acc", acc, sync_dist=True)
+        self.log("supervised", supervised, reduce_fx="sum", sync_dist=True)
+        return {"loss": out.loss, "acc": acc.detach()}
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        out = self.model(**batch)
+        _, _, pred, target = self._token_stats(out, batch)
+        self.val_acc.update(pred, target)
+        self.log("val_loss", out.loss, sync_dist=True)  # the most common Lightning line
+        self.log("val_acc", self.val_acc)
+        return out.loss
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self.log("test_loss", self.model(**batch).loss, sync_dist=True, on_step=True)
+
+    def _grad_norm(self) -> float:
+        grads = [p.grad.float() for p in self.parameters() if p.grad is not None]
+        return float(torch.stack([g.pow(2).sum() for g in grads]).sum().sqrt())
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.before_backward.append(float(loss.detach()))
+
+    def on_after_backward(self) -> None:
+        self.after_backward_norms.append(self._grad_norm())
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.before_step_norms.append(self._grad_norm())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+class Recorder(L.Callback):
+    """What callbacks see per step: logged values, outputs and micro-batch counts."""
+
+    def __init__(self) -> None:
+        self.train: list[dict[str, Any]] = []
+        self.val: list[dict[str, Any]] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        metrics = trainer.callback_metrics
+        self.train.append(
+            {
+                "user_loss": float(metrics["user_loss"]),
+                "train_loss": float(metrics["train_loss"]),
+                "token_acc": float(metrics["token_acc"]),
+                "supervised": float(metrics["supervised"]),
+                "output_loss": float(outputs["loss"]),
+                "output_acc": [float(a) for a in outputs["acc"]],
+                "run": len(batch.rank_batch.micro_batches),
+                "max": batch.stats.max_micro_batches,
+                "min": batch.stats.min_micro_batches,
+            }
+        )
+
+    def on_validation_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int, *args: Any
+    ) -> None:
+        self.val.append(
+            {
+                "output": float(outputs),
+                "run": len(batch.rank_batch.micro_batches),
+                "max": batch.stats.max_micro_batches,
+                "min": batch.stats.min_micro_batches,
+            }
+        )
+
+
+def _trainer(**kwargs: Any) -> L.Trainer:
+    from lightning_skrull import SkrullStrategy
+
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": torch.distributed.get_world_size(),
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    defaults.update(kwargs)
+    return L.Trainer(strategy=SkrullStrategy(cp_size=CP, bucket_size=BUCKET), **defaults)
+
+
+def _data() -> Any:
+    from lightning_skrull import SkrullDataModule
+
+    return SkrullDataModule(
+        train_data=make_data(STEPS, seed=0),
+        val_data=make_data(1, seed=1),
+        test_data=make_data(1, seed=2),
+        global_batch_size=len(LENGTHS),
+        val_global_batch_size=len(LENGTHS),
+        shuffle=False,
+    )
+
+
+def _habit_cases(rank: int, world_size: int) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for precision in ("32-true", "bf16-mixed"):
+        recorder = Recorder()
+        module = HabitsLM()
+        trainer = _trainer(
+            max_steps=STEPS,
+            callbacks=[recorder],
+            gradient_clip_val=CLIP,
+            precision=precision,
+            limit_val_batches=1,
+            val_check_interval=STEPS,
+        )
+        trainer.fit(module, _data())
+        out[precision] = {
+            "train": recorder.train,
+            "val": recorder.val,
+            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "val_acc": float(trainer.callback_metrics["val_acc"]),
+            "before_backward": module.before_backward,
+            "after_backward_norms": module.after_backward_norms,
+            "before_step_norms": module.before_step_norms,
+            "params": {
+                k: v.detach().float().numpy().copy() for k, v in module.model.state_dict().items()
+            },
+        }
+        if precision == "32-true":
+            out["test_loss"] = float(_trainer().test(module, _data())[0]["test_loss_epoch"])
+    try:
+        _trainer(max_steps=1).fit(HabitsLM(gather=True), _data())
+        out["gather_error"] = None
+    except RuntimeError as err:
+        out["gather_error"] = str(err)
+    return out
+
+
+# ----------------------------------------------------------------------------- reference
+def _reference_model() -> Qwen2ForCausalLM:
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**CFG, attn_implementation="eager"))
+
+
+def _batch_terms(
+    model: Qwen2ForCausalLM, samples: list[dict[str, list[int]]]
+) -> tuple[torch.Tensor, int, int]:
+    """(summed token loss, supervised tokens, correctly predicted tokens) of ``samples``."""
+    total, tokens, correct = torch.zeros(()), 0, 0
+    for sample in samples:
+        ids = torch.tensor(sample["input_ids"])[None]
+        labels = torch.tensor(sample["labels"])
+        target = torch.full_like(labels, -100)
+        target[:-1] = labels[1:]
+        logits = model(ids).logits[0].float()
+        total = total + torch.nn.functional.cross_entropy(
+            logits, target, ignore_index=-100, reduction="sum"
+        )
+        mask = target != -100
+        tokens += int(mask.sum())
+        correct += int((logits.argmax(-1)[mask] == target[mask]).sum())
+    return total, tokens, correct
+
+
+@functools.cache
+def reference() -> dict[str, Any]:
+    """Plain HF training with clipping on the same global batches, one process."""
+    data = make_data(STEPS, seed=0)
+    model = _reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    steps = []
+    size = len(LENGTHS)
+    for step in range(STEPS):
+        total, tokens, correct = _batch_terms(model, data[step * size : (step + 1) * size])
+        loss = total / tokens
+        optimizer.zero_grad()
+        loss.backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
+        optimizer.step()
+        steps.append({"loss": float(loss), "tokens": tokens, "acc": correct / tokens, "norm": norm})
+    with torch.no_grad():
+        val_total, val_tokens, val_correct = _batch_terms(model, make_data(1, seed=1))
+        test_total, test_tokens, _ = _batch_terms(model, make_data(1, seed=2))
+    return {
+        "steps": steps,
+        "params": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+        "val_loss": float(val_total) / val_tokens,
+        "val_acc": val_correct / val_tokens,
+        "test_loss": float(test_total) / test_tokens,
+    }
+
+
+def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    return spawn(_habit_cases, 4, timeout=600)
+
+
+@pytest.mark.multiprocess
+def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]]) -> None:
+    for out in ranks:
+        for step in out["32-true"]["train"] + out["32-true"]["val"]:
+            assert (step["max"], step["min"]) == (2, 1)
+    # DP rank 0 (processes 0, 1) and DP rank 1 (processes 2, 3) ran different counts
+    runs = [[s["run"] for s in out["32-true"]["train"]] for out in ranks]
+    assert runs[0] == runs[1] and runs[2] == runs[3] and runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+def test_synced_logs_equal_single_process_on_every_rank(ranks: list[dict[str, Any]]) -> None:
+    ref = reference()
+    for out in ranks:
+        for step, expected in zip(out["32-true"]["train"], ref["steps"], strict=True):
+            # the model's loss, logged from every micro-batch: the sum of the shares, synced
+            assert step["user_loss"] == pytest.approx(expected["loss"], rel=VALUE_REL)
+            assert step["train_loss"] == pytest.approx(expected["loss"], rel=VALUE_REL)
+            # a per-micro-batch mean: token-weighted over micro-batches and ranks
+            assert step["token_acc"] == pytest.approx(expected["acc"], rel=VALUE_REL)
+            # reduce_fx="sum": summed over micro-batches and ranks
+            assert step["supervised"] == expected["tokens"]
+        assert out["32-true"]["val_loss"] == pytest.approx(ref["val_loss"], rel=VALUE_REL)
+        assert out["32-true"]["val_acc"] == pytest.approx(ref["val_acc"], rel=VALUE_REL)
+        assert out["test_loss"] == pytest.approx(ref["test_loss"], rel=VALUE_REL)
+    for key in ("user_loss", "token_acc"):  # the very same value on every rank
+        assert len({tuple(s[key] for s in out["32-true"]["train"]) for out in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+def test_backward_hooks_run_once_per_step_and_see_the_whole_gradient(
+    ranks: list[dict[str, Any]],
+) -> None:
+    ref = reference()
+    for expected in ref["steps"]:
+        assert expected["norm"] > CLIP  # clipping changes these updates
+    for out in ranks:
+        run = out["32-true"]
+        assert len(run["before_backward"]) == STEPS
+        # the whole step's gradient, averaged over the ranks: the single-process gradient
+        for norms in (run["after_backward_norms"], run["before_step_norms"]):
+            assert norms == pytest.approx([s["norm"] for s in ref["steps"]], rel=VALUE_REL)
+        assert _max_diff(run["params"], ref["params"]) < PARAM_ATOL
+    # on_before_backward gets the step's loss on this rank: the sum of its micro-batches'
+    # shares, whose mean over the ranks is the global loss
+    for step in range(STEPS):
+        shares = [out["32-true"]["before_backward"][step] for out in ranks]
+        assert sum(shares) / len(shares) == pytest.approx(ref["steps"][step]["loss"], rel=VALUE_REL)
+        for out in ranks:
+            assert out["32-true"]["train"][step]["output_loss"] == pytest.approx(
+                out["32-true"]["before_backward"][step], rel=1e-6
+            )
+
+
+@pytest.mark.multiprocess
+def test_callbacks_get_the_whole_step_outputs(ranks: list[dict[str, Any]]) -> None:
+    ref = reference()
+    for out in ranks:
+        for step in out["32-true"]["train"]:
+            # a non-loss value of the dict comes back once per micro-batch
+            assert len(step["output_acc"]) == step["run"]
+    # validation_step returned the model's loss: the outputs are the sum of the shares
+    shares = [out["32-true"]["val"][0]["output"] for out in ranks]
+    assert sum(shares) / len(shares) == pytest.approx(ref["val_loss"], rel=VALUE_REL)
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_habits(ranks: list[dict[str, Any]]) -> None:
+    ref = reference()
+    for out in ranks:
+        run = out["bf16-mixed"]
+        assert len(run["before_backward"]) == len(run["before_step_norms"]) == STEPS
+        for step, expected in zip(run["train"], ref["steps"], strict=True):
+            assert step["user_loss"] == pytest.approx(expected["loss"], abs=BF16_LOSS_ATOL)
+            assert step["user_loss"] == pytest.approx(step["train_loss"], rel=1e-6)
+            assert step["supervised"] == expected["tokens"]
+        assert run["val_loss"] == pytest.approx(ref["val_loss"], abs=BF16_LOSS_ATOL)
+    assert len({tuple(s["user_loss"] for s in out["bf16-mixed"]["train"]) for out in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+def test_all_gather_inside_a_step_is_refused_not_hung(ranks: list[dict[str, Any]]) -> None:
+    for out in ranks:
+        assert out["gather_error"] is not None
+        assert "all_gather" in out["gather_error"] and "sync_dist=True" in out["gather_error"]
+
+
+# ----------------------------------------------------------------------------- one process
+def test_metric_synced_on_step_is_refused_at_setup(world_of_one: None) -> None:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    module = HabitsLM()
+    module.step_acc = torchmetrics.classification.MulticlassAccuracy(
+        num_classes=CFG["vocab_size"], dist_sync_on_step=True
+    )
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SkrullStrategy(bucket_size=64),
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = SkrullDataModule(train_data=make_data(1, seed=0), global_batch_size=len(LENGTHS))
+    with pytest.raises(ValueError, match=r"'step_acc'.*dist_sync_on_step=True"):
+        trainer.fit(module, data)
+
+
+def test_barebones_trainer_runs_without_logging(world_of_one: None) -> None:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    class Plain(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=LR)
+
+    module = Plain()
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        strategy=SkrullStrategy(bucket_size=64),
+        max_steps=1,
+        barebones=True,
+    )
+    data = SkrullDataModule(
+        train_data=make_data(1, seed=0), global_batch_size=len(LENGTHS), shuffle=False
+    )
+    trainer.fit(module, data)
+    assert trainer.global_step == 1
+    assert math.isfinite(float(next(module.parameters()).sum()))
