@@ -1,5 +1,6 @@
 """The data module's loaders, one process: every rank's batches are built here by looping over
-the ranks (planning and collating are pure, so no process group is needed)."""
+the ranks (planning and collating are pure, so no process group is needed); and a world-of-one
+fit whose LightningModule holds two Hugging Face models."""
 
 from __future__ import annotations
 
@@ -11,8 +12,19 @@ import torch
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.utilities.data import has_iterable_dataset
+from test_strategy_multiprocess import (
+    CFG,
+    GLOBAL_BATCH,
+    LR,
+    PARAM_ATOL,
+    PlainLM,
+    make_data,
+    max_diff,
+    reference_training,
+)
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule
+from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule, SkrullStrategy
 from lightning_skrull.data import GlobalBatchSampler, load_sft_data
 from lightning_skrull.data.datamodule import (
     GlobalBatchStream,
@@ -253,3 +265,43 @@ def test_chat_samples_with_a_tokenizer_path(tmp_path: Path) -> None:
     assert dm.train_dataset is not None
     assert [dm.train_dataset[i] for i in range(2)] == [expected[i] for i in range(2)]
     assert any(label == -100 for label in dm.train_dataset[0]["labels"])  # prompts masked
+
+
+class StudentTeacherLM(PlainLM):
+    """Trains ``self.model`` (built exactly as :class:`PlainLM` builds it) beside a frozen
+    ``self.teacher``, a second HF model whose 32-token vocabulary is smaller than the data's
+    token ids (up to 63): checking the data against the teacher would refuse it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        teacher = Qwen2ForCausalLM(Qwen2Config(**{**CFG, "vocab_size": 32}))
+        self.teacher = teacher.requires_grad_(False)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.model.parameters(), lr=LR)
+
+
+def test_fit_finds_the_model_the_strategy_names_among_several(world_of_one: None) -> None:
+    steps = 2
+    module = StudentTeacherLM()
+    teacher = {k: v.clone() for k, v in module.teacher.state_dict().items()}
+    trainer = L.Trainer(
+        strategy=SkrullStrategy(bucket_size=80, model_attribute="model"),
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
+    trainer.fit(module, data)
+    assert trainer.global_step == steps
+    ref, _ = reference_training(steps)
+    params = {k: v.detach().numpy() for k, v in module.model.state_dict().items()}
+    # see PARAM_ATOL: float32 summation order (measured 7.5e-9)
+    assert max_diff(params, ref) < PARAM_ATOL
+    # the teacher is neither trained nor switched to the Skrull attention
+    assert all(torch.equal(v, teacher[k]) for k, v in module.teacher.state_dict().items())
+    assert module.teacher.config._attn_implementation != "skrull"

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import copy
+import json
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +21,8 @@ from test_models_reference import (
 from torch import nn
 
 from lightning_skrull.data.collate import collate_rank
-from lightning_skrull.engine import forward_backward
+from lightning_skrull.distributed import ParallelLayout
+from lightning_skrull.engine import forward_backward, micro_batch_context, train_step
 from lightning_skrull.models import (
     SKRULL_ATTENTION,
     SUPPORTED_ARCHITECTURES,
@@ -30,17 +34,21 @@ from lightning_skrull.models import (
 from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 
 
-def test_prepare_selects_skrull_attention_and_turns_the_cache_off() -> None:
+def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() -> None:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     model = tiny_model("qwen2")
-    assert model.config.use_cache is True  # the config default this must override
+    assert model.config.use_cache is True  # the config default: forwards would build a cache
+    assert not is_prepared(model)
     assert prepare_model(model, backend="sdpa") is model
     assert model.config._attn_implementation == SKRULL_ATTENTION
     assert model.model.config._attn_implementation == SKRULL_ATTENTION
-    assert model.config.use_cache is False
+    assert model.config.use_cache is True  # the user's setting, saved by save_pretrained
     assert SKRULL_ATTENTION in ALL_ATTENTION_FUNCTIONS.valid_keys()
     assert is_prepared(model)
+    hooks = len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)
+    prepare_model(model, backend="sdpa")  # again: nothing is added
+    assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks
     assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURES)
 
 
@@ -251,3 +259,77 @@ def test_find_hf_model_needs_a_name_when_ambiguous() -> None:
         find_hf_model(_Holder(head=nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="is a Linear, not a transformers PreTrainedModel"):
         find_hf_model(_Holder(head=nn.Linear(2, 2)), attribute="head")
+
+
+# ----------------------------------------------------------------------------- after training
+WORLD_OF_ONE = ParallelLayout(rank=0, world_size=1, dp_size=1, cp_size=1, dp_rank=0, cp_rank=0)
+
+
+def test_prepared_forward_builds_no_cache_although_the_config_asks_for_one() -> None:
+    """With a cache, transformers does not treat packed input as packed: every forward of a
+    prepared model (the outer causal LM and its inner model) runs with ``use_cache=False``."""
+    model = prepare_model(tiny_model("qwen2", seed=3), backend="sdpa")
+    assert model.config.use_cache is True
+    outputs: list[Any] = []
+    for sub in (model, model.model):
+        sub.register_forward_hook(lambda module, args, out: outputs.append(out))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    samples = make_samples([7, 5, 3], seed=2)
+    train_step(model, optimizer, samples, layout=WORLD_OF_ONE, bucket_size=16)
+    assert len(outputs) >= 2
+    assert all(out.cache is None for out in outputs)
+    # an explicit use_cache=True is overridden the same way
+    plan = GlobalBatchPlan(
+        micro_batches=((MicroBatchPlan((0, 1), (0, 0)),),),
+        dp_size=1,
+        cp_size=1,
+        bucket_size=16,
+        policy="hand",
+    )
+    mb = collate_rank(samples[:2], plan, dp_rank=0, cp_rank=0, world_size=1).micro_batches[0]
+    with torch.no_grad(), micro_batch_context(mb, None, "sdpa"):
+        model(**mb.inputs, use_cache=True)
+    assert outputs[-1].cache is None
+
+
+def test_save_pretrained_after_training_keeps_the_users_config(tmp_path: Path) -> None:
+    """A checkpoint saved after Skrull training loads and generates with plain transformers."""
+    from transformers import AutoModelForCausalLM
+
+    model = prepare_model(tiny_model("qwen2", seed=3), backend="sdpa")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    samples = make_samples([7, 5, 3], seed=2)
+    train_step(model, optimizer, samples, layout=WORLD_OF_ONE, bucket_size=16)
+    model.save_pretrained(tmp_path)
+
+    text = (tmp_path / "config.json").read_text()
+    assert json.loads(text)["use_cache"] is True  # the tiny config's (transformers') default
+    assert SKRULL_ATTENTION not in text  # transformers does not save the attention name
+
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config._attn_implementation != SKRULL_ATTENTION
+    assert loaded.config.use_cache is True
+    prompt = torch.tensor([[5, 9, 2, 7]])
+    out = loaded.generate(
+        prompt,
+        max_new_tokens=3,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+        pad_token_id=0,
+    )
+    assert out.cache is not None and out.cache.get_seq_length() == prompt.shape[1] + 2
+    # reference: the trained weights in a plain model (eager attention), greedy, no cache
+    ref = tiny_model("qwen2")
+    ref.load_state_dict(model.state_dict())
+    ids = prompt
+    for logits in out.logits:
+        ref_logits = ref(input_ids=ids, use_cache=False).logits[:, -1]
+        # float32, sdpa with a cache vs eager without: summation order only (measured 6e-8)
+        assert torch.allclose(logits, ref_logits, atol=1e-5)
+        ids = torch.cat([ids, ref_logits.argmax(-1, keepdim=True)], dim=1)
+    assert torch.equal(out.sequences, ids)
+
+    # the trained model itself generates with its cache again once it leaves the Skrull attention
+    model.set_attn_implementation("sdpa")
+    assert model(input_ids=prompt).cache is not None

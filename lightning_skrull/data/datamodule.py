@@ -552,8 +552,9 @@ class SkrullDataModule(pl.LightningDataModule):
         vocab_size = None
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is not None:
-            config = getattr(find_hf_model(module), "config", None)
-            vocab_size = getattr(config, "vocab_size", None)
+            # the model the strategy trains: the same lookup as the strategy's own
+            hf_model = find_hf_model(module, attribute=strategy.skrull_config.model_attribute)
+            vocab_size = getattr(hf_model.config, "vocab_size", None)
         dataset.validate(
             max_tokens=strategy.cp_size * bucket, vocab_size=vocab_size, truncate=self.truncate
         )

@@ -2,8 +2,10 @@
 
 :func:`prepare_model` registers the ``"skrull"`` attention with transformers'
 ``AttentionInterface``, switches the model to it through ``set_attn_implementation`` (the public
-way transformers offers; nothing in transformers is monkeypatched), turns the KV cache off, and
-checks that the model is one whose result under Skrull equals its result on one process:
+way transformers offers; nothing in transformers is monkeypatched), makes every forward under
+that attention run without a KV cache (a forward pre-hook passes ``use_cache=False``; the config
+keeps the user's ``use_cache``, which ``save_pretrained`` writes), and checks that the model is
+one whose result under Skrull equals its result on one process:
 
 - a decoder-only causal LM of an allow-listed architecture (:data:`SUPPORTED_ARCHITECTURES`);
 - every decoder layer's attention applies RoPE (from ``position_ids``) and then calls the
@@ -17,7 +19,7 @@ from __future__ import annotations
 
 import inspect
 from types import MappingProxyType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
@@ -190,8 +192,11 @@ def prepare_model(
     """Check a Hugging Face decoder and switch it to the Skrull attention, in place.
 
     Registers ``"skrull"`` with transformers' ``AttentionInterface``, calls
-    ``model.set_attn_implementation("skrull")``, and sets ``config.use_cache = False`` (with a
-    cache, transformers does not treat packed input as packed).
+    ``model.set_attn_implementation("skrull")``, and adds a forward pre-hook to the model and
+    each ``PreTrainedModel`` inside it that passes ``use_cache=False`` while the model uses the
+    Skrull attention (with a cache, transformers does not treat packed input as packed). The
+    config keeps its ``use_cache``, so ``save_pretrained`` writes the user's setting; transformers
+    does not save the attention name, so a saved checkpoint loads with plain transformers.
 
     Args:
         model: a transformers ``PreTrainedModel`` of a supported architecture.
@@ -222,7 +227,7 @@ def prepare_model(
     hf_model = cast("PreTrainedModel", model)  # check_model refused anything else
     hf_model.set_attn_implementation(SKRULL_ATTENTION)
     _check_attention_selected(model)
-    hf_model.config.use_cache = False
+    _run_without_cache(hf_model)
     return model
 
 
@@ -244,13 +249,46 @@ def _check_attention_selected(model: nn.Module) -> None:
         )
 
 
+def _forward_without_cache(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Forward pre-hook: ``use_cache=False`` while ``module`` uses the Skrull attention.
+
+    An explicit ``use_cache=True`` is overridden too. Under any other attention (the user
+    switched back to generate) the call is left as it is, and the config's ``use_cache`` applies
+    again. transformers' decoders take ``use_cache`` by keyword only (their config-defaults
+    decorator adds it as a keyword), so the hook sets the keyword.
+    """
+    config = getattr(module, "config", None)
+    if getattr(config, "_attn_implementation", None) != SKRULL_ATTENTION:
+        return None
+    kwargs["use_cache"] = False
+    return args, kwargs
+
+
+def _has_no_cache_hook(module: nn.Module) -> bool:
+    return any(hook is _forward_without_cache for hook in module._forward_pre_hooks.values())
+
+
+def _run_without_cache(model: PreTrainedModel) -> None:
+    """Hook ``model`` and every ``PreTrainedModel`` inside it (once) to run without a cache."""
+    from transformers import PreTrainedModel
+
+    for module in model.modules():
+        if isinstance(module, PreTrainedModel) and not _has_no_cache_hook(module):
+            module.register_forward_pre_hook(_forward_without_cache, with_kwargs=True)
+
+
 def is_prepared(model: nn.Module) -> bool:
-    """Whether ``model`` runs the Skrull attention with the cache off."""
+    """Whether ``model`` runs the Skrull attention without a KV cache.
+
+    True after :func:`prepare_model`, or after ``set_attn_implementation("skrull")`` with
+    ``config.use_cache = False`` set by hand.
+    """
     config = getattr(model, "config", None)
-    return (
-        getattr(config, "_attn_implementation", None) == SKRULL_ATTENTION
-        and getattr(config, "use_cache", True) is False
-    )
+    if getattr(config, "_attn_implementation", None) != SKRULL_ATTENTION:
+        return False
+    return getattr(config, "use_cache", True) is False or _has_no_cache_hook(model)
 
 
 def find_hf_model(module: nn.Module, *, attribute: str | None = None) -> PreTrainedModel:
