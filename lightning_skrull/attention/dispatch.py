@@ -131,9 +131,9 @@ def skrull_attention_forward(
         if not ctx.auto:
             raise ValueError(
                 f"attention backend 'flash' runs float16 and bfloat16 only, but the attention "
-                f"computes in {dtype} (no autocast, inputs {query.dtype}/{key.dtype}/"
-                f"{value.dtype}); train in 16-bit (Trainer(precision='bf16-mixed', '16-mixed' or "
-                "'bf16-true'), or model.to(torch.bfloat16)), or use attention_backend='sdpa' or "
+                f"inputs are {dtype}; train in bf16 or fp16 (Trainer(precision='bf16-mixed', "
+                "'bf16-true' or '16-mixed'), or model.to(torch.bfloat16); under autocast the "
+                "attention computes in the autocast dtype), or use attention_backend='sdpa' or "
                 "'auto'."
             )
         backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
