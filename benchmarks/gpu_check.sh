@@ -11,9 +11,13 @@
 #   bash benchmarks/gpu_check.sh --json /tmp/g.json  # other arguments go to gpu_check.py
 #   bash benchmarks/gpu_check.sh --device cpu --tiny # every code path on CPU, in seconds
 #
+# The Python interpreter is $PYTHON when set (e.g. PYTHON=/path/to/venv/bin/python: no need to
+# activate the environment), else python3 from PATH.
+#
 # Exit status: 0 all checks passed, 1 a check failed, 2 no CUDA device, 124 time limit hit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
 
 device=cuda
 prev_arg=""
@@ -25,14 +29,14 @@ for arg in "$@"; do
 done
 
 if [ "$device" != cpu ]; then
-    if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
+    if ! "$PYTHON" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)"; then
         echo "gpu_check: no CUDA device visible to torch; run on a GPU machine" \
             "(or pass --device cpu --tiny to try the code paths on CPU)" >&2
         exit 2
     fi
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || true
 fi
-python - <<'EOF'
+"$PYTHON" - <<'EOF'
 from importlib.metadata import PackageNotFoundError, version
 
 import torch
@@ -48,4 +52,4 @@ EOF
 
 # The Python side stops measuring at --budget-s (360 s by default) and reports what ran; the
 # outer limit only catches a hang.
-exec timeout 470 python benchmarks/gpu_check.py "$@"
+exec timeout 470 "$PYTHON" benchmarks/gpu_check.py "$@"

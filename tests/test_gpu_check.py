@@ -8,6 +8,8 @@ GPU and for forwarding its arguments.
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +20,18 @@ from benchmark_scripts import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
+
+
+def _run_wrapper(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``bash gpu_check.sh ARGS`` with this interpreter as $PYTHON (and ``path`` as PATH)."""
+    env = {**os.environ, "PYTHON": sys.executable}
+    if path is not None:
+        env["PATH"] = path
+    bash = shutil.which("bash")
+    assert bash is not None
+    return subprocess.run(
+        [bash, str(SCRIPT), *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
@@ -76,21 +90,30 @@ def test_summary_flags_a_mismatch() -> None:
     torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA"
 )
 def test_wrapper_refuses_without_cuda() -> None:
-    proc = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=120)
+    proc = _run_wrapper()
     assert proc.returncode == 2
     assert "no CUDA device" in proc.stderr
 
 
 def test_wrapper_forwards_arguments_on_cpu() -> None:
-    proc = subprocess.run(
-        ["bash", str(SCRIPT), "--device", "cpu", "--help"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _run_wrapper("--device", "cpu", "--help")
     assert proc.returncode == 0, proc.stderr
     assert "lightning-skrull" in proc.stdout
     assert "--tiny" in proc.stdout  # gpu_check.py's own help
+
+
+def test_wrapper_runs_the_interpreter_it_is_given(tmp_path: Path) -> None:
+    # A PATH with the tools the script needs but no python at all (an environment that is not
+    # activated): it must run $PYTHON, not whatever python PATH would find.
+    for tool in ("dirname", "timeout"):
+        found = shutil.which(tool)
+        assert found is not None, tool
+        (tmp_path / tool).symlink_to(found)
+    assert shutil.which("python", path=str(tmp_path)) is None
+    assert shutil.which("python3", path=str(tmp_path)) is None
+    proc = _run_wrapper("--device", "cpu", "--help", path=str(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    assert "--tiny" in proc.stdout
 
 
 def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:

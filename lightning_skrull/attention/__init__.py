@@ -13,6 +13,7 @@ from lightning_skrull.attention.context import (
 )
 from lightning_skrull.attention.dispatch import (
     ATTENTION_NAME,
+    compute_dtype,
     register_skrull_attention,
     skrull_attention_forward,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "attention_context",
     "build_rank_layout",
     "build_rank_layouts",
+    "compute_dtype",
     "current_attention_context",
     "distributed_kv_bytes",
     "flash_attention",

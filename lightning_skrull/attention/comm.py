@@ -6,8 +6,9 @@ The distributed sequences of a micro-batch are exchanged in one or more K/V grou
 autograd nodes sharing a small state object:
 
 * **start** (:func:`gather_distributed_kv`): every CP rank stacks its rows of the group's K and V
-  (``[n, 2, Hkv, D]``), pads them to the largest rank's rows (ranks hold ``floor`` or ``ceil``
-  shares) and starts one ``all_gather_single`` with ``async_op=True``. The node's output is an
+  (``[n, 2, Hkv, D]``, in their shared dtype: the attention's compute dtype), pads them to the
+  largest rank's rows (ranks hold ``floor`` or ``ceil`` shares) and starts one
+  ``all_gather_single`` with ``async_op=True``. The node's output is an
   empty "token" tensor; its backward waits for the group's reduce-scatter and hands this rank's
   K and V gradient rows back.
 * **finish** (:meth:`PendingKV.wait`): takes the token, waits for the all-gather and returns the
@@ -213,6 +214,17 @@ class PendingKV:
         return out
 
 
+def _check_one_dtype(**tensors: torch.Tensor) -> None:
+    """Refuse tensors of different dtypes: stacking K and V would promote the exchange."""
+    dtypes = {name: t.dtype for name, t in tensors.items()}
+    if len(set(dtypes.values())) > 1:
+        got = ", ".join(f"{name} {dtype}" for name, dtype in dtypes.items())
+        raise TypeError(
+            f"the context-parallel attention needs one dtype for its inputs, got {got}; cast "
+            "them to the compute dtype first (skrull_attention_forward does, see compute_dtype)."
+        )
+
+
 def _check_distributed_part(k_dist: torch.Tensor, v_dist: torch.Tensor, layout: RankLayout) -> None:
     n = layout.num_distributed_tokens
     if k_dist.shape[0] != n or v_dist.shape != k_dist.shape:
@@ -234,10 +246,12 @@ def gather_distributed_kv(
     since all know the plan. ``ctx`` may be a K/V group's context
     (:attr:`SkrullAttentionContext.kv_group_contexts`): then it gathers that group only.
 
+    K and V travel (and their gradients come back) in their own dtype, which they must share.
+
     Args:
         k_dist: ``[n, Hkv, D]`` keys of this rank's distributed part (``n`` =
             ``layout.num_distributed_tokens``).
-        v_dist: ``[n, Hkv, D]`` values, same shape.
+        v_dist: ``[n, Hkv, D]`` values, same shape and dtype.
         ctx: the micro-batch's (or K/V group's) attention context.
 
     Returns:
@@ -245,10 +259,12 @@ def gather_distributed_kv(
 
     Raises:
         ValueError: ``k_dist`` / ``v_dist`` do not match the layout.
+        TypeError: ``k_dist`` and ``v_dist`` have different dtypes.
     """
     layout = ctx.layout
     if not layout.has_distributed:
         return None
+    _check_one_dtype(key=k_dist, value=v_dist)
     _check_distributed_part(k_dist, v_dist, layout)
     n = layout.num_distributed_tokens
     width = layout.max_distributed_tokens
@@ -277,7 +293,8 @@ def distributed_kv_bytes(
     ctx: SkrullAttentionContext, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> int:
     """Bytes this rank receives per layer in the forward all-gathers (the backward
-    reduce-scatters send the same amount); 0 without distributed sequences.
+    reduce-scatters send the same amount); 0 without distributed sequences. ``dtype`` is the
+    attention's compute dtype (:func:`~lightning_skrull.attention.dispatch.compute_dtype`).
 
     Each K/V group's gather is padded to that group's largest rank part, so the sum over groups
     of ``(N - 1) x max_r(n_r)`` rows (never fewer than one group's padding).
@@ -346,7 +363,9 @@ def context_parallel_attention(
 
     Raises:
         ValueError: the distributed part of ``k`` / ``v`` does not match the layout.
+        TypeError: ``q``, ``k`` and ``v`` have different dtypes.
     """
+    _check_one_dtype(query=q, key=k, value=v)
     layout = ctx.layout
     n_local = layout.num_local_tokens
     (q_local, q_dist), (k_local, k_dist), (v_local, v_dist) = (

@@ -55,8 +55,9 @@ class SkrullAttentionContext:
             sequence) laid end to end, for varlen kernels.
         chunk_key_index: int64 rows of the whole distributed sequences that form those key
             prefixes; built only for the ``flash`` backend (empty otherwise).
-        auto: the backend was chosen by ``"auto"``: a ``flash`` context then runs float32 or
-            float64 activations (which FlashAttention kernels refuse) with ``sdpa``.
+        auto: the backend was chosen by ``"auto"``: a ``flash`` context then runs a float32 or
+            float64 compute dtype (which FlashAttention kernels refuse; see
+            :func:`~lightning_skrull.attention.dispatch.compute_dtype`) with ``sdpa``.
         kv_group_contexts: with two or more K/V groups (``layout.kv_group_layouts``), one full
             context per group in group order, same group, backend and device: each describes
             the group's distributed sequences alone, so a backend's distributed attention and

@@ -6,6 +6,12 @@ attention name it has no mask function for, so ``attention_mask`` arrives as ``N
 per-sequence causal structure comes from the micro-batch's
 :class:`~lightning_skrull.attention.context.SkrullAttentionContext` instead (no dense mask over
 the packed buffer is ever built). No mask function is registered on purpose.
+
+q, k and v are cast to one compute dtype (:func:`compute_dtype`) before the backend runs: under
+``torch.autocast`` transformers' rotary embedding multiplies the 16-bit q/k projections by
+float32 cos/sin, so q and k arrive in float32 and v in the autocast dtype. The cast lets the
+``flash`` backend run under autocast and keeps the K/V exchange and the K/V saved for backward
+in 16 bits there.
 """
 
 from __future__ import annotations
@@ -24,6 +30,39 @@ ATTENTION_NAME = "skrull"
 _BACKENDS = {"sdpa": sdpa_attention, "flash": flash_attention}
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 """What FlashAttention kernels compute in."""
+
+
+def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
+    """The dtype the attention computes, exchanges K/V and saves for backward in.
+
+    transformers' own FlashAttention integration makes the same choice for float32 inputs
+    (``get_target_dtype`` in ``transformers/integrations/flash_attention.py``).
+
+    * Autocast enabled for the inputs' device type: the autocast dtype (bf16 under Lightning's
+      ``"bf16-mixed"``, fp16 under ``"16-mixed"``), unless an input is float64, which autocast
+      leaves alone too.
+    * Otherwise, inputs that agree keep their dtype (float32 runs stay float32, ``"bf16-true"``
+      stays bf16).
+    * Otherwise (they disagree without autocast, e.g. float32 q/k norms in a bf16 model):
+      ``value``'s dtype. The value is the v projection's output, touched by neither the rotary
+      embedding nor q/k norms, so it is the dtype the attention's projection weights compute in
+      (what transformers reads from the module's first ``Linear``).
+
+    Args:
+        query: the attention's queries.
+        key: its keys.
+        value: its values.
+
+    Returns:
+        The dtype all three are cast to.
+    """
+    dtypes = {query.dtype, key.dtype, value.dtype}
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type) and torch.float64 not in dtypes:
+        return torch.get_autocast_dtype(device_type)
+    if len(dtypes) == 1:
+        return query.dtype
+    return value.dtype
 
 
 def skrull_attention_forward(
@@ -52,8 +91,11 @@ def skrull_attention_forward(
             ``is_causal`` must not be ``False``; a ``sliding_window`` is accepted only when no
             sequence of the micro-batch is longer than it, where it changes nothing).
 
+    q, k and v are cast to :func:`compute_dtype` first, so the backend, the K/V exchange and
+    the K/V saved for backward all see one dtype.
+
     Returns:
-        ``(out [1, T, Hq, D], None)``.
+        ``(out [1, T, Hq, D], None)``, ``out`` in the compute dtype.
 
     Raises:
         RuntimeError: called outside :func:`~lightning_skrull.attention.attention_context`.
@@ -77,17 +119,22 @@ def skrull_attention_forward(
             f"layout holds {ctx.num_tokens}; feed the model the micro-batch the attention context "
             "was built for."
         )
-    # squeeze, not [0]: indexing's backward writes a zero-filled copy of the whole input
-    q = query.squeeze(0).transpose(0, 1)
-    k = key.squeeze(0).transpose(0, 1)
-    v = value.squeeze(0).transpose(0, 1)
+    # One dtype for all three (a no-op when they already have it); the cast's backward returns
+    # each gradient in its input's dtype. squeeze, not [0]: indexing's backward writes a
+    # zero-filled copy of the whole input.
+    dtype = compute_dtype(query, key, value)
+    q = query.to(dtype).squeeze(0).transpose(0, 1)
+    k = key.to(dtype).squeeze(0).transpose(0, 1)
+    v = value.to(dtype).squeeze(0).transpose(0, 1)
     backend = ctx.backend
-    if backend == "flash" and q.dtype not in _FLASH_DTYPES:
+    if backend == "flash" and dtype not in _FLASH_DTYPES:
         if not ctx.auto:
             raise ValueError(
                 f"attention backend 'flash' runs float16 and bfloat16 only, but the attention "
-                f"inputs are {q.dtype}; train in bf16 (e.g. Trainer(precision='bf16-true') or "
-                "model.to(torch.bfloat16)), or use attention_backend='sdpa' or 'auto'."
+                f"inputs are {dtype}; train in bf16 or fp16 (Trainer(precision='bf16-mixed', "
+                "'bf16-true' or '16-mixed'), or model.to(torch.bfloat16); under autocast the "
+                "attention computes in the autocast dtype), or use attention_backend='sdpa' or "
+                "'auto'."
             )
         backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
     out = _BACKENDS[backend](q, k, v, ctx, scale=scaling)

@@ -87,8 +87,9 @@ def resolve_backend(backend: str, device: torch.device | str) -> str:
 
     Args:
         backend: ``"auto"`` (``"flash"`` on CUDA when a varlen kernel is installed, else
-            ``"sdpa"``; float32 activations still run ``"sdpa"``), ``"sdpa"`` or ``"flash"``
-            (flash-attn's kernel, else PyTorch's; float16/bfloat16 only).
+            ``"sdpa"``; a float32 compute dtype, i.e. float32 without autocast, still runs
+            ``"sdpa"``), ``"sdpa"`` or ``"flash"`` (flash-attn's kernel, else PyTorch's;
+            float16/bfloat16 compute dtype only: autocast to either, or a 16-bit model).
         device: the activations' device.
 
     Returns:
