@@ -2,7 +2,7 @@
 
 :class:`SkrullZero2Strategy` is Lightning's :class:`~lightning.pytorch.strategies.DeepSpeedStrategy`
 at ZeRO stage 2 (optimizer states and gradients partitioned over the world) plus the Skrull
-pieces shared with :class:`~lightning_skrull.SkrullStrategy`. Two things differ from DDP:
+pieces shared with :class:`~lightning_skrull.SkrullStrategy`. Three things differ from DDP:
 
 - ZeRO-2 reduces (reduce-scatters) gradients in *every* backward, so every DP rank must run the
   same number of micro-batches: the data module pads the ranks with fewer to the plan's largest
@@ -10,6 +10,12 @@ pieces shared with :class:`~lightning_skrull.SkrullStrategy`. Two things differ 
 - DeepSpeed's own accumulation boundary marks the last micro-batch
   (``engine.set_gradient_accumulation_boundary``), so ``engine.step()`` steps once per global
   batch; ``gradient_accumulation_steps`` stays 1, so no loss is rescaled.
+- DeepSpeed keeps the earlier micro-batches' gradients in its optimizer's own buffers, which
+  the optimizer's ``zero_grad`` clears (the BF16 optimizer of ZeRO-1 with bf16 and fp32
+  accumulation, ZeRO-1's ``grad_accum`` when it accumulates in another dtype than the model's).
+  Lightning calls ``zero_grad`` after ``training_step``, before the last micro-batch's
+  backward, so from the last micro-batch's forward until that backward the optimizer's
+  ``zero_grad`` does nothing. The engine zeroes the gradients itself after each step.
 
 On CPU (gloo) three things of Lightning's DeepSpeedStrategy are relaxed: its CUDA-only check in
 ``setup_environment``, its device-index check, and ``device_rank`` (the local rank instead of a
@@ -21,7 +27,7 @@ CUDA index). DeepSpeed's shared-memory all-reduce op, which it JIT-compiles at s
 from __future__ import annotations
 
 import argparse
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -50,6 +56,47 @@ if TYPE_CHECKING:
 
 SHM_OP_NAME = "deepspeed_shm_comm"
 """DeepSpeed's shared-memory communication op (CPU inference all-reduce), skipped on CPU."""
+
+
+_MISSING = object()
+"""Marks an optimizer that had no ``zero_grad`` of its own before it was held."""
+
+
+def _keep_gradients(*args: Any, **kwargs: Any) -> None:
+    """``zero_grad`` of a held optimizer: keep the pending micro-batches' gradients."""
+
+
+class _HeldZeroGrad:
+    """Makes ``zero_grad`` a no-op on some optimizer objects until released.
+
+    The no-op is set as an instance attribute, which takes precedence over the class's method;
+    releasing puts back what the instance had before (usually nothing, i.e. the class's method).
+    """
+
+    def __init__(self) -> None:
+        self._held: list[tuple[object, Any]] = []
+
+    @property
+    def active(self) -> bool:
+        """Whether some optimizer's ``zero_grad`` is held now."""
+        return bool(self._held)
+
+    def hold(self, optimizers: Sequence[object]) -> None:
+        """Make ``zero_grad`` of each of ``optimizers`` a no-op (once per object)."""
+        for optimizer in optimizers:
+            if any(held is optimizer for held, _ in self._held):
+                continue
+            self._held.append((optimizer, vars(optimizer).get("zero_grad", _MISSING)))
+            optimizer.zero_grad = _keep_gradients  # type: ignore[attr-defined]
+
+    def release(self) -> None:
+        """Give every held optimizer its own ``zero_grad`` back."""
+        held, self._held = self._held, []
+        for optimizer, previous in reversed(held):
+            if previous is _MISSING:
+                vars(optimizer).pop("zero_grad", None)
+            else:
+                optimizer.zero_grad = previous  # type: ignore[attr-defined]
 
 
 @contextmanager
@@ -156,6 +203,8 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         if isinstance(self.config, dict):
             self.config.setdefault("train_micro_batch_size_per_gpu", 1)
         self._init_skrull(skrull_config)
+        self._earlier_gradients_pending = False
+        self._held_zero_grad = _HeldZeroGrad()
 
     # ------------------------------------------------------------------ CPU support
     @property
@@ -239,6 +288,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         @contextmanager
         def not_a_boundary() -> Iterator[None]:
             self._set_boundary(False)
+            self._earlier_gradients_pending = True
             yield
 
         return not_a_boundary()
@@ -246,6 +296,56 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
     @override
     def _before_last_micro_batch(self) -> None:
         self._set_boundary(True)
+        if self._earlier_gradients_pending:
+            self._earlier_gradients_pending = False
+            self._hold_zero_grad()
+
+    def _hold_zero_grad(self) -> None:
+        """Keep Lightning's ``zero_grad`` (after ``training_step``) from clearing the earlier
+        micro-batches' gradients in DeepSpeed's buffers; :meth:`backward` releases it.
+
+        Both the DeepSpeed optimizer and its ``LightningOptimizer`` wrapper are held: the
+        wrapper's class derives from the optimizer's, so ``wrapper.zero_grad()`` runs the
+        optimizer's method on the same buffers.
+        """
+        optimizers = [*self.optimizers, *self._lightning_optimizers]
+        self._held_zero_grad.hold(optimizers)
+
+    def _release_zero_grad(self) -> None:
+        self._earlier_gradients_pending = False
+        self._held_zero_grad.release()
+
+    @override
+    def backward(
+        self, closure_loss: torch.Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
+    ) -> torch.Tensor:
+        self._release_zero_grad()
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Any,
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            # the closure's backward has released it; a closure without backward must not
+            # leave the next step's zero_grad held
+            self._release_zero_grad()
+
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        self._release_zero_grad()
+        super().on_exception(exception)
+
+    @override
+    def teardown(self) -> None:
+        self._release_zero_grad()
+        super().teardown()
 
     @classmethod
     @override
