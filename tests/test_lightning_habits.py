@@ -1,7 +1,8 @@
 """Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping, callbacks'
 outputs and torchmetrics, with DP ranks that run different numbers of micro-batches.
 
-One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case. The data is built so that
+One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
+``bf16-mixed``; the bytes the CP groups exchange are counted in both. The data is built so that
 the planner gives the two DP ranks 2 and 1 micro-batches in every training and validation step
 (asserted). Every value is compared with an independent single-process reference: a plain
 Hugging Face model, one sequence at a time, token cross-entropy summed and divided by the
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
+from helpers import count_exchanged_bytes
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.utils.launch import spawn
@@ -203,8 +205,11 @@ def _habit_cases(rank: int, world_size: int) -> dict[str, Any]:
             limit_val_batches=1,
             val_check_interval=STEPS,
         )
-        trainer.fit(module, _data())
+        with count_exchanged_bytes() as exchanged:
+            trainer.fit(module, _data())
         out[precision] = {
+            "exchanged_dtypes": sorted(str(d) for d in exchanged.dtypes),
+            "exchanged_bytes": exchanged.total_bytes(),
             "train": recorder.train,
             "val": recorder.val,
             "val_loss": float(trainer.callback_metrics["val_loss"]),
@@ -369,6 +374,16 @@ def test_bf16_mixed_habits(ranks: list[dict[str, Any]]) -> None:
             assert step["supervised"] == expected["tokens"]
         assert run["val_loss"] == pytest.approx(ref["val_loss"], abs=BF16_LOSS_ATOL)
     assert len({tuple(s["user_loss"] for s in out["bf16-mixed"]["train"]) for out in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_exchanges_only_16_bit_kv(ranks: list[dict[str, Any]]) -> None:
+    for out in ranks:
+        assert out["32-true"]["exchanged_dtypes"] == ["torch.float32"]
+        assert out["bf16-mixed"]["exchanged_dtypes"] == ["torch.bfloat16"]
+        # the same plans and layouts (training and validation) in both runs: half the bytes
+        assert out["32-true"]["exchanged_bytes"] > 0
+        assert 2 * out["bf16-mixed"]["exchanged_bytes"] == out["32-true"]["exchanged_bytes"]
 
 
 @pytest.mark.multiprocess
