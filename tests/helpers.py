@@ -97,3 +97,56 @@ def count_exchanged_bytes() -> Iterator[ExchangeLog]:
         yield log
     finally:
         comm._all_gather, comm._reduce_scatter = real_gather, real_scatter
+
+
+# ----------------------------------------------------------------------------- tiny models
+TINY_QWEN2: dict[str, Any] = {
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+"""A Qwen2 small enough for multi-process CPU tests (two layers, GQA, untied head)."""
+
+
+def reference_logits(
+    model: torch.nn.Module, sample: dict[str, list[int]]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logits [T, V] in float32, shifted target [T])`` of one sample through a plain HF model,
+    one sequence alone (the independent reference of the parity tests)."""
+    ids = torch.tensor(sample["input_ids"])[None]
+    labels = torch.tensor(sample["labels"])
+    target = torch.full_like(labels, -100)
+    target[:-1] = labels[1:]
+    return model(ids).logits[0].float(), target
+
+
+def token_loss_sum(
+    model: torch.nn.Module, sample: dict[str, list[int]]
+) -> tuple[torch.Tensor, int]:
+    """``(summed token cross-entropy, supervised tokens)`` of one sample, one sequence alone."""
+    logits, target = reference_logits(model, sample)
+    loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
+    return loss, int((target != -100).sum())
+
+
+def cpu_trainer(strategy: Any, **kwargs: Any) -> Any:
+    """A quiet CPU ``Trainer`` over this process group's ranks (one process without one)."""
+    import lightning.pytorch as L
+    import torch.distributed as dist
+
+    defaults: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": dist.get_world_size() if dist.is_initialized() else 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "num_sanity_val_steps": 0,
+    }
+    defaults.update(kwargs)
+    return L.Trainer(strategy=strategy, **defaults)

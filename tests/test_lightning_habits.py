@@ -20,21 +20,12 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from helpers import count_exchanged_bytes
+from helpers import TINY_QWEN2, count_exchanged_bytes, cpu_trainer, reference_logits
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.utils.launch import spawn
 
-CFG: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
+CFG = TINY_QWEN2
 LENGTHS = (60, 60, 60, 2, 2)
 """One global batch. At CP=2 with a 32-token bucket the planner gives DP rank 0 two
 micro-batches (one 60-token sequence each, sharded) and DP rank 1 one (a 60-token sequence
@@ -166,17 +157,7 @@ class Recorder(L.Callback):
 def _trainer(**kwargs: Any) -> L.Trainer:
     from lightning_skrull import SkrullStrategy
 
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": torch.distributed.get_world_size(),
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(strategy=SkrullStrategy(cp_size=CP, bucket_size=BUCKET), **defaults)
+    return cpu_trainer(SkrullStrategy(cp_size=CP, bucket_size=BUCKET), **kwargs)  # type: ignore[no-any-return]
 
 
 def _data() -> Any:
@@ -243,11 +224,7 @@ def _batch_terms(
     """(summed token loss, supervised tokens, correctly predicted tokens) of ``samples``."""
     total, tokens, correct = torch.zeros(()), 0, 0
     for sample in samples:
-        ids = torch.tensor(sample["input_ids"])[None]
-        labels = torch.tensor(sample["labels"])
-        target = torch.full_like(labels, -100)
-        target[:-1] = labels[1:]
-        logits = model(ids).logits[0].float()
+        logits, target = reference_logits(model, sample)
         total = total + torch.nn.functional.cross_entropy(
             logits, target, ignore_index=-100, reduction="sum"
         )
@@ -401,16 +378,7 @@ def test_metric_synced_on_step_is_refused_at_setup(world_of_one: None) -> None:
     module.step_acc = torchmetrics.classification.MulticlassAccuracy(
         num_classes=CFG["vocab_size"], dist_sync_on_step=True
     )
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=SkrullStrategy(bucket_size=64),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=64), max_steps=1)
     data = SkrullDataModule(train_data=make_data(1, seed=0), global_batch_size=len(LENGTHS))
     with pytest.raises(ValueError, match=r"'step_acc'.*dist_sync_on_step=True"):
         trainer.fit(module, data)

@@ -19,20 +19,12 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
+from helpers import TINY_QWEN2, cpu_trainer, token_loss_sum
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.utils.launch import spawn
 
-CFG: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
+CFG = TINY_QWEN2
 GLOBAL_BATCH = 8
 STEPS = 2
 BUCKET = 40  # small, so global batches need several micro-batches and long samples are sharded
@@ -131,18 +123,11 @@ def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
 
     strategy_class = SkrullStrategy if strategy_name == "ddp" else SkrullZero2Strategy
     recorder = Recorder()
-    trainer = L.Trainer(
-        strategy=strategy_class(cp_size=2, bucket_size=BUCKET),
-        accelerator="cpu",
-        devices=torch.distributed.get_world_size(),
+    trainer = cpu_trainer(
+        strategy_class(cp_size=2, bucket_size=BUCKET),
         precision=precision,
         max_steps=STEPS,
         callbacks=[recorder],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
     )
     module = PlainLM()
     data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
@@ -164,18 +149,6 @@ def _matrix(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
 def _reference_model() -> Qwen2ForCausalLM:
     torch.manual_seed(0)
     return Qwen2ForCausalLM(Qwen2Config(**CFG, attn_implementation="eager"))
-
-
-def _token_loss_sum(
-    model: Qwen2ForCausalLM, sample: dict[str, list[int]]
-) -> tuple[torch.Tensor, int]:
-    ids = torch.tensor(sample["input_ids"])[None]
-    labels = torch.tensor(sample["labels"])
-    target = torch.full_like(labels, -100)
-    target[:-1] = labels[1:]
-    logits = model(ids).logits[0].float()
-    loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
-    return loss, int((target != -100).sum())
 
 
 # The reference of each cell (a kind of reference_training).
@@ -235,7 +208,7 @@ def _train_reference(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.nda
         total, tokens = torch.zeros(()), 0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
             for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                loss, n = _token_loss_sum(model, sample)
+                loss, n = token_loss_sum(model, sample)
                 total, tokens = total + loss, tokens + n
         for p in params:
             p.grad = None
