@@ -1,5 +1,12 @@
-"""Hugging Face decoders under Skrull: select the attention, check the model, find it."""
+"""Hugging Face decoders under Skrull: select the attention, check the model, find it, and
+compute the causal-LM loss without the full logits."""
 
+from lightning_skrull.models.chunked_loss import (
+    linear_cross_entropy,
+    use_chunked_loss,
+    use_dense_loss,
+    uses_chunked_loss,
+)
 from lightning_skrull.models.patching import (
     SKRULL_ATTENTION,
     SUPPORTED_ARCHITECTURES,
@@ -18,6 +25,10 @@ __all__ = [
     "check_model",
     "find_hf_model",
     "is_prepared",
+    "linear_cross_entropy",
     "prepare_model",
     "sequence_length_limit",
+    "use_chunked_loss",
+    "use_dense_loss",
+    "uses_chunked_loss",
 ]

@@ -23,6 +23,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from lightning_skrull.models.chunked_loss import (
+    check_chunked_loss_supported,
+    use_chunked_loss,
+    use_dense_loss,
+)
+
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
@@ -187,7 +193,12 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
 
 
 def prepare_model(
-    model: nn.Module, *, backend: str = "auto", max_sequence_length: int | None = None
+    model: nn.Module,
+    *,
+    backend: str = "auto",
+    max_sequence_length: int | None = None,
+    chunked_loss: bool = False,
+    chunk_tokens: int | None = None,
 ) -> nn.Module:
     """Check a Hugging Face decoder and switch it to the Skrull attention, in place.
 
@@ -204,6 +215,13 @@ def prepare_model(
             (checked here so a missing flash-attn fails before training starts).
         max_sequence_length: longest sequence you will train on; needed only for a model with a
             sliding window (see :func:`check_model`).
+        chunked_loss: route the forward with ``labels`` through the chunked LM head and
+            cross-entropy (:func:`~lightning_skrull.models.chunked_loss.use_chunked_loss`): the
+            ``[tokens, vocab]`` logits are never held, and ``logits`` comes back ``None``.
+            ``False`` leaves the forward as transformers wrote it (and undoes an earlier
+            ``True``). The Skrull strategies turn it on by default.
+        chunk_tokens: tokens per chunk of the chunked loss (default: 128 MiB of float32
+            logits per chunk).
 
     Returns:
         The same model object.
@@ -220,6 +238,8 @@ def prepare_model(
 
         require_flash_kernel()
     check_model(model, max_sequence_length=max_sequence_length)
+    if chunked_loss:
+        check_chunked_loss_supported(model)
 
     from lightning_skrull.attention.dispatch import register_skrull_attention
 
@@ -228,6 +248,10 @@ def prepare_model(
     hf_model.set_attn_implementation(SKRULL_ATTENTION)
     _check_attention_selected(model)
     _run_without_cache(hf_model)
+    if chunked_loss:
+        use_chunked_loss(hf_model, chunk_tokens=chunk_tokens)
+    else:
+        use_dense_loss(hf_model)
     return model
 
 

@@ -1,0 +1,176 @@
+"""Peak memory and time of one training step: dense logits against the chunked loss, on CPU.
+
+A Qwen2 with Qwen2.5's 151,936-token vocabulary (tied head, as Qwen2.5-0.5B) and a tiny body
+(hidden 64, 2 layers), so the LM head dominates activation memory as it does for Qwen2.5-0.5B.
+Each case runs in a fresh process: one warm-up step on 16 tokens, then the peak resident set
+(``ru_maxrss``) is read before and after one forward + backward of ``N`` packed tokens (sequences
+of 512), and the step is timed (the fastest of three). Three ways to run the same tokens:
+
+- ``hf``: plain transformers (sdpa attention), full logits and ``ForCausalLMLoss``;
+- ``skrull_dense``: the model prepared for Skrull (CP size 1), the dense loss;
+- ``skrull_chunked``: the same with the chunked LM head + cross-entropy (the strategies' default).
+
+Run::
+
+    python benchmarks/memory_cpu.py                       # 1K, 2K, 4K, 8K tokens
+    python benchmarks/memory_cpu.py --tokens 1024 2048    # a quick look
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import time
+from typing import Any
+
+VOCAB = 151_936
+SEQUENCE = 512
+MODES = ("hf", "skrull_dense", "skrull_chunked")
+TARGET_GROWTH = 0.25
+"""Chunked growth over plain transformers' at 4K tokens, at most."""
+TARGET_TIME = 1.1
+"""Chunked step time over plain transformers', at most."""
+
+
+def _model() -> Any:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+        max_position_embeddings=SEQUENCE,
+    )
+    return Qwen2ForCausalLM(config)
+
+
+def _samples(tokens: int) -> list[dict[str, list[int]]]:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    lengths = [SEQUENCE] * (tokens // SEQUENCE) + ([tokens % SEQUENCE] if tokens % SEQUENCE else [])
+    return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+
+
+def _step_fn(mode: str, tokens: int) -> Any:
+    """A function running one forward + backward of ``tokens`` packed tokens in ``mode``."""
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.engine import micro_batch_context
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.scheduling import plan_global_batch
+
+    model = _model()
+    samples = _samples(tokens)
+    lengths = [len(s["input_ids"]) for s in samples]
+    plan = plan_global_batch(lengths, dp_size=1, cp_size=1, bucket_size=max(tokens, 16))
+    batch = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1)
+    mb = batch.micro_batches[0]
+    if mode == "hf":
+        model.set_attn_implementation("sdpa")
+        inputs = {k: mb.inputs[k] for k in ("input_ids", "position_ids", "labels")}
+
+        def step() -> None:
+            model(**inputs, use_cache=False).loss.backward()
+
+        return step
+    prepare_model(model, backend="sdpa", chunked_loss=mode == "skrull_chunked")
+
+    def skrull_step() -> None:
+        with micro_batch_context(mb, None, "sdpa"):
+            model(**mb.inputs).loss.backward()
+
+    return skrull_step
+
+
+def _max_rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure_one(mode: str, tokens: int, repeats: int = 3) -> dict[str, float]:
+    """Peak RSS growth (MiB) and step time (s, the fastest of ``repeats`` steps) of one case,
+    in this process."""
+    import torch
+
+    torch.set_num_threads(1)
+    _step_fn(mode, 16)()  # warm-up: allocator, kernels, autograd
+    step = _step_fn(mode, tokens)
+    before = _max_rss_mib()
+    start = time.perf_counter()
+    step()
+    times = [time.perf_counter() - start]
+    growth = _max_rss_mib() - before
+    for _ in range(repeats - 1):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return {"growth_mib": growth, "step_s": min(times)}
+
+
+def run(
+    tokens_list: list[int], modes: tuple[str, ...] = MODES, repeats: int = 3
+) -> list[dict[str, Any]]:
+    """Every mode at every token count, each in a fresh process (``repeats`` timed steps)."""
+    rows = []
+    for tokens in tokens_list:
+        for mode in modes:
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", mode, str(tokens), str(repeats)],
+                check=True,
+                capture_output=True,
+                text=True,
+            )
+            result = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append({"mode": mode, "tokens": tokens, **result})
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """A Markdown table: growth, MiB per token and step time, with the ratios to plain HF."""
+    lines = [
+        "| tokens | way | peak growth (MiB) | MiB / token | step (s) | growth / HF | time / HF |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        hf = next(r for r in rows if r["tokens"] == row["tokens"] and r["mode"] == "hf")
+        lines.append(
+            f"| {row['tokens']} | {row['mode']} | {row['growth_mib']:.0f} | "
+            f"{row['growth_mib'] / row['tokens']:.3f} | {row['step_s']:.3f} | "
+            f"{row['growth_mib'] / hf['growth_mib']:.2f} | {row['step_s'] / hf['step_s']:.2f} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument(
+        "--one", nargs=3, metavar=("MODE", "TOKENS", "REPEATS"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args()
+    if args.one:
+        print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        return
+    rows = run(args.tokens)
+    print(table(rows))
+    for row in rows:
+        if row["mode"] == "skrull_chunked" and row["tokens"] == 4096:
+            hf = next(r for r in rows if r["tokens"] == 4096 and r["mode"] == "hf")
+            growth = row["growth_mib"] / hf["growth_mib"]
+            speed = row["step_s"] / hf["step_s"]
+            print(
+                f"\n4K tokens: growth {growth:.2f}x plain HF (target <= {TARGET_GROWTH}), "
+                f"step time {speed:.2f}x (target <= {TARGET_TIME})"
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""The causal-LM loss without the full logits: the LM head and cross-entropy over token chunks.
+
+With Qwen2.5's 151,936-token vocabulary the logits (``[tokens, vocab]`` in the compute dtype, its
+float32 copy for the loss, and the gradient of both) dominate activation memory. Hugging Face's
+causal LMs compute ``lm_head(hidden)`` for every token before the loss function sees anything,
+so no loss hook can avoid them. :func:`use_chunked_loss` therefore routes the forward of a
+prepared causal LM itself when it is given ``labels``: the decoder runs as before, and
+:func:`linear_cross_entropy` takes the final hidden states and the head's weight.
+
+:func:`linear_cross_entropy` walks the tokens in chunks. Each chunk's logits are formed, turned
+into the chunk's summed token loss (``logsumexp - logit[target]``, in float32 as transformers'
+loss does), and, when a gradient will be needed, straight away into the chunk's gradients of the
+hidden states and of the head (``softmax - onehot``, the same pass, so nothing is recomputed in
+backward); then the chunk's logits are dropped. At most one chunk's ``[chunk, vocab]`` float32
+buffer is alive at any time. The backward only scales the stored gradients by the incoming one.
+
+The loss is exactly transformers' ``ForCausalLMLoss``: pre-shifted ``shift_labels`` (or the
+shifted ``labels``), ``-100`` ignored, the sum divided by ``num_items_in_batch`` when it is given
+(the Skrull collate gives the global batch's supervised tokens over the world size), else by the
+supervised tokens here. The head's matmuls run in the autocast dtype when autocast is on (as
+``lm_head`` would under it), else in the weight's dtype; the head's gradient accumulates over the
+chunks in float32 and is rounded once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+
+LOGIT_ELEMENTS_PER_CHUNK = 1 << 25
+"""Float32 logits one chunk may hold (128 MiB): 220 tokens of Qwen2.5's vocabulary."""
+
+CHUNKED_LOSS_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+"""Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``
+(no logit scaling or soft-capping), so routing it through :func:`linear_cross_entropy` changes
+nothing but memory."""
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per chunk so one chunk's float32 logits stay within
+    :data:`LOGIT_ELEMENTS_PER_CHUNK` (at least 1)."""
+    return max(1, LOGIT_ELEMENTS_PER_CHUNK // max(vocab_size, 1))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Summed token cross-entropy of ``hidden @ weight.T + bias``; gradients made in forward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        target: Tensor,
+        chunk_tokens: int,
+        compute_dtype: torch.dtype,
+        need_grad: bool,
+    ) -> Tensor:
+        h = hidden.to(compute_dtype)
+        w = weight.to(compute_dtype)
+        b = None if bias is None else bias.to(compute_dtype)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        grad_h = torch.empty_like(h) if need_grad else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_b = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32)
+        for start in range(0, h.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, h.shape[0])
+            rows = h[start:end]
+            logits = F.linear(rows, w, b).float()
+            t = target[start:end]
+            valid = t != IGNORE_INDEX
+            picked = t.clamp_min(0).unsqueeze(1)
+            lse = torch.logsumexp(logits, dim=-1)
+            total += torch.where(valid, lse - logits.gather(1, picked).squeeze(1), 0.0).sum()
+            if not need_grad:
+                continue
+            # softmax - onehot, in place over the chunk's logits; ignored rows get zero
+            probs = logits.sub_(lse.unsqueeze(1)).exp_()
+            probs.scatter_add_(1, picked, torch.full_like(lse, -1.0).unsqueeze(1))
+            probs.mul_(valid.unsqueeze(1))
+            g = probs.to(compute_dtype)
+            assert grad_h is not None
+            torch.mm(g, w, out=grad_h[start:end])
+            if compute_dtype == torch.float32:
+                grad_w.addmm_(g.t(), rows)
+            else:
+                grad_w += (g.t() @ rows).float()
+            if grad_b is not None:
+                grad_b += probs.sum(0).to(grad_b.device)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if need_grad:
+            ctx.save_for_backward(grad_h, grad_w, grad_b)
+        ctx.need_grad = need_grad
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_total: Tensor) -> tuple[Tensor | None, ...]:
+        if not ctx.need_grad:
+            raise RuntimeError(
+                "linear_cross_entropy ran without gradients (torch.no_grad or inputs that do not "
+                "require grad) and cannot be backpropagated; run it with autograd enabled."
+            )
+        grad_h, grad_w, grad_b = ctx.saved_tensors
+        hidden_dtype, weight_dtype, bias_dtype = ctx.dtypes
+        scale = grad_total.float()
+        out_h = (grad_h.float() * scale).to(hidden_dtype)
+        out_w = (grad_w * scale).to(weight_dtype)
+        out_b = None if grad_b is None else (grad_b * scale).to(bias_dtype)
+        return out_h, out_w, out_b, None, None, None, None
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    *,
+    bias: Tensor | None = None,
+    num_items_in_batch: Tensor | float | None = None,
+    chunk_tokens: int | None = None,
+) -> Tensor:
+    """Causal-LM loss of ``hidden`` under the head ``weight`` without materialising the logits.
+
+    Args:
+        hidden: final hidden states, ``[..., H]`` (flattened to ``[N, H]``).
+        weight: the LM head's weight, ``[V, H]`` (the embedding matrix for tied heads).
+        target: the already shifted target token of each position, ``[...]`` matching
+            ``hidden``'s leading dimensions; ``-100`` = not supervised.
+        bias: the head's bias, ``[V]``, if it has one.
+        num_items_in_batch: divide the summed loss by this (transformers' meaning); ``None``
+            divides by the supervised tokens here (their mean).
+        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`).
+
+    Returns:
+        The 0-dim float32 loss, with gradients to ``hidden``, ``weight`` and ``bias``.
+
+    Raises:
+        ValueError: shapes that do not match, or ``chunk_tokens < 1``.
+    """
+    if hidden.shape[-1] != weight.shape[1] or hidden.shape[:-1] != target.shape:
+        raise ValueError(
+            f"linear_cross_entropy got hidden {tuple(hidden.shape)}, weight "
+            f"{tuple(weight.shape)} and target {tuple(target.shape)}; it needs hidden [..., H], "
+            "weight [V, H] and one target per hidden row."
+        )
+    chunk = default_chunk_tokens(weight.shape[0]) if chunk_tokens is None else chunk_tokens
+    if chunk < 1:
+        raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1.")
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        compute_dtype = torch.get_autocast_dtype(device_type)
+    else:
+        compute_dtype = weight.dtype
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_target = target.reshape(-1).to(hidden.device)
+    need_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (hidden, weight, bias)
+    )
+    with torch.autocast(device_type, enabled=False):
+        total = _LinearCrossEntropy.apply(
+            flat_hidden, weight, bias, flat_target, chunk, compute_dtype, need_grad
+        )
+    if num_items_in_batch is None:
+        return total / (flat_target != IGNORE_INDEX).sum()
+    if isinstance(num_items_in_batch, Tensor):
+        num_items_in_batch = num_items_in_batch.to(total.device)
+    return total / num_items_in_batch
+
+
+def shifted_target(labels: Tensor, shift_labels: Tensor | None) -> Tensor:
+    """``shift_labels`` if given, else ``labels`` shifted left with ``-100`` appended (as
+    transformers' ``ForCausalLMLoss`` does)."""
+    if shift_labels is not None:
+        return shift_labels
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def _chunked_forward(
+    model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """The causal LM's forward with the loss of :func:`linear_cross_entropy` when ``labels``
+    are given (``logits`` is then ``None``); the original forward otherwise."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    bound = _signature(original).bind(*args, **kwargs)
+    arguments = dict(bound.arguments)
+    extra = dict(arguments.pop("kwargs", {}))
+    labels = arguments.pop("labels", None)
+    if labels is None:
+        return original(*args, **kwargs)
+    arguments.pop("logits_to_keep", None)
+    outputs = model.model(**arguments, **extra)
+    loss = linear_cross_entropy(
+        outputs.last_hidden_state,
+        model.lm_head.weight,
+        shifted_target(labels, extra.get("shift_labels")),
+        bias=model.lm_head.bias,
+        num_items_in_batch=extra.get("num_items_in_batch"),
+        chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
+    )
+    return CausalLMOutputWithPast(
+        loss=loss,
+        logits=None,
+        hidden_states=outputs.hidden_states,
+        attentions=outputs.attentions,
+    )
+
+
+@functools.cache
+def _signature(fn: Callable[..., Any]) -> inspect.Signature:
+    return inspect.signature(fn)
+
+
+def check_chunked_loss_supported(model: nn.Module) -> None:
+    """Raise unless ``model``'s causal-LM forward can be routed through the chunked loss.
+
+    Raises:
+        ValueError: the architecture is not one of :data:`CHUNKED_LOSS_MODEL_TYPES`, or the
+            model has no ``model`` decoder / ``lm_head`` linear head.
+    """
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    reasons = []
+    if model_type not in CHUNKED_LOSS_MODEL_TYPES:
+        reasons.append(
+            f"model_type {model_type!r} is not one whose forward is exactly decoder -> lm_head "
+            f"-> cross-entropy ({', '.join(CHUNKED_LOSS_MODEL_TYPES)})"
+        )
+    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
+        reasons.append("it has no nn.Linear lm_head")
+    if not isinstance(getattr(model, "model", None), nn.Module):
+        reasons.append("it has no `model` decoder attribute")
+    if reasons:
+        raise ValueError(
+            f"{type(model).__name__} cannot use the chunked loss: {'; '.join(reasons)}. Pass "
+            "chunked_loss=False to compute the loss from the full logits."
+        )
+
+
+def use_chunked_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> None:
+    """Route ``model``'s forward through :func:`linear_cross_entropy` when given ``labels``.
+
+    The instance's ``forward`` is replaced (the class is untouched); with ``labels`` the output's
+    ``loss`` is transformers' causal-LM loss and ``logits`` is ``None``; without labels the
+    original forward runs and returns the logits. Calling it again only updates ``chunk_tokens``.
+
+    Raises:
+        ValueError: unsupported model (see :func:`check_chunked_loss_supported`).
+    """
+    check_chunked_loss_supported(model)
+    model._skrull_chunk_tokens = chunk_tokens  # type: ignore[assignment]
+    if uses_chunked_loss(model):
+        return
+    original = type(model).forward.__get__(model)
+    forward = functools.partial(_chunked_forward, model, original)
+    forward._skrull_chunked = True  # type: ignore[attr-defined]
+    model.forward = forward  # type: ignore[method-assign]
+
+
+def uses_chunked_loss(model: nn.Module) -> bool:
+    """Whether :func:`use_chunked_loss` routed ``model``'s forward."""
+    return bool(getattr(vars(model).get("forward"), "_skrull_chunked", False))
+
+
+def use_dense_loss(model: nn.Module) -> None:
+    """Undo :func:`use_chunked_loss`: the class's forward (with full logits) runs again."""
+    if uses_chunked_loss(model):
+        del model.forward
+
+
+__all__ = [
+    "CHUNKED_LOSS_MODEL_TYPES",
+    "check_chunked_loss_supported",
+    "default_chunk_tokens",
+    "linear_cross_entropy",
+    "use_chunked_loss",
+    "use_dense_loss",
+    "uses_chunked_loss",
+]
