@@ -9,11 +9,13 @@ kept whole on one CP rank and which are sharded over the CP group (DACP). ``simu
 from lightning_skrull.scheduling.cost_model import CostModel, FitSample, ModelShape
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
+    POLICIES,
     GlobalBatchPlan,
     MicroBatchPlan,
+    Policy,
     shard_tokens,
 )
-from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, POLICIES, plan_global_batch
+from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, plan_global_batch
 from lightning_skrull.scheduling.simulate import dp_rank_seconds, lower_bound, simulate
 
 __all__ = [
@@ -25,6 +27,7 @@ __all__ = [
     "GlobalBatchPlan",
     "MicroBatchPlan",
     "ModelShape",
+    "Policy",
     "dp_rank_seconds",
     "lower_bound",
     "plan_global_batch",

@@ -16,10 +16,7 @@ from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
 from lightning_skrull.scheduling.gds import plan_gds
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
-from lightning_skrull.scheduling.plan import GlobalBatchPlan, MicroBatchPlan
-
-POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
-"""Names accepted by :func:`plan_global_batch`'s ``policy``."""
+from lightning_skrull.scheduling.plan import POLICIES, GlobalBatchPlan, MicroBatchPlan, Policy
 
 DEFAULT_COST_MODEL = CostModel()
 """Cost model used when none is given: Qwen2.5-0.5B shape, H100-class constants."""
@@ -77,7 +74,7 @@ def plan_global_batch(
     cp_size: int,
     bucket_size: int,
     cost_model: CostModel | None = None,
-    policy: str = "skrull",
+    policy: Policy = "skrull",
 ) -> GlobalBatchPlan:
     """Plan one optimizer step: micro-batches per DP rank and the placement of each sequence.
 
