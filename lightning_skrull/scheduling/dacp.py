@@ -38,20 +38,9 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, descending
+from lightning_skrull.scheduling.costs import SequenceCosts, ascending, descending
+from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED
-
-_SECOND_START_SLACK = 1.0
-"""The paper-rule construction is refined only if it starts within this factor of the first."""
-
-_SPLIT_COMM_SHARE = 0.2
-"""The split construction runs when communication is at least this share of the greedy's
-estimate (slow networks; it costs as much as the greedy, so it does not run everywhere)..."""
-
-_SPLIT_WASTE_SHARE = 0.1
-"""... or when the sequences it shards that would fit a rank whole waste at least this share of
-its estimate (see :func:`_shard_waste`): with fast communication that is where the split found
-faster placements (96% of its gain in the paper's settings, for a fifth of the runs)."""
 
 _REL_GAIN = 1e-9
 """A move must lower the estimate by this relative amount (guards against float noise)."""
@@ -203,7 +192,10 @@ def _least_loaded_with_room(state: CpGroupState, sid: int, times: list[float]) -
 
 
 def place_micro_batch(
-    ids: Sequence[int], costs: SequenceCosts, bucket_size: int
+    ids: Sequence[int],
+    costs: SequenceCosts,
+    bucket_size: int,
+    options: PlannerOptions = DEFAULT_OPTIONS,
 ) -> tuple[int, ...] | None:
     """Place one micro-batch with cost-aware DACP.
 
@@ -211,6 +203,7 @@ def place_micro_batch(
         ids: sequence ids of the micro-batch (each no longer than ``cp_size * bucket_size``).
         costs: cost table of the global batch.
         bucket_size: token budget of one CP rank.
+        options: which steps beyond the paper run (module docstring).
 
     Returns:
         One placement per id (same order), or ``None`` when the micro-batch cannot fit.
@@ -218,6 +211,8 @@ def place_micro_batch(
     if costs.cp_size == 1:  # one rank: nothing to shard, everything is local
         fits = sum(costs.lengths[i] for i in ids) <= bucket_size
         return (0,) * len(ids) if fits else None
+    if not options.dacp_cost_aware:
+        return _place_paper(ids, costs, bucket_size, options)
     # Up to three constructions, each refined by local search; the best estimate wins. When the
     # first (the greedy) sharded something by choice and communication, or the waste of what it
     # sharded by choice, is a large share of its estimate, the split construction (shard the k
@@ -232,7 +227,7 @@ def place_micro_batch(
         return None
     base, rest = forced
     tails = _tails(rest, costs)  # shared by every construction
-    moves = 2 * len(ids) + costs.cp_size  # the local search's budget, every construction
+    moves = 2 * len(ids) + costs.cp_size if options.dacp_local_search else 0
     first = base.copy()
     best: CpGroupState | None = None
     if _greedy(first, rest, look_ahead=True, tails=tails):
@@ -242,19 +237,21 @@ def place_micro_batch(
             return first.placement(ids)
         best = first
         estimate = first.estimate()
-        if (
-            costs.comm(first.dist_tokens) >= _SPLIT_COMM_SHARE * estimate
-            or _shard_waste(first) >= _SPLIT_WASTE_SHARE * estimate
+        if options.dacp_split and (
+            costs.comm(first.dist_tokens) >= options.split_comm_share * estimate
+            or _shard_waste(first) >= options.split_waste_share * estimate
         ):
             split = _split_longest(base, rest, estimate, tails)
             if split is not None:  # it beats the estimate
                 _improve(split, max_moves=moves)
                 best = split
-        if chosen_max >= estimate:
+        if chosen_max >= estimate or not options.dacp_paper_rule:
             return best.placement(ids)
+    elif not options.dacp_paper_rule:
+        return None
     give_up = None
     if best is not None:
-        give_up = _SECOND_START_SLACK * best.estimate()
+        give_up = options.paper_rule_start_slack * best.estimate()
         if _paper_rule_gives_up(base, rest, give_up):
             return best.placement(ids)
     other = base  # the last use of the forced state: no copy needed
@@ -265,6 +262,19 @@ def place_micro_batch(
         if best is None or other.estimate() < best.estimate():
             best = other
     return None if best is None else best.placement(ids)
+
+
+def _place_paper(
+    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, options: PlannerOptions
+) -> tuple[int, ...] | None:
+    """The paper's Algorithm 1 (shortest first, shard only when no rank fits the sequence
+    whole, corrected roll-back), then step 3 when ``options`` runs it."""
+    state = CpGroupState(costs, bucket_size)
+    if not _greedy(state, ascending(ids, costs.lengths), look_ahead=False, most_free=True):
+        return None
+    if options.dacp_local_search:
+        _improve(state, max_moves=2 * len(ids) + costs.cp_size)
+    return state.placement(ids)
 
 
 def _tails(rest: Sequence[int], costs: SequenceCosts) -> tuple[list[float], list[float]]:
@@ -502,6 +512,7 @@ def _greedy(
     look_ahead: bool,
     give_up_at: float | None = None,
     tails: tuple[list[float], list[float]] | None = None,
+    most_free: bool = False,
 ) -> bool:
     """Place ``rest`` (longest first), choosing local or distributed by a look-ahead estimate.
 
@@ -510,7 +521,9 @@ def _greedy(
     left to balance), plus the distributed compute. Keeping a sequence local is chosen on
     ties; a sequence that fits no rank whole is distributed, or a local one is rolled back.
 
-    ``tails`` is :func:`_tails` of ``rest``, when the caller already has it.
+    ``tails`` is :func:`_tails` of ``rest``, when the caller already has it. With
+    ``most_free``, a sequence whose least-loaded rank has no room goes to the rank with most
+    free tokens (the paper's rule) instead of the least-loaded rank with room.
 
     Returns:
         ``False`` when the micro-batch cannot fit, or when the estimate so far (slowest rank
@@ -553,7 +566,10 @@ def _greedy(
                     times = state.rank_times(comm)
                 rank = times.index(min(times))  # first minimum: lowest rank on ties
                 if tokens[rank] + state.reserved + s > cap:
-                    rank = _least_loaded_with_room(state, sid, times)
+                    if most_free:  # the paper's choice: most free tokens, lowest rank on ties
+                        rank = tokens.index(min_tokens)
+                    else:
+                        rank = _least_loaded_with_room(state, sid, times)
             go_local = rank >= 0
             if go_local and look_ahead:
                 # Mean rank time once everything left is placed locally (a lower bound).
