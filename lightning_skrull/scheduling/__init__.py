@@ -7,6 +7,7 @@ kept whole on one CP rank and which are sharded over the CP group (DACP). ``simu
 """
 
 from lightning_skrull.scheduling.cost_model import CostModel, FitSample, ModelShape
+from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
     POLICIES,
@@ -27,6 +28,7 @@ __all__ = [
     "GlobalBatchPlan",
     "MicroBatchPlan",
     "ModelShape",
+    "PlannerOptions",
     "Policy",
     "dp_rank_seconds",
     "lower_bound",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from numbers import Integral
 
@@ -14,8 +15,8 @@ from lightning_skrull.scheduling.baselines import (
 from lightning_skrull.scheduling.cost_model import CostModel
 from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
-from lightning_skrull.scheduling.gds import plan_gds
-from lightning_skrull.scheduling.kv_groups import choose_kv_groups
+from lightning_skrull.scheduling.gds import plan_gds, with_kv_groups
+from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import POLICIES, GlobalBatchPlan, MicroBatchPlan, Policy
 
 DEFAULT_COST_MODEL = CostModel()
@@ -75,6 +76,7 @@ def plan_global_batch(
     bucket_size: int,
     cost_model: CostModel | None = None,
     policy: Policy = "skrull",
+    options: PlannerOptions | None = None,
 ) -> GlobalBatchPlan:
     """Plan one optimizer step: micro-batches per DP rank and the placement of each sequence.
 
@@ -90,13 +92,15 @@ def plan_global_batch(
         cost_model: time estimate the cost-aware policies optimise; default
             :data:`DEFAULT_COST_MODEL`. Build one with ``CostModel.from_hf_config(config)``.
         policy: one of :data:`POLICIES`.
+        options: which steps beyond the paper ``skrull`` and ``dacp`` run; default
+            :class:`PlannerOptions` ``()``, every step on.
 
     Returns:
         The plan; ``plan.micro_batches[dp_rank]`` lists that rank's micro-batches (possibly
         none). An empty ``lengths`` gives a plan with no micro-batches.
 
     Raises:
-        TypeError: for a non-int size or length, or a cost model of the wrong type.
+        TypeError: for a non-int size or length, or a cost model or options of the wrong type.
         ValueError: for a size below 1, a length below 1, a sequence longer than
             ``cp_size * bucket_size`` (naming its index, length and the capacity), or an
             unknown policy.
@@ -113,6 +117,13 @@ def plan_global_batch(
             f"cost_model must be a CostModel or None, got {type(cost_model).__name__}; "
             "build one with CostModel.from_hf_config(config)."
         )
+    if options is None:
+        options = DEFAULT_OPTIONS
+    elif not isinstance(options, PlannerOptions):
+        raise TypeError(
+            f"options must be a PlannerOptions or None, got {type(options).__name__}; "
+            "build one with PlannerOptions(gds_rows=False, ...)."
+        )
     checked = validate_lengths(lengths, cp_size, bucket_size)
     n = len(checked)
     ranks: list[list[MicroBatchPlan]]
@@ -122,14 +133,15 @@ def plan_global_batch(
         ranks = plan_sorted(checked, dp_size, cp_size, bucket_size)
     else:
         costs = SequenceCosts(checked, cp_size, cost_model)
+        dacp = functools.partial(place_micro_batch, options=options)
         if policy == "skrull":
-            ranks = plan_gds(n, dp_size, costs, bucket_size, place_micro_batch)
+            ranks = plan_gds(n, dp_size, costs, bucket_size, dacp, options)
         elif policy == "dacp":
-            ranks = plan_data_order(n, dp_size, costs, bucket_size, place_micro_batch)
+            ranks = plan_data_order(n, dp_size, costs, bucket_size, dacp)
         else:
             ranks = plan_data_order(n, dp_size, costs, bucket_size, place_round_robin)
         if policy == "dacp":  # skrull's micro-batches come with theirs (GDS)
-            ranks = [[choose_kv_groups(mb, costs) for mb in r] for r in ranks]
+            ranks = [[with_kv_groups(mb, costs, options) for mb in r] for r in ranks]
     return GlobalBatchPlan(
         micro_batches=tuple(tuple(r) for r in ranks),
         dp_size=dp_size,
