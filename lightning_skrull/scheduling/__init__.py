@@ -6,7 +6,8 @@ kept whole on one CP rank and which are sharded over the CP group (DACP). ``simu
 ``lower_bound`` judge a plan with a :class:`CostModel`.
 """
 
-from lightning_skrull.scheduling.cost_model import CostModel, FitSample, ModelShape
+from lightning_skrull.scheduling.cost_model import CostModel, ModelShape
+from lightning_skrull.scheduling.fit import FitSample, fit_cost_model
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
@@ -31,6 +32,7 @@ __all__ = [
     "PlannerOptions",
     "Policy",
     "dp_rank_seconds",
+    "fit_cost_model",
     "lower_bound",
     "plan_global_batch",
     "shard_tokens",

@@ -38,9 +38,9 @@ import heapq
 import math
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
 
 _REL_GAIN = 1e-9
 """A move must lower the estimate by this relative amount (guards against float noise)."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, ascending
 from lightning_skrull.scheduling.plan import DISTRIBUTED, shard_tokens
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending
 
 
 def place_micro_batch_reference(

@@ -62,11 +62,11 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups, one_group
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]

@@ -20,8 +20,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 MAX_KV_GROUPS = 8
 """Most K/V groups of one micro-batch: each adds two collectives per layer."""

@@ -13,11 +13,11 @@ from lightning_skrull.scheduling.baselines import (
     plan_static,
 )
 from lightning_skrull.scheduling.cost_model import CostModel
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
 from lightning_skrull.scheduling.gds import plan_gds, with_kv_groups
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import POLICIES, GlobalBatchPlan, MicroBatchPlan, Policy
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 DEFAULT_COST_MODEL = CostModel()
 """Cost model used when none is given: Qwen2.5-0.5B shape, H100-class constants."""
