@@ -16,6 +16,17 @@ def _functions(tree: ast.AST):
     return [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
 
 
+def test_no_function_is_longer_than_80_lines() -> None:
+    # Docstrings included: a function that needs more is doing two things.
+    long = [
+        f"{path.name}:{fn.name} ({fn.end_lineno - fn.lineno + 1} lines)"
+        for path in MODULES
+        for fn in _functions(ast.parse(path.read_text()))
+        if fn.end_lineno - fn.lineno + 1 > MAX_FUNCTION_LINES
+    ]
+    assert long == []
+
+
 def test_no_function_imports() -> None:
     # A function-level import inside scheduling/ would dodge an import cycle; every module
     # imports at its top.

@@ -31,6 +31,17 @@ def _check_size(name: str, value: object) -> int:
     return int(value)
 
 
+def _check_options(options: object) -> PlannerOptions:
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, PlannerOptions):
+        raise TypeError(
+            f"options must be a PlannerOptions or None, got {type(options).__name__}; "
+            "build one with PlannerOptions(gds_rows=False, ...)."
+        )
+    return options
+
+
 def validate_lengths(lengths: Sequence[int], cp_size: int, bucket_size: int) -> list[int]:
     """Check the lengths of a global batch and return them as a list of ints.
 
@@ -117,13 +128,7 @@ def plan_global_batch(
             f"cost_model must be a CostModel or None, got {type(cost_model).__name__}; "
             "build one with CostModel.from_hf_config(config)."
         )
-    if options is None:
-        options = DEFAULT_OPTIONS
-    elif not isinstance(options, PlannerOptions):
-        raise TypeError(
-            f"options must be a PlannerOptions or None, got {type(options).__name__}; "
-            "build one with PlannerOptions(gds_rows=False, ...)."
-        )
+    options = _check_options(options)
     checked = validate_lengths(lengths, cp_size, bucket_size)
     n = len(checked)
     ranks: list[list[MicroBatchPlan]]

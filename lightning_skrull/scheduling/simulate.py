@@ -43,11 +43,6 @@ class MicroBatchTerms:
     exposed_tokens: int
     distributed_tokens: int
 
-    @property
-    def comm_exposed(self) -> bool:
-        """Whether communication, not attention, sets part of the slowest rank's time."""
-        return self.exposed_collectives > 0
-
 
 def micro_batch_terms(
     mb: MicroBatchPlan, costs: SequenceCosts, cost_model: CostModel
