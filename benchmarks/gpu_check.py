@@ -367,11 +367,11 @@ def fit_constants(model: Any, samples: list[tuple[Any, list[int], float]]) -> di
     The measured step includes the optimizer step, which the model does not: it shows up in
     the fitted seconds per micro-batch.
     """
-    from lightning_skrull.scheduling import simulate
+    from lightning_skrull.scheduling import fit_cost_model, simulate
 
     if len(samples) < 2:
         return {"skipped": f"{len(samples)} measured steps; the fit needs 2"}
-    fitted = model.fit(samples)
+    fitted = fit_cost_model(model, samples)
     errors = [simulate(p, lengths, fitted) / t - 1.0 for p, lengths, t in samples]
     return {
         "steps": len(samples),

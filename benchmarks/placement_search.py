@@ -38,8 +38,8 @@ from simulate_paper import (  # noqa: E402
 )
 
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, MicroBatchPlan  # noqa: E402
-from lightning_skrull.scheduling.costs import SequenceCosts  # noqa: E402
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups  # noqa: E402
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts  # noqa: E402
 from lightning_skrull.scheduling.simulate import micro_batch_terms  # noqa: E402
 
 CASES = (

@@ -14,6 +14,7 @@ Run::
 
     python benchmarks/simulate_paper.py            # prints the tables, writes docs/
     python benchmarks/simulate_paper.py --batches 5 --no-write
+    python benchmarks/simulate_paper.py --ablation   # each step beyond the paper off alone
 
 It writes ``docs/simulate_paper.md`` (the tables and the command) and
 ``docs/img/simulate_paper.png`` (a chart; needs matplotlib).
@@ -37,6 +38,7 @@ from lightning_skrull.scheduling import (
     POLICIES,
     CostModel,
     GlobalBatchPlan,
+    PlannerOptions,
     lower_bound,
     plan_global_batch,
     simulate,
@@ -615,6 +617,51 @@ def write_chart(results, path: Path) -> None:
     plt.close(fig)
 
 
+def ablation(batches: int, seed: int) -> str:
+    """Markdown table: skrull with each step beyond the paper switched off alone
+    (:class:`PlannerOptions`), on the paper's six settings, under the default and the measured
+    constants: the mean simulated speed-up over packed ``static``, the mean ratio to the lower
+    bound, and the mean planning time (CPU ms, one run per batch)."""
+    variants = [("all steps", PlannerOptions())]
+    variants += [(f"no {step}", PlannerOptions(**{step: False})) for step in PlannerOptions.steps()]
+    variants.append(("paper only", PlannerOptions.paper()))
+    measured = measured_constants(json.loads(MEASURED.read_text()))
+    keys = [(s, d) for s in settings() for d in DATASETS]
+    lines = []
+    for label, constants in (("default", None), ("H200-measured", measured)):
+        lines += [
+            "",
+            f"Constants: {label}. Each cell: speed-up over packed static / ratio to the lower "
+            "bound / planning ms (means over the batches).",
+            "",
+            "| variant | "
+            + " | ".join(f"{s.model[8:]} {d.name.split('-')[0]}" for s, d in keys)
+            + " |",
+            "|---|" + "---:|" * len(keys),
+        ]
+        rows: dict[str, list[str]] = {name: [] for name, _ in variants}
+        for s, d in keys:
+            model = CostModel(shape=s.shape, **(constants[s.model] if constants else {}))
+            same = setting_batches(s, d, batches, seed)
+            kw = dict(dp_size=s.dp_size, cp_size=s.cp_size, bucket_size=s.bucket_size)
+            static = sum(simulate(plan_for("static", ls, s, model), ls, model) for ls in same)
+            bounds = [lower_bound(ls, **kw, cost_model=model) for ls in same]
+            for name, options in variants:
+                total, ratio, ms = 0.0, 0.0, 0.0
+                for ls, bound in zip(same, bounds, strict=True):
+                    t0 = time.process_time()
+                    plan = plan_global_batch(ls, **kw, cost_model=model, options=options)
+                    ms += (time.process_time() - t0) * 1e3
+                    t = simulate(plan, ls, model)
+                    total += t
+                    ratio += t / bound
+                rows[name].append(
+                    f"{static / total:.3f}x / {ratio / len(same):.4f} / {ms / len(same):.1f}"
+                )
+        lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
 READING = """
 ## Reading the results
 
@@ -676,7 +723,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cluster-batches", type=int, default=3, help="batches at cluster scale")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-write", action="store_true", help="print only; do not write docs/")
+    parser.add_argument(
+        "--ablation", action="store_true", help="print only the table of each step switched off"
+    )
     args = parser.parse_args(argv)
+    if args.ablation:
+        print(ablation(args.batches, args.seed))
+        return 0
 
     cluster, paper = plan_timers(args.cluster_batches, args.batches, args.seed)
 

@@ -20,12 +20,3 @@ def world_of_one() -> Iterator[None]:
             dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)
-
-
-@pytest.fixture
-def without_gds_step_6(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Turn GDS step 6 off (it moves a sequence between DP ranks after the others have run), for
-    tests that judge an earlier step on the DP split and micro-batches that step made."""
-    from lightning_skrull.scheduling import gds
-
-    monkeypatch.setattr(gds, "rebalance_dp", lambda ranks, *args: [list(r) for r in ranks])

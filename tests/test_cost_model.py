@@ -13,6 +13,7 @@ from lightning_skrull.scheduling import (
     POLICIES,
     CostModel,
     FitSample,
+    fit_cost_model,
     plan_global_batch,
     simulate,
 )
@@ -24,7 +25,7 @@ from lightning_skrull.scheduling.cost_model import (
     zigzag_tiles,
     zigzag_tiles_many,
 )
-from lightning_skrull.scheduling.costs import BULK_SEQUENCES, SequenceCosts
+from lightning_skrull.scheduling.sequence_costs import BULK_SEQUENCES, SequenceCosts
 
 TINY = dict(
     hidden_size=8,
@@ -244,7 +245,7 @@ def test_fit_recovers_the_constants() -> None:
     truth = CostModel(
         achieved_flops=3e14, micro_batch_overhead_s=5e-3, comm_latency_s=50e-6, comm_bandwidth=40e9
     )
-    fitted = CostModel().fit(synthetic_samples(truth, 30, seed=0))
+    fitted = fit_cost_model(CostModel(), synthetic_samples(truth, 30, seed=0))
     # Noise-free data from the same model family: exact up to least-squares round-off.
     for name in ("achieved_flops", "micro_batch_overhead_s", "comm_latency_s", "comm_bandwidth"):
         assert getattr(fitted, name) == pytest.approx(getattr(truth, name), rel=1e-6), name
@@ -259,7 +260,7 @@ def test_fit_keeps_what_the_samples_cannot_identify() -> None:
         plan = plan_global_batch(lengths, dp_size=1, cp_size=1, bucket_size=8_000, cost_model=truth)
         samples.append((plan, lengths, simulate(plan, lengths, truth)))
     start = CostModel(comm_latency_s=7e-6, comm_bandwidth=12e9)
-    fitted = start.fit(samples)
+    fitted = fit_cost_model(start, samples)
     assert fitted.achieved_flops == pytest.approx(2e14, rel=1e-6)
     assert fitted.micro_batch_overhead_s == pytest.approx(1e-3, rel=1e-6)
     assert (fitted.comm_latency_s, fitted.comm_bandwidth) == (7e-6, 12e9)
@@ -268,8 +269,8 @@ def test_fit_keeps_what_the_samples_cannot_identify() -> None:
 def test_fit_needs_two_samples_and_positive_times() -> None:
     plan = plan_global_batch([5], dp_size=1, cp_size=1, bucket_size=8)
     with pytest.raises(ValueError, match="at least 2 measured steps"):
-        CostModel().fit([(plan, [5], 1.0)])
+        fit_cost_model(CostModel(), [(plan, [5], 1.0)])
     with pytest.raises(ValueError, match=r"seconds=0\.0 is invalid"):
-        CostModel().fit([(plan, [5], 1.0), (plan, [5], 0.0)])
+        fit_cost_model(CostModel(), [(plan, [5], 1.0), (plan, [5], 0.0)])
     with pytest.raises(TypeError, match="FitSample or"):
-        CostModel().fit([plan, plan])
+        fit_cost_model(CostModel(), [plan, plan])

@@ -9,14 +9,17 @@ import pytest
 
 from lightning_skrull.scheduling import CostModel, gds, plan_global_batch, simulate
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import estimate_micro_batch, place_micro_batch
 from lightning_skrull.scheduling.gds import balance_dp, gather_sharded, plan_gds
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
+from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import GlobalBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 # Step 4 is judged on the split it chose: step 6 would move a sequence after it.
-pytestmark = pytest.mark.usefixtures("without_gds_step_6")
+OPTIONS = PlannerOptions(gds_rebalance=False)
+ESTIMATED = PlannerOptions(gds_rebalance=False, plan_both_max_sequences=0)  # the estimate decides
+WITHOUT_STEP_4 = PlannerOptions(gds_rebalance=False, gds_gather=False)  # the LPT split
 
 MODEL_7B = CostModel(shape=QWEN2_5_7B)
 # Found by a random search over small 7B batches: the gathered split plans 10% faster.
@@ -60,8 +63,7 @@ def test_gather_sharded_declines_where_there_is_nothing_to_gather() -> None:
     assert gather_sharded(range(len(lengths)), 2, costs, 1000) is None
 
 
-def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster(monkeypatch) -> None:
-    monkeypatch.setattr(gds, "PLAN_BOTH_MAX_SEQUENCES", 0)  # the quick estimate decides
+def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster() -> None:
     lengths = GATHER_WINS
     costs = SequenceCosts(lengths, 4, MODEL_7B)
     lpt = balance_dp(range(len(lengths)), 2, costs)
@@ -69,24 +71,22 @@ def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster(monkeypat
     assert gathered is not None
     estimate = lambda bins: max(estimate_micro_batch(b, costs, 8192) for b in bins)  # noqa: E731
     assert estimate(gathered) < estimate(lpt)
-    plan = plan_global_batch(lengths, dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
+    kw = dict(dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
+    plan = plan_global_batch(lengths, **kw, options=ESTIMATED)
     assert _ranks(plan) == [set(b) for b in gathered]
     assert all(len(mbs) == 1 for mbs in plan.micro_batches)
 
 
-def test_the_gathered_split_beats_the_balanced_one_on_this_batch(monkeypatch) -> None:
+def test_the_gathered_split_beats_the_balanced_one_on_this_batch() -> None:
     lengths = GATHER_WINS
     kwargs = dict(dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
-    gathered = simulate(plan_global_batch(lengths, **kwargs), lengths, MODEL_7B)
-    monkeypatch.setattr(gds, "GATHER_MAX_SEQUENCES", -1)  # step 4 off: the LPT split
-    balanced = simulate(plan_global_batch(lengths, **kwargs), lengths, MODEL_7B)
+    gathered = simulate(plan_global_batch(lengths, **kwargs, options=OPTIONS), lengths, MODEL_7B)
+    balanced_plan = plan_global_batch(lengths, **kwargs, options=WITHOUT_STEP_4)
+    balanced = simulate(balanced_plan, lengths, MODEL_7B)
     assert gathered < 0.92 * balanced  # 0.896 when found; margin for float changes only
 
 
-def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches(
-    monkeypatch,
-) -> None:
-    monkeypatch.setattr(gds, "PLAN_BOTH_MAX_SEQUENCES", 0)  # the quick estimate decides
+def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches() -> None:
     lengths = GATHER_WINS
     costs = SequenceCosts(lengths, 4, MODEL_7B)
     gathered = gather_sharded(range(len(lengths)), 2, costs, 8192)
@@ -96,15 +96,16 @@ def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches(
     def refuse_gathered_rank(ids, costs, bucket_size):
         return None if list(ids) == refused else place_micro_batch(ids, costs, bucket_size)
 
-    ranks = plan_gds(len(lengths), 2, costs, 8192, refuse_gathered_rank)
+    ranks = plan_gds(len(lengths), 2, costs, 8192, refuse_gathered_rank, ESTIMATED)
     lpt = balance_dp(range(len(lengths)), 2, costs)
     assert [{sid for mb in r for sid in mb.sequence_ids} for r in ranks] == [set(b) for b in lpt]
 
 
-def test_plan_gds_skips_the_gathered_split_above_the_size_limit(monkeypatch) -> None:
+def test_plan_gds_skips_the_gathered_split_above_the_size_limit() -> None:
     lengths = GATHER_WINS
-    monkeypatch.setattr(gds, "GATHER_MAX_SEQUENCES", len(lengths) - 1)
-    plan = plan_global_batch(lengths, dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
+    options = PlannerOptions(gds_rebalance=False, gather_max_sequences=len(lengths) - 1)
+    kw = dict(dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
+    plan = plan_global_batch(lengths, **kw, options=options)
     costs = SequenceCosts(lengths, 4, MODEL_7B)
     assert _ranks(plan) == [set(b) for b in balance_dp(range(len(lengths)), 2, costs)]
 
@@ -123,7 +124,7 @@ def _plan_of(bins, lengths, cp, bucket, model) -> GlobalBatchPlan:
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_small_batches_keep_the_faster_of_both_planned_splits(seed: int, monkeypatch) -> None:
+def test_small_batches_keep_the_faster_of_both_planned_splits(seed: int) -> None:
     # Both splits planned in full and judged by the simulator: the plan is the faster one (the
     # balanced one on ties), so step 4 never makes a small batch's plan slower.
     rng = random.Random(seed)
@@ -142,10 +143,9 @@ def test_small_batches_keep_the_faster_of_both_planned_splits(seed: int, monkeyp
         raise AssertionError("no draw with a gathered split to weigh")
     assert bins is not None
     kwargs = dict(dp_size=dp, cp_size=cp, bucket_size=bucket, cost_model=model)
-    plan = plan_global_batch(lengths, **kwargs)
+    plan = plan_global_batch(lengths, **kwargs, options=OPTIONS)
     gathered = simulate(_plan_of(bins, lengths, cp, bucket, model), lengths, model)
-    monkeypatch.setattr(gds, "GATHER_MAX_SEQUENCES", -1)  # step 4 off: the balanced split
-    balanced_plan = plan_global_batch(lengths, **kwargs)
+    balanced_plan = plan_global_batch(lengths, **kwargs, options=WITHOUT_STEP_4)
     balanced = simulate(balanced_plan, lengths, model)
     got = simulate(plan, lengths, model)
     assert got == min(gathered, balanced)  # the same plans, the same floats

@@ -8,8 +8,9 @@ import pytest
 
 from lightning_skrull.scheduling import CostModel, gds, plan_global_batch, simulate
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
+from lightning_skrull.scheduling.options import PlannerOptions
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 from lightning_skrull.scheduling.simulate import dp_rank_seconds
 
 MODEL_7B = CostModel(shape=QWEN2_5_7B)
@@ -17,19 +18,17 @@ MODEL_7B = CostModel(shape=QWEN2_5_7B)
 LENGTHS = [1378, 505, 2977, 1583]
 
 
-def _without_step_6(monkeypatch: pytest.MonkeyPatch, lengths: list[int], **kw):
-    with monkeypatch.context() as m:
-        m.setattr(gds, "rebalance_dp", lambda ranks, *args: [list(r) for r in ranks])
-        return plan_global_batch(lengths, **kw)
+def _without_step_6(lengths: list[int], **kw):
+    return plan_global_batch(lengths, **kw, options=PlannerOptions(gds_rebalance=False))
 
 
 def _ranks(plan) -> list[list[int]]:
     return [sorted(sid for mb in mbs for sid in mb.sequence_ids) for mbs in plan.micro_batches]
 
 
-def test_the_sequence_nearest_half_the_gap_moves(monkeypatch) -> None:
+def test_the_sequence_nearest_half_the_gap_moves() -> None:
     kw = dict(dp_size=2, cp_size=2, bucket_size=4000, cost_model=MODEL_7B)
-    before = _without_step_6(monkeypatch, LENGTHS, **kw)
+    before = _without_step_6(LENGTHS, **kw)
     # Steps 1-5: the longest alone on DP rank 0, the three others on DP rank 1.
     assert _ranks(before) == [[2], [0, 1, 3]]
     fast, slow = dp_rank_seconds(before, LENGTHS, MODEL_7B)
@@ -64,11 +63,11 @@ def _draw(seed: int) -> tuple[list[int], dict]:
 
 @pytest.mark.parametrize("seed", range(40))
 def test_a_move_is_one_sequence_from_the_slowest_rank_to_the_fastest_and_faster(
-    seed: int, monkeypatch
+    seed: int,
 ) -> None:
     lengths, kw = _draw(seed)
     plan = plan_global_batch(lengths, **kw)
-    before = _without_step_6(monkeypatch, lengths, **kw)
+    before = _without_step_6(lengths, **kw)
     after_s = simulate(plan, lengths, MODEL_7B)
     before_s = simulate(before, lengths, MODEL_7B)
     assert after_s <= before_s  # the same sums of the same micro-batch times: never slower
@@ -99,12 +98,12 @@ def test_a_move_is_one_sequence_from_the_slowest_rank_to_the_fastest_and_faster(
             assert mb.placement == place_micro_batch(mb.sequence_ids, costs, kw["bucket_size"])
 
 
-def test_moves_happen_on_some_random_batches(monkeypatch) -> None:
+def test_moves_happen_on_some_random_batches() -> None:
     """The property above holds trivially if step 6 never moves: it must on some draws."""
     moves = 0
     for seed in range(40):  # the same draws as above; a sequence moves on 18 of them
         lengths, kw = _draw(seed)
-        before = _without_step_6(monkeypatch, lengths, **kw)
+        before = _without_step_6(lengths, **kw)
         moves += plan_global_batch(lengths, **kw).micro_batches != before.micro_batches
     assert moves >= 18
 
@@ -115,7 +114,7 @@ def test_step_6_runs_only_with_several_dp_ranks_and_few_sequences(monkeypatch) -
 
     monkeypatch.setattr(gds, "rebalance_dp", refuse)
     plan_global_batch(LENGTHS, dp_size=1, cp_size=2, bucket_size=4000, cost_model=MODEL_7B)
-    many = [300] * (gds.PLAN_BOTH_MAX_SEQUENCES + 1)
+    many = [300] * (PlannerOptions().plan_both_max_sequences + 1)
     plan_global_batch(many, dp_size=2, cp_size=2, bucket_size=40_000, cost_model=MODEL_7B)
     with pytest.raises(AssertionError, match="ran"):
         plan_global_batch(LENGTHS, dp_size=2, cp_size=2, bucket_size=4000, cost_model=MODEL_7B)

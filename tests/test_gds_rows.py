@@ -3,17 +3,17 @@ tight, kept only where they are faster."""
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
 
 from lightning_skrull.scheduling import CostModel, gds, plan_global_batch, simulate
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
 from lightning_skrull.scheduling.gds import deal_rows
+from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 from lightning_skrull.scheduling.simulate import dp_rank_seconds
 
 # 5 GB/s: a K/V exchange slower than the attention it could hide behind, as over a slow
@@ -24,13 +24,12 @@ FAST = CostModel(shape=QWEN2_5_7B)
 LENGTHS = [926, 858, 842, 687, 328]
 
 # Step 5 is judged rank by rank on the DP split steps 1-4 made: step 6 would move sequences.
-pytestmark = pytest.mark.usefixtures("without_gds_step_6")
+OPTIONS = PlannerOptions(gds_rebalance=False)
+WITHOUT_STEP_5 = PlannerOptions(gds_rebalance=False, gds_rows=False)
 
 
-def _without_step_5(monkeypatch, **kw):
-    with monkeypatch.context() as m:
-        m.setattr(gds, "ROWS_COMM_SHARE", math.inf)
-        return plan_global_batch(**kw)
+def _without_step_5(**kw):
+    return plan_global_batch(**kw, options=WITHOUT_STEP_5)
 
 
 def test_deal_rows_by_hand() -> None:
@@ -47,9 +46,9 @@ def test_deal_rows_by_hand() -> None:
     assert deal_rows([3, 1, 2, 0], 2, [7] * 4, 2, 100) == [[0, 1], [2, 3]]
 
 
-def test_rows_keep_a_row_whole_where_steps_1_to_4_shard_it(monkeypatch) -> None:
+def test_rows_keep_a_row_whole_where_steps_1_to_4_shard_it() -> None:
     kw = dict(lengths=LENGTHS, dp_size=1, cp_size=4, bucket_size=1000)
-    plan = plan_global_batch(**kw, cost_model=SLOW)
+    plan = plan_global_batch(**kw, cost_model=SLOW, options=OPTIONS)
     # The four longest stay whole, one per CP rank; the shortest is sharded on its own.
     (first, second) = plan.micro_batches[0]
     assert sorted(first.sequence_ids) == [0, 1, 2, 3]
@@ -61,7 +60,7 @@ def test_rows_keep_a_row_whole_where_steps_1_to_4_shard_it(monkeypatch) -> None:
     overhead = SLOW.micro_batch_overhead_s
     by_hand = 2 * overhead + costs.local(0) + costs.comm(328) + costs.distributed(4)
     assert simulate(plan, LENGTHS, SLOW) == pytest.approx(by_hand, rel=1e-12)  # summation order
-    before = _without_step_5(monkeypatch, **kw, cost_model=SLOW)
+    before = _without_step_5(**kw, cost_model=SLOW)
     assert all(-1 in mb.placement for mb in before.micro_batches[0])  # shards in both
     assert simulate(plan, LENGTHS, SLOW) < 0.75 * simulate(before, LENGTHS, SLOW)
 
@@ -72,26 +71,34 @@ def test_rows_are_not_tried_where_communication_is_fast_or_memory_loose(monkeypa
 
     monkeypatch.setattr(gds, "deal_rows", refuse)
     # Fast links: the communication is a small share of the micro-batches.
-    plan_global_batch(LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=FAST)
+    plan_global_batch(
+        LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=FAST, options=OPTIONS
+    )
     # Slow links, but no micro-batch is half full (3641 of 4 x 2000 tokens).
-    plan_global_batch(LENGTHS, dp_size=1, cp_size=4, bucket_size=2000, cost_model=SLOW)
+    plan_global_batch(
+        LENGTHS, dp_size=1, cp_size=4, bucket_size=2000, cost_model=SLOW, options=OPTIONS
+    )
     # One CP rank: nothing is sharded.
-    plan_global_batch(LENGTHS, dp_size=1, cp_size=1, bucket_size=4000, cost_model=SLOW)
+    plan_global_batch(
+        LENGTHS, dp_size=1, cp_size=1, bucket_size=4000, cost_model=SLOW, options=OPTIONS
+    )
     monkeypatch.undo()
     with pytest.raises(AssertionError, match="tried"):
         monkeypatch.setattr(gds, "deal_rows", refuse)
-        plan_global_batch(LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=SLOW)
+        plan_global_batch(
+            LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=SLOW, options=OPTIONS
+        )
 
 
 @pytest.mark.parametrize("seed", range(30))
-def test_each_dp_rank_keeps_the_faster_of_its_deal_and_the_rows(seed: int, monkeypatch) -> None:
+def test_each_dp_rank_keeps_the_faster_of_its_deal_and_the_rows(seed: int) -> None:
     rng = random.Random(seed)
     n = rng.randint(8, 24)
     lengths = [rng.choice([rng.randint(50, 1000), rng.randint(500, 1000)]) for _ in range(n)]
     cp, bucket = 4, 1000
     kw = dict(lengths=lengths, dp_size=2, cp_size=cp, bucket_size=bucket, cost_model=SLOW)
-    plan = plan_global_batch(**kw)
-    before = _without_step_5(monkeypatch, **kw)
+    plan = plan_global_batch(**kw, options=OPTIONS)
+    before = _without_step_5(**kw)
     costs = SequenceCosts(lengths, cp, SLOW)
     after_s = dp_rank_seconds(plan, lengths, SLOW)
     before_s = dp_rank_seconds(before, lengths, SLOW)
@@ -105,13 +112,13 @@ def test_each_dp_rank_keeps_the_faster_of_its_deal_and_the_rows(seed: int, monke
         # more, each placed by DACP, and faster.
         assert after_s[rank] < before_s[rank]
         groups = [list(mb.sequence_ids) for mb in mbs]
-        assert len(old) <= len(groups) <= len(old) + gds.ROWS_EXTRA_MICRO_BATCHES
+        assert len(old) <= len(groups) <= len(old) + OPTIONS.rows_extra_micro_batches
         assert groups == deal_rows(mine, len(groups), lengths, cp, bucket)
         for mb in mbs:
             assert mb.placement == place_micro_batch(mb.sequence_ids, costs, bucket)
 
 
-def test_the_rows_win_on_some_random_batches(monkeypatch) -> None:
+def test_the_rows_win_on_some_random_batches() -> None:
     """The property above holds trivially if step 5 never wins: it must win on some draws."""
     wins = 0
     for seed in range(30):  # the same draws; step 5 wins on four of them (seeds 1, 8, 11, 18)
@@ -119,6 +126,6 @@ def test_the_rows_win_on_some_random_batches(monkeypatch) -> None:
         n = rng.randint(8, 24)
         lengths = [rng.choice([rng.randint(50, 1000), rng.randint(500, 1000)]) for _ in range(n)]
         kw = dict(lengths=lengths, dp_size=2, cp_size=4, bucket_size=1000, cost_model=SLOW)
-        plan = plan_global_batch(**kw)
-        wins += plan.micro_batches != _without_step_5(monkeypatch, **kw).micro_batches
+        plan = plan_global_batch(**kw, options=OPTIONS)
+        wins += plan.micro_batches != _without_step_5(**kw).micro_batches
     assert wins >= 4

@@ -14,9 +14,9 @@ import pytest
 
 from lightning_skrull.scheduling import CostModel, lower_bound, plan_global_batch, simulate
 from lightning_skrull.scheduling.cost_model import kv_pipeline_span
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.kv_groups import MAX_KV_GROUPS, SPAN_TOLERANCE, choose_kv_groups
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 from lightning_skrull.scheduling.simulate import _least_exposed, micro_batch_terms
 
 # Measured-like constants where the exchange of long distributed sequences is exposed: the

@@ -9,7 +9,7 @@ from benchmark_scripts import load_benchmark
 
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
-from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 search_mod = load_benchmark("placement_search")
 

@@ -25,9 +25,10 @@ from lightning_skrull.scheduling import (
     simulate,
 )
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import CpGroupState, place_micro_batch
 from lightning_skrull.scheduling.gds import balance_dp, deal_by_tokens, split_micro_batches
+from lightning_skrull.scheduling.options import PlannerOptions
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 from lightning_skrull.scheduling.simulate import _relaxation
 
 NO_OVERHEAD = CostModel(micro_batch_overhead_s=0.0)
@@ -393,8 +394,8 @@ def test_split_runs_where_sharding_short_sequences_wastes_time() -> None:
     dacp._improve(greedy, max_moves=2 * len(lengths) + 16)
     estimate = greedy.estimate()
     assert len(greedy.distributed) == 19
-    assert costs.comm(greedy.dist_tokens) < dacp._SPLIT_COMM_SHARE * estimate
-    assert dacp._shard_waste(greedy) >= dacp._SPLIT_WASTE_SHARE * estimate
+    assert costs.comm(greedy.dist_tokens) < PlannerOptions().split_comm_share * estimate
+    assert dacp._shard_waste(greedy) >= PlannerOptions().split_waste_share * estimate
     plan = plan_global_batch(lengths, dp_size=1, cp_size=16, bucket_size=13_000, cost_model=model)
     (mb,) = plan.micro_batches[0]
     shards = [lengths[sid] for sid, p in zip(mb.sequence_ids, mb.placement) if p == DISTRIBUTED]

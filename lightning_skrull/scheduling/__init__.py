@@ -6,14 +6,18 @@ kept whole on one CP rank and which are sharded over the CP group (DACP). ``simu
 ``lower_bound`` judge a plan with a :class:`CostModel`.
 """
 
-from lightning_skrull.scheduling.cost_model import CostModel, FitSample, ModelShape
+from lightning_skrull.scheduling.cost_model import CostModel, ModelShape
+from lightning_skrull.scheduling.fit import FitSample, fit_cost_model
+from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
+    POLICIES,
     GlobalBatchPlan,
     MicroBatchPlan,
+    Policy,
     shard_tokens,
 )
-from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, POLICIES, plan_global_batch
+from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, plan_global_batch
 from lightning_skrull.scheduling.simulate import dp_rank_seconds, lower_bound, simulate
 
 __all__ = [
@@ -25,7 +29,10 @@ __all__ = [
     "GlobalBatchPlan",
     "MicroBatchPlan",
     "ModelShape",
+    "PlannerOptions",
+    "Policy",
     "dp_rank_seconds",
+    "fit_cost_model",
     "lower_bound",
     "plan_global_batch",
     "shard_tokens",

@@ -20,10 +20,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, ascending
 from lightning_skrull.scheduling.dacp import CpGroupState
 from lightning_skrull.scheduling.gds import Placer
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan, shard_tokens
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending
 
 
 def data_order_ranks(n: int, dp_size: int) -> list[list[int]]:

@@ -34,11 +34,13 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+import numpy as np
+
+from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -241,8 +243,6 @@ def zigzag_tiles_many(lengths: Sequence[int], cp_size: int, tile: int) -> list[i
     taken directly over the ``2 * cp_size`` chunks); lengths its closed form does not cover
     go through :func:`zigzag_tiles` itself.
     """
-    import numpy as np
-
     s = np.asarray(lengths, dtype=np.int64)
     m = 2 * cp_size
     q = s // m
@@ -456,31 +456,3 @@ class CostModel:
     ) -> float:
         """Estimated seconds of one micro-batch: its slowest CP rank."""
         return max(self.rank_seconds(mb, lengths, cp_size))
-
-    # ----------------------------------------------------------------- fitting
-    def fit(
-        self, samples: Iterable[FitSample | tuple[GlobalBatchPlan, Sequence[int], float]]
-    ) -> CostModel:
-        """Fit the constants to measured iteration times by least squares.
-
-        See :func:`lightning_skrull.scheduling.fit.fit_cost_model` (this is a shortcut).
-        """
-        from lightning_skrull.scheduling.fit import fit_cost_model
-
-        return fit_cost_model(self, samples)
-
-
-@dataclass(frozen=True)
-class FitSample:
-    """One measured optimizer step: its plan, the lengths it planned, and its seconds.
-
-    Attributes:
-        plan: the plan that ran.
-        lengths: the global batch's sequence lengths.
-        seconds: measured wall-clock seconds of the step's forward/backward work (the slowest
-            DP rank, i.e. what the gradient all-reduce waits for), without the optimizer step.
-    """
-
-    plan: GlobalBatchPlan
-    lengths: Sequence[int]
-    seconds: float

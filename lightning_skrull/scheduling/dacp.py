@@ -37,21 +37,12 @@ from __future__ import annotations
 import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
-from lightning_skrull.scheduling.costs import SequenceCosts, descending
+from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED
-
-_SECOND_START_SLACK = 1.0
-"""The paper-rule construction is refined only if it starts within this factor of the first."""
-
-_SPLIT_COMM_SHARE = 0.2
-"""The split construction runs when communication is at least this share of the greedy's
-estimate (slow networks; it costs as much as the greedy, so it does not run everywhere)..."""
-
-_SPLIT_WASTE_SHARE = 0.1
-"""... or when the sequences it shards that would fit a rank whole waste at least this share of
-its estimate (see :func:`_shard_waste`): with fast communication that is where the split found
-faster placements (96% of its gain in the paper's settings, for a fifth of the runs)."""
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
 
 _REL_GAIN = 1e-9
 """A move must lower the estimate by this relative amount (guards against float noise)."""
@@ -136,14 +127,7 @@ class CpGroupState:
         """Estimated seconds of each rank without the shared distributed compute."""
         if comm is None:
             comm = self.costs.comm(self.dist_tokens)
-        return [
-            lin + (a if a > comm else comm) for lin, a in zip(self.linear, self.attn, strict=True)
-        ]
-
-    def rank_time(self, rank: int, comm: float) -> float:
-        """Estimated seconds of one rank without the shared distributed compute."""
-        a = self.attn[rank]
-        return self.linear[rank] + (a if a > comm else comm)
+        return [_busy(lin, a, comm) for lin, a in zip(self.linear, self.attn, strict=True)]
 
     def estimate(self) -> float:
         """Estimated seconds of the micro-batch (without the fixed per-micro-batch overhead)."""
@@ -203,7 +187,10 @@ def _least_loaded_with_room(state: CpGroupState, sid: int, times: list[float]) -
 
 
 def place_micro_batch(
-    ids: Sequence[int], costs: SequenceCosts, bucket_size: int
+    ids: Sequence[int],
+    costs: SequenceCosts,
+    bucket_size: int,
+    options: PlannerOptions = DEFAULT_OPTIONS,
 ) -> tuple[int, ...] | None:
     """Place one micro-batch with cost-aware DACP.
 
@@ -211,6 +198,7 @@ def place_micro_batch(
         ids: sequence ids of the micro-batch (each no longer than ``cp_size * bucket_size``).
         costs: cost table of the global batch.
         bucket_size: token budget of one CP rank.
+        options: which steps beyond the paper run (module docstring).
 
     Returns:
         One placement per id (same order), or ``None`` when the micro-batch cannot fit.
@@ -218,6 +206,8 @@ def place_micro_batch(
     if costs.cp_size == 1:  # one rank: nothing to shard, everything is local
         fits = sum(costs.lengths[i] for i in ids) <= bucket_size
         return (0,) * len(ids) if fits else None
+    if not options.dacp_cost_aware:
+        return _place_paper(ids, costs, bucket_size, options)
     # Up to three constructions, each refined by local search; the best estimate wins. When the
     # first (the greedy) sharded something by choice and communication, or the waste of what it
     # sharded by choice, is a large share of its estimate, the split construction (shard the k
@@ -232,7 +222,7 @@ def place_micro_batch(
         return None
     base, rest = forced
     tails = _tails(rest, costs)  # shared by every construction
-    moves = 2 * len(ids) + costs.cp_size  # the local search's budget, every construction
+    moves = 2 * len(ids) + costs.cp_size if options.dacp_local_search else 0
     first = base.copy()
     best: CpGroupState | None = None
     if _greedy(first, rest, look_ahead=True, tails=tails):
@@ -242,21 +232,21 @@ def place_micro_batch(
             return first.placement(ids)
         best = first
         estimate = first.estimate()
-        if (
-            costs.comm(first.dist_tokens) >= _SPLIT_COMM_SHARE * estimate
-            or _shard_waste(first) >= _SPLIT_WASTE_SHARE * estimate
+        if options.dacp_split and (
+            costs.comm(first.dist_tokens) >= options.split_comm_share * estimate
+            or _shard_waste(first) >= options.split_waste_share * estimate
         ):
             split = _split_longest(base, rest, estimate, tails)
             if split is not None:  # it beats the estimate
                 _improve(split, max_moves=moves)
                 best = split
-        if chosen_max >= estimate:
+        if chosen_max >= estimate or not options.dacp_paper_rule:
             return best.placement(ids)
+    elif not options.dacp_paper_rule:
+        return None
     give_up = None
     if best is not None:
-        give_up = _SECOND_START_SLACK * best.estimate()
-        if _paper_rule_gives_up(base, rest, give_up):
-            return best.placement(ids)
+        give_up = options.paper_rule_start_slack * best.estimate()
     other = base  # the last use of the forced state: no copy needed
     if _greedy(other, rest, look_ahead=False, give_up_at=give_up, tails=tails) and (
         give_up is None or other.estimate() < give_up
@@ -265,6 +255,19 @@ def place_micro_batch(
         if best is None or other.estimate() < best.estimate():
             best = other
     return None if best is None else best.placement(ids)
+
+
+def _place_paper(
+    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, options: PlannerOptions
+) -> tuple[int, ...] | None:
+    """The paper's Algorithm 1 (shortest first, shard only when no rank fits the sequence
+    whole, corrected roll-back), then step 3 when ``options`` runs it."""
+    state = CpGroupState(costs, bucket_size)
+    if not _greedy(state, ascending(ids, costs.lengths), look_ahead=False, most_free=True):
+        return None
+    if options.dacp_local_search:
+        _improve(state, max_moves=2 * len(ids) + costs.cp_size)
+    return state.placement(ids)
 
 
 def _tails(rest: Sequence[int], costs: SequenceCosts) -> tuple[list[float], list[float]]:
@@ -335,37 +338,71 @@ def _split_longest(
         bound before spreading and on plain lists before building), when the best ``k`` is 0
         or all of ``rest`` (the greedy's own corners), or when the shards do not fit.
     """
-    c = base.costs
-    n, lengths, local = base.n, c.lengths, c.local_table
     m = len(rest)
     if m < 2:
         return None
-    lin_of, att_of = c.linear_table, c.local_attention_table
-    suffix_lin, suffix_att = tails  # seconds of rest[i:], all local
-    lin0 = sum(base.linear)
-    att0 = sum(base.attn)
-    best_k, best_value = 0, math.inf
-    dist, tokens = base.dist_compute, base.dist_tokens
-    for k in range(m + 1):
-        if k:
-            sid = rest[k - 1]
-            dist += c.distributed_lower_bound(sid)
-            tokens += lengths[sid]
-        longest = local[rest[k]] if k < m else 0.0
-        if k + n < m:  # n + 1 sequences on n ranks: two of them share one
-            longest = max(longest, local[rest[k + n - 1]] + local[rest[k + n]])
-        comm = c.comm(tokens)
-        mean_att = (att0 + suffix_att[k]) / n
-        mean = (lin0 + suffix_lin[k]) / n + (mean_att if mean_att > comm else comm)
-        value = dist + (mean if mean > longest else longest)
-        if value < best_value:
-            best_k, best_value = k, value
+    best_k, best_value = _best_split(base, rest, tails)
     if best_k in (0, m) or best_value >= beat * (1.0 - _REL_GAIN):
         return None
+    return _spread(base, rest, best_k, beat * (1.0 - _REL_GAIN))
+
+
+def _best_split(
+    base: CpGroupState, rest: Sequence[int], tails: tuple[list[float], list[float]]
+) -> tuple[int, float]:
+    """The ``k`` of :func:`_split_longest` with the least :func:`_split_bound` (the first on
+    ties), distributed compute at its cheap lower bound, and that bound."""
+    c, n = base.costs, base.n
+    suffix_lin, suffix_att = tails  # seconds of rest[i:], all local
+    lin0, att0 = sum(base.linear), sum(base.attn)
+    best_k, best_value = 0, math.inf
+    dist, tokens = base.dist_compute, base.dist_tokens
+    for k in range(len(rest) + 1):
+        if k:
+            dist += c.distributed_lower_bound(rest[k - 1])
+            tokens += c.lengths[rest[k - 1]]
+        mean_lin, mean_att = (lin0 + suffix_lin[k]) / n, (att0 + suffix_att[k]) / n
+        value, _ = _split_bound(c, rest, k, dist, c.comm(tokens), mean_lin, mean_att)
+        if value < best_value:
+            best_k, best_value = k, value
+    return best_k, best_value
+
+
+def _split_bound(
+    costs: SequenceCosts,
+    rest: Sequence[int],
+    k: int,
+    dist_compute: float,
+    comm: float,
+    mean_lin: float,
+    mean_att: float,
+) -> tuple[float, bool]:
+    """Lower bound of a micro-batch that distributes ``rest[:k]`` (and whatever is already
+    distributed: ``dist_compute``, ``comm``) and keeps ``rest[k:]`` whole, longest first:
+    the distributed compute plus the larger of the mean rank (``mean_lin`` and ``mean_att``
+    per rank, the larger of attention and communication) and the slowest rank the whole
+    sequences force (the longest, or the two shortest of the ``n + 1`` longest, which must
+    share a rank). Also whether the mean rank sets it."""
+    local, m, n = costs.local_table, len(rest), costs.cp_size
+    longest = local[rest[k]] if k < m else 0.0
+    if k + n < m:  # n + 1 sequences on n ranks: two of them share one
+        longest = max(longest, local[rest[k + n - 1]] + local[rest[k + n]])
+    mean = _busy(mean_lin, mean_att, comm)
+    return dist_compute + (mean if mean > longest else longest), mean >= longest
+
+
+def _spread(
+    base: CpGroupState, rest: Sequence[int], best_k: int, beat: float
+) -> CpGroupState | None:
+    """``base`` with ``rest[:best_k]`` distributed and the others spread whole, longest first,
+    each to the rank with the least local time that has room (distributed when none has);
+    ``None`` when the shards do not fit or the estimate reaches ``beat``."""
+    c = base.costs
+    lengths, local = c.lengths, c.local_table
+    lin_of, att_of = c.linear_table, c.local_attention_table
     # Spread the rest on plain lists first; build the state only if the result wins. The
     # estimate only grows while spreading (each rank's load, the communication and the
     # distributed compute), so the spreading stops as soon as it reaches ``beat``.
-    beat *= 1.0 - _REL_GAIN
     linear, attn, tokens_of = list(base.linear), list(base.attn), list(base.tokens)
     shards = list(rest[:best_k])
     reserved = base.reserved + sum(c.shard(sid) for sid in shards)
@@ -374,7 +411,7 @@ def _split_longest(
     dist_tokens = base.dist_tokens + sum(lengths[sid] for sid in shards)
     comm = c.comm(dist_tokens)
     dist = base.dist_compute + sum(c.distributed(sid) for sid in shards)
-    top = max(lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True))
+    top = max(_busy(lin, a, comm) for lin, a in zip(linear, attn, strict=True))
     if top + dist >= beat:
         return None
     # Least local time first, lowest rank on ties; ranks without room are set aside.
@@ -394,14 +431,14 @@ def _split_longest(
             tokens_of[rank] += s
             where.append((sid, rank))
             heapq.heappush(heap, (load + local[sid], rank))
-            top = max(top, lin + (a if a > comm else comm))
+            top = max(top, _busy(lin, a, comm))
         elif max(tokens_of) + reserved + c.shard(sid) <= base.cap:
             shards.append(sid)
             reserved += c.shard(sid)
             dist_tokens += s
             comm = c.comm(dist_tokens)
             dist += c.distributed(sid)
-            top = max(lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True))
+            top = max(_busy(lin, a, comm) for lin, a in zip(linear, attn, strict=True))
         else:
             return None
         if top + dist >= beat:
@@ -431,7 +468,7 @@ def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: 
     if not ids:
         return 0.0
     lengths, n = costs.lengths, costs.cp_size
-    lin_of, att_of, local = costs.linear_table, costs.local_attention_table, costs.local_table
+    lin_of, att_of = costs.linear_table, costs.local_attention_table
     order = descending(ids, lengths)  # as _forced's
     rest = [sid for sid in order if lengths[sid] <= bucket_size]
     tokens = 0
@@ -450,50 +487,53 @@ def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: 
             dist_compute += costs.distributed(sid)
             linear -= lin_of[sid]
             attention -= att_of[sid]
-        # The bound of _split_longest, spelled out here too: this loop is a hot path.
-        longest = local[rest[k]] if k < m else 0.0
-        if k + n < m:  # n + 1 sequences on n ranks: two of them share one
-            longest = max(longest, local[rest[k + n - 1]] + local[rest[k + n]])
         comm = costs.comm(tokens)
-        mean_att = attention / n
-        mean = linear / n + (mean_att if mean_att > comm else comm)
-        value = dist_compute + (mean if mean > longest else longest)
+        value, mean_sets_it = _split_bound(
+            costs, rest, k, dist_compute, comm, linear / n, attention / n
+        )
         if value < best:
             best = value
-        if mean >= longest:
+        if mean_sets_it:
             break
     return costs.cost_model.micro_batch_overhead_s + best
 
 
-def _paper_rule_gives_up(base: CpGroupState, rest: Sequence[int], give_up_at: float) -> bool:
-    """Whether :func:`_greedy` with the paper's rule, started from ``base``, stops by its first
-    local placement, answered without building anything.
+class _Loads:
+    """Running extremes and sums of the ranks' local load while :func:`_greedy` places.
 
-    Until a sequence stays whole, every rank holds only the shards, so the rule distributes each
-    sequence that does not fit next to them (failing when even its shard does not fit) and keeps
-    the first one that fits whole on rank 0, giving up when that rank plus the distributed compute
-    reaches ``give_up_at``; this replays exactly that prefix.
+    The slowest rank's time is ``max(max_lin + comm, max_lin_att)`` for any communication
+    ``comm`` (linear plus the larger of communication and attention), so these totals answer it
+    without touching every rank after each placement.
     """
-    c = base.costs
-    lengths, cap = c.lengths, base.cap
-    reserved, dist_tokens, dist_compute = base.reserved, base.dist_tokens, base.dist_compute
-    n, comm_fixed, per_token = base.n, c.comm_fixed, c.comm_per_token
-    for sid in rest:
-        s = lengths[sid]
-        if s + reserved <= cap:
-            comm = c.comm(dist_tokens)
-            att = c.local_attention(sid)
-            first = c.linear(sid) + (att if att > comm else comm)
-            return first + dist_compute >= give_up_at
-        shard = -(-s // n)  # c.shard(sid), inlined as below: this loop runs per micro-batch
-        if reserved + shard > cap:
-            return True  # nothing local to roll back: the construction fails
-        reserved += shard
-        dist_tokens += s
-        dist_compute += c.distributed(sid)
-        if comm_fixed + per_token * dist_tokens + dist_compute >= give_up_at:  # c.comm(...)
-            return True
-    return False
+
+    __slots__ = ("max_lin", "max_lin_att", "max_tokens", "min_tokens", "sum_att", "sum_lin")
+
+    def __init__(self, state: CpGroupState) -> None:
+        self.reset(state)
+
+    def reset(self, state: CpGroupState) -> None:
+        """Recompute every total from ``state`` (after a roll-back)."""
+        self.min_tokens, self.max_tokens = min(state.tokens), max(state.tokens)
+        self.max_lin = max(state.linear)
+        self.max_lin_att = max(lin + a for lin, a in zip(state.linear, state.attn, strict=True))
+        self.sum_lin, self.sum_att = sum(state.linear), sum(state.attn)
+
+    def placed(self, state: CpGroupState, rank: int, s: int, lin_k: float, att_k: float) -> None:
+        """Account for a sequence of ``s`` tokens just put whole on ``rank``."""
+        tokens = state.tokens[rank]
+        if tokens - s == self.min_tokens:
+            self.min_tokens = min(state.tokens)
+        if tokens > self.max_tokens:
+            self.max_tokens = tokens
+        lin, a = state.linear[rank], state.attn[rank]
+        self.max_lin = lin if lin > self.max_lin else self.max_lin
+        self.max_lin_att = lin + a if lin + a > self.max_lin_att else self.max_lin_att
+        self.sum_lin += lin_k
+        self.sum_att += att_k
+
+    def slowest(self, comm: float) -> float:
+        """Seconds of the slowest rank without the distributed compute."""
+        return max(self.max_lin + comm, self.max_lin_att)
 
 
 def _greedy(
@@ -502,139 +542,134 @@ def _greedy(
     look_ahead: bool,
     give_up_at: float | None = None,
     tails: tuple[list[float], list[float]] | None = None,
+    most_free: bool = False,
 ) -> bool:
-    """Place ``rest`` (longest first), choosing local or distributed by a look-ahead estimate.
+    """Place ``rest`` in order, choosing local or distributed by a look-ahead estimate.
 
     The estimate of the finished micro-batch is the larger of the slowest rank so far and the
     mean rank time once every remaining sequence is placed locally (a lower bound of what is
-    left to balance), plus the distributed compute. Keeping a sequence local is chosen on
-    ties; a sequence that fits no rank whole is distributed, or a local one is rolled back.
+    left to balance), plus the distributed compute (:func:`_shard_pays`). Keeping a sequence
+    local is chosen on ties; a sequence that fits no rank whole is distributed, or a local one
+    is rolled back. Without ``look_ahead`` only memory makes a sequence distributed.
 
-    ``tails`` is :func:`_tails` of ``rest``, when the caller already has it.
+    ``tails`` is :func:`_tails` of ``rest``, when the caller already has it. With
+    ``most_free``, a sequence whose least-loaded rank has no room goes to the rank with most
+    free tokens (the paper's rule) instead of the least-loaded rank with room.
 
     Returns:
         ``False`` when the micro-batch cannot fit, or when the estimate so far (slowest rank
         plus distributed compute) reaches ``give_up_at``.
     """
-    if give_up_at is None:
-        give_up_at = math.inf
-    costs, n, cap = state.costs, state.n, state.cap
-    lengths = costs.lengths
-    tokens, linear, attn, where = state.tokens, state.linear, state.attn, state.where
-    # Linear and attention seconds of the sequences from position i on (all assumed local).
-    tail_lin, tail_att = _tails(rest, costs) if tails is None else tails
-    lin_of, att_of = costs.linear_table, costs.local_attention_table
-    comm_fixed, comm_per_token = costs.comm_fixed, costs.comm_per_token
+    give_up_at = math.inf if give_up_at is None else give_up_at
+    costs, cap = state.costs, state.cap
+    if not look_ahead:
+        tails = None
+    elif tails is None:
+        tails = _tails(rest, costs)
     comm = costs.comm(state.dist_tokens)
-    times: list[float] | None = state.rank_times(comm)
-    # max over ranks of linear + max(c, attention) == max(max_lin + c, max_lin_att) for any c.
-    max_lin = max(linear)
-    max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
-    sum_lin, sum_att = sum(linear), sum(attn)
-    min_tokens = min(tokens)
-    max_tokens = max(tokens)  # CpGroupState.can_distribute, inlined below: a hot path
-    # Until a sequence stays whole, every rank's linear and attention seconds are exactly 0, so
-    # every rank's time is the communication and the first minimum is rank 0: on long-sequence
-    # data most micro-batches distribute everything, and recomputing each rank's time after
-    # every shard dominated.
-    all_empty = not (any(tokens) or any(linear) or any(attn))
-    members = state.members
-    can_give_up = give_up_at != math.inf
+    times: list[float] | None = state.rank_times(comm)  # None: the communication changed
+    loads = _Loads(state)
+    # Until a sequence stays whole every rank's time is the communication and the first
+    # minimum is rank 0: long-sequence micro-batches that distribute everything skip the scan.
+    all_empty = not (any(state.tokens) or any(state.linear) or any(state.attn))
     for i, sid in enumerate(rest):
-        s = lengths[sid]
-        lin_k, att_k = lin_of[sid], att_of[sid]
+        s = costs.lengths[sid]
         while True:
-            if min_tokens + state.reserved + s > cap:
+            if loads.min_tokens + state.reserved + s > cap:
                 rank = -1  # fits no rank whole
             elif all_empty:
-                rank = 0  # every rank has room (min_tokens is every rank's tokens)
+                rank = 0
             else:
-                if times is None:  # the communication changed: every rank's time did
-                    times = state.rank_times(comm)
-                rank = times.index(min(times))  # first minimum: lowest rank on ties
-                if tokens[rank] + state.reserved + s > cap:
-                    rank = _least_loaded_with_room(state, sid, times)
-            go_local = rank >= 0
-            if go_local and look_ahead:
-                # Mean rank time once everything left is placed locally (a lower bound).
-                mean_lin = (sum_lin + tail_lin[i]) / n
-                mean_att = (sum_att + tail_att[i]) / n
-                a = attn[rank] + att_k
-                top = max_lin + comm  # the slowest rank so far
-                if max_lin_att > top:
-                    top = max_lin_att
-                new_rank = linear[rank] + lin_k + (a if a > comm else comm)
-                mean = mean_lin + (mean_att if mean_att > comm else comm)
-                # Sharding cannot win when keeping it whole leaves the estimate at ``top``:
-                # the sharded estimate is at least ``top`` plus the sequence's linear share.
-                if new_rank > top or mean > top:
-                    as_local = max(top, new_rank, mean)
-                    mean_lin -= lin_k / n
-                    mean_att -= att_k / n
-                    comm2 = comm_fixed + comm_per_token * (state.dist_tokens + s)  # costs.comm
-                    as_dist = max(
-                        max_lin + comm2,
-                        max_lin_att,
-                        mean_lin + (mean_att if mean_att > comm2 else comm2),
-                    )
-                    # The exact distributed cost is O(log) to compute: try its lower bounds
-                    # first (the linear part alone, then the cheap bound of the whole).
-                    if (
-                        as_dist + lin_k / n < as_local
-                        and as_dist + costs.distributed_lower_bound(sid) < as_local
-                        and as_dist + costs.distributed(sid) < as_local
-                        and max_tokens + state.reserved - (-s // n) <= cap
-                    ):
-                        go_local = False
-                        state.chosen_shards += 1
-                        state.chosen_local_max = max(state.chosen_local_max, lin_k + att_k)
-            if go_local:
-                if times is None:
-                    times = state.rank_times(comm)
+                times = state.rank_times(comm) if times is None else times
+                rank = _local_rank(state, sid, times, loads, most_free)
+            if (
+                rank >= 0
+                and tails is not None
+                and _shard_pays(state, sid, rank, tails, i, comm, loads)
+            ):
+                state.chosen_shards += 1
+                whole = costs.linear(sid) + costs.local_attention(sid)
+                state.chosen_local_max = max(state.chosen_local_max, whole)
+                rank = DISTRIBUTED
+            if rank >= 0:
+                times = state.rank_times(comm) if times is None else times
                 all_empty = False
-                if tokens[rank] == min_tokens:
-                    tokens[rank] += s
-                    min_tokens = min(tokens)
-                else:
-                    tokens[rank] += s
-                if tokens[rank] > max_tokens:
-                    max_tokens = tokens[rank]
-                lin = linear[rank] = linear[rank] + lin_k
-                a = attn[rank] = attn[rank] + att_k
-                where[sid] = rank
-                members[rank].append(sid)
-                times[rank] = lin + (a if a > comm else comm)
-                max_lin = lin if lin > max_lin else max_lin
-                max_lin_att = lin + a if lin + a > max_lin_att else max_lin_att
-                sum_lin += lin_k
-                sum_att += att_k
-                if (
-                    can_give_up
-                    and max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at
-                ):
-                    return False
-                break
-            # rank >= 0: checked above
-            if rank >= 0 or max_tokens + state.reserved - (-s // n) <= cap:
+                state.put_local(sid, rank)
+                loads.placed(state, rank, s, costs.linear(sid), costs.local_attention(sid))
+                times[rank] = _busy(state.linear[rank], state.attn[rank], comm)
+            elif loads.max_tokens + state.reserved + costs.shard(sid) <= cap:
                 state.put_distributed(sid)  # local ranks unchanged: only comm moves
-                comm = costs.comm(state.dist_tokens)
-                times = None
-                if (
-                    can_give_up
-                    and max(max_lin + comm, max_lin_att) + state.dist_compute >= give_up_at
-                ):
-                    return False
-                break
-            if not state.roll_back():
+                comm, times = costs.comm(state.dist_tokens), None
+            elif state.roll_back():
+                comm, times = costs.comm(state.dist_tokens), None
+                loads.reset(state)
+                continue
+            else:
                 return False
-            comm = costs.comm(state.dist_tokens)
-            times = None
-            min_tokens = min(tokens)
-            max_tokens = max(tokens)
-            max_lin = max(linear)
-            max_lin_att = max(lin + a for lin, a in zip(linear, attn, strict=True))
-            sum_lin, sum_att = sum(linear), sum(attn)
+            if loads.slowest(comm) + state.dist_compute >= give_up_at:
+                return False
+            break
     return True
+
+
+def _local_rank(
+    state: CpGroupState, sid: int, times: list[float], loads: _Loads, most_free: bool
+) -> int:
+    """Rank to keep ``sid`` whole on (some rank has room): the least-loaded one (lowest on
+    ties) if it has room, else the rank with most free tokens (``most_free``) or the
+    least-loaded rank with room."""
+    rank = times.index(min(times))
+    if state.tokens[rank] + state.reserved + state.costs.lengths[sid] <= state.cap:
+        return rank
+    if most_free:
+        return state.tokens.index(loads.min_tokens)
+    return _least_loaded_with_room(state, sid, times)
+
+
+def _shard_pays(
+    state: CpGroupState,
+    sid: int,
+    rank: int,
+    tails: tuple[list[float], list[float]],
+    i: int,
+    comm: float,
+    loads: _Loads,
+) -> bool:
+    """Whether distributing ``sid`` gives a lower look-ahead estimate than keeping it whole on
+    ``rank`` (and every rank has room for its shard). ``sid`` is at position ``i`` of the
+    sequences ``tails`` (:func:`_tails`) was made of."""
+    c, n = state.costs, state.n
+    lin_k, att_k = c.linear(sid), c.local_attention(sid)
+    mean_lin = (loads.sum_lin + tails[0][i]) / n
+    mean_att = (loads.sum_att + tails[1][i]) / n
+    top = loads.slowest(comm)  # the slowest rank so far
+    new_rank = _busy(state.linear[rank] + lin_k, state.attn[rank] + att_k, comm)
+    mean = _busy(mean_lin, mean_att, comm)
+    # Sharding cannot win when keeping it whole leaves the estimate at ``top``: the sharded
+    # estimate is at least ``top`` plus the sequence's linear share.
+    if not (new_rank > top or mean > top):
+        return False
+    as_local = max(top, new_rank, mean)
+    comm2 = c.comm(state.dist_tokens + c.lengths[sid])
+    as_dist = max(
+        loads.max_lin + comm2,
+        loads.max_lin_att,
+        _busy(mean_lin - lin_k / n, mean_att - att_k / n, comm2),
+    )
+    # The exact distributed cost is O(log) to compute: try its lower bounds first (the linear
+    # part alone, then the cheap bound of the whole).
+    return (
+        as_dist + lin_k / n < as_local
+        and as_dist + c.distributed_lower_bound(sid) < as_local
+        and as_dist + c.distributed(sid) < as_local
+        and loads.max_tokens + state.reserved + c.shard(sid) <= state.cap
+    )
+
+
+def _busy(linear: float, attention: float, comm: float) -> float:
+    """Seconds of a rank without the distributed compute: its linear work plus the larger of
+    its local attention and the K/V communication that runs beside it."""
+    return linear + (attention if attention > comm else comm)
 
 
 def _two_largest(values: list[float]) -> tuple[float, int, float]:
@@ -653,110 +688,157 @@ def _max_except(times: list[float], ranked: list[int], skip_a: int, skip_b: int)
     return 0.0
 
 
+@dataclass(frozen=True)
+class Move:
+    """One step of the local search (:func:`_improve`).
+
+    Attributes:
+        kind: ``"transfer"`` (a local sequence to another rank), ``"shard"`` (a local sequence
+            becomes distributed) or ``"gather"`` (a distributed sequence comes back whole).
+        seq: the sequence id.
+        src: its rank before the move (:data:`DISTRIBUTED` for ``"gather"``).
+        dst: its rank after the move (:data:`DISTRIBUTED` for ``"shard"``).
+        gain: seconds the micro-batch's estimate drops by.
+    """
+
+    kind: Literal["transfer", "shard", "gather"]
+    seq: int
+    src: int
+    dst: int
+    gain: float
+
+
+Candidate = tuple[float, Move]
+"""A move and the estimate it reaches (compared directly: no rounding through ``gain``)."""
+
+
 def _improve(state: CpGroupState, max_moves: int) -> None:
     """Apply the best improving move until none improves (or ``max_moves`` were made).
 
-    Moves, all evaluated exactly with the micro-batch estimate: (a) move a local sequence of
-    the slowest rank to the least-loaded rank with room; (b) distribute one of the two
-    longest local sequences of the slowest rank; (c) bring a distributed sequence back whole
-    onto the rank where it ends soonest.
+    Moves, all evaluated exactly with the micro-batch estimate: move a local sequence of the
+    slowest rank to the least-loaded rank with room (:func:`_best_transfer`); distribute one of
+    the two longest local sequences of the slowest rank (:func:`_best_shard`); bring a
+    distributed sequence back whole onto the rank where it ends soonest (:func:`_best_gather`).
+    Ties go to the earlier kind, in that order.
     """
-    c, n, cap = state.costs, state.n, state.cap
-    lengths = c.lengths
-    linear, attn, tokens = state.linear, state.attn, state.tokens
     for _ in range(max_moves):
-        comm = c.comm(state.dist_tokens)
-        dc = state.dist_compute
-        times = [lin + (a if a > comm else comm) for lin, a in zip(linear, attn, strict=True)]
+        comm = state.costs.comm(state.dist_tokens)
+        times = state.rank_times(comm)
         top = max(times)
-        b = times.index(top)
-        best = (top + dc) * (1.0 - _REL_GAIN)
-        move: tuple[int, int, int] | None = None  # (kind, sid, rank): 0 move, 1 shard, 2 back
-        room = cap - state.reserved
-
-        # (a) move a local sequence of the slowest rank to the least-loaded rank with room.
-        ranked = sorted(range(n), key=times.__getitem__) if state.members[b] else []
-        for sid in state.members[b]:
-            s = lengths[sid]
-            lin, att = c.linear(sid), c.local_attention(sid)
-            a = attn[b] - att
-            new_b = linear[b] - lin + (a if a > comm else comm)
-            for r in ranked:
-                if r == b or tokens[r] + s > room:
-                    continue
-                a = attn[r] + att
-                new_r = linear[r] + lin + (a if a > comm else comm)
-                value = max(_max_except(times, ranked, b, r), new_b, new_r) + dc
-                if value < best:
-                    best, move = value, (0, sid, r)
-                break
-        # (b) distribute one of the two longest local sequences of the slowest rank.
-        if state.members[b]:
-            others = max((tokens[r] for r in range(n) if r != b), default=0)
-            lin_o, _, _ = _two_largest([linear[r] if r != b else -math.inf for r in range(n)])
-            la = [linear[r] + attn[r] if r != b else -math.inf for r in range(n)]
-            la_o = max(la)
-            for sid in descending(state.members[b], lengths)[:2]:
-                if others + c.shard(sid) > room:
-                    continue
-                comm2 = c.comm(state.dist_tokens + lengths[sid])
-                a = attn[b] - c.local_attention(sid)
-                new_b = linear[b] - c.linear(sid) + (a if a > comm2 else comm2)
-                value = max(lin_o + comm2, la_o, new_b) + dc
-                # The exact distributed cost takes longer to compute: try its bound first.
-                if value + c.distributed_lower_bound(sid) >= best:
-                    continue
-                value += c.distributed(sid)
-                if value < best:
-                    best, move = value, (1, sid, -1)
-        # (c) bring a distributed sequence back whole onto the rank where it ends soonest.
-        if state.distributed:
-            l1, l1_at, l2 = _two_largest(linear)
-            la_all = [lin + a for lin, a in zip(linear, attn, strict=True)]
-            la1, la1_at, la2 = _two_largest(la_all)
-            min_la, min_lin = min(la_all), min(linear)
-            dist_tokens, local_of, lin_of = state.dist_tokens, c.local_table, c.linear_table
-            comm_fixed, per_token = c.comm_fixed, c.comm_per_token
-            for sid in state.distributed:
-                s = lengths[sid]
-                if s > cap:
-                    continue
-                dq = c.distributed(sid)
-                others = dist_tokens - s  # c.comm(others), inlined: a hot loop
-                comm2 = comm_fixed + per_token * others if others else 0.0
-                # A lower bound of the move's value below, whichever rank takes it back: the
-                # other ranks keep at least the second-largest linear and linear + attention,
-                # and the taker ends no sooner than the least-loaded rank plus the sequence.
-                # The slack only guards the bound's own rounding.
-                bound = max(l2 + comm2, la2, min_la + local_of[sid], min_lin + lin_of[sid] + comm2)
-                if (bound + dc - dq) * _BOUND_SLACK >= best:
-                    continue
-                need = s - c.shard(sid)  # its shard leaves every rank
-                target, target_t = -1, math.inf
-                for r in range(n):
-                    if tokens[r] + need <= room:
-                        a = attn[r]
-                        t = linear[r] + (a if a > comm2 else comm2)
-                        if t < target_t:
-                            target, target_t = r, t
-                if target < 0:
-                    continue
-                a = attn[target] + c.local_attention(sid)
-                new_t = linear[target] + c.linear(sid) + (a if a > comm2 else comm2)
-                lin_o = l2 if target == l1_at else l1
-                la_o = la2 if target == la1_at else la1
-                value = max(lin_o + comm2, la_o, new_t) + dc - dq
-                if value < best:
-                    best, move = value, (2, sid, target)
-        if move is None:
+        slowest = times.index(top)
+        start = top + state.dist_compute
+        best: Candidate | None = None
+        for find in (_best_transfer, _best_shard, _best_gather):
+            beat = start * (1.0 - _REL_GAIN) if best is None else best[0]
+            found = find(state, times, slowest, comm, beat, start)
+            if found is not None:
+                best = found
+        if best is None:
             return
-        kind, sid, rank = move
-        if kind == 0:
-            state.take_local(sid)
-            state.put_local(sid, rank)
-        elif kind == 1:
-            state.take_local(sid)
-            state.put_distributed(sid)
-        else:
-            state.take_distributed(sid)
-            state.put_local(sid, rank)
+        _apply(state, best[1])
+
+
+def _apply(state: CpGroupState, move: Move) -> None:
+    """Carry out ``move`` on ``state``."""
+    if move.kind == "gather":
+        state.take_distributed(move.seq)
+    else:
+        state.take_local(move.seq)
+    if move.kind == "shard":
+        state.put_distributed(move.seq)
+    else:
+        state.put_local(move.seq, move.dst)
+
+
+def _best_transfer(
+    state: CpGroupState, times: list[float], b: int, comm: float, beat: float, start: float
+) -> Candidate | None:
+    """The local sequence of the slowest rank ``b`` whose move to the least-loaded rank with
+    room lowers the estimate below ``beat`` most."""
+    c, linear, attn, tokens = state.costs, state.linear, state.attn, state.tokens
+    if not state.members[b]:
+        return None
+    room = state.cap - state.reserved
+    dc = state.dist_compute
+    ranked = sorted(range(state.n), key=times.__getitem__)
+    best: Candidate | None = None
+    for sid in state.members[b]:
+        s, lin, att = c.lengths[sid], c.linear(sid), c.local_attention(sid)
+        new_b = _busy(linear[b] - lin, attn[b] - att, comm)
+        for r in ranked:
+            if r == b or tokens[r] + s > room:
+                continue
+            new_r = _busy(linear[r] + lin, attn[r] + att, comm)
+            value = max(_max_except(times, ranked, b, r), new_b, new_r) + dc
+            if value < beat:
+                beat, best = value, (value, Move("transfer", sid, b, r, start - value))
+            break
+    return best
+
+
+def _best_shard(
+    state: CpGroupState, times: list[float], b: int, comm: float, beat: float, start: float
+) -> Candidate | None:
+    """One of the two longest local sequences of the slowest rank ``b``, distributed, where
+    that lowers the estimate below ``beat`` most."""
+    c, n, linear, attn, tokens = state.costs, state.n, state.linear, state.attn, state.tokens
+    if not state.members[b]:
+        return None
+    room = state.cap - state.reserved
+    others = max((tokens[r] for r in range(n) if r != b), default=0)
+    lin_o = max(linear[r] if r != b else -math.inf for r in range(n))
+    la_o = max(linear[r] + attn[r] if r != b else -math.inf for r in range(n))
+    best: Candidate | None = None
+    for sid in descending(state.members[b], c.lengths)[:2]:
+        if others + c.shard(sid) > room:
+            continue
+        comm2 = c.comm(state.dist_tokens + c.lengths[sid])
+        new_b = _busy(linear[b] - c.linear(sid), attn[b] - c.local_attention(sid), comm2)
+        value = max(lin_o + comm2, la_o, new_b) + state.dist_compute
+        # The exact distributed cost takes longer to compute: try its bound first.
+        if value + c.distributed_lower_bound(sid) >= beat:
+            continue
+        value += c.distributed(sid)
+        if value < beat:
+            beat, best = value, (value, Move("shard", sid, b, DISTRIBUTED, start - value))
+    return best
+
+
+def _best_gather(
+    state: CpGroupState, times: list[float], b: int, comm: float, beat: float, start: float
+) -> Candidate | None:
+    """The distributed sequence whose return, whole, to the rank where it ends soonest lowers
+    the estimate below ``beat`` most."""
+    c, linear, attn, tokens = state.costs, state.linear, state.attn, state.tokens
+    if not state.distributed:
+        return None
+    room, dc = state.cap - state.reserved, state.dist_compute
+    l1, l1_at, l2 = _two_largest(linear)
+    la_all = [lin + a for lin, a in zip(linear, attn, strict=True)]
+    la1, la1_at, la2 = _two_largest(la_all)
+    min_la, min_lin = min(la_all), min(linear)
+    best: Candidate | None = None
+    for sid in state.distributed:
+        s = c.lengths[sid]
+        if s > state.cap:
+            continue
+        dq = c.distributed(sid)
+        comm2 = c.comm(state.dist_tokens - s)
+        # A lower bound of the move's value, whichever rank takes it back: the other ranks keep
+        # at least the second-largest linear and linear + attention, and the taker ends no
+        # sooner than the least-loaded rank plus the sequence. The slack guards its rounding.
+        bound = max(l2 + comm2, la2, min_la + c.local(sid), min_lin + c.linear(sid) + comm2)
+        if (bound + dc - dq) * _BOUND_SLACK >= beat:
+            continue
+        need = s - c.shard(sid)  # its shard leaves every rank
+        fits = [r for r in range(state.n) if tokens[r] + need <= room]
+        if not fits:
+            continue
+        target = min(fits, key=lambda r: _busy(linear[r], attn[r], comm2))
+        new_t = _busy(linear[target] + c.linear(sid), attn[target] + c.local_attention(sid), comm2)
+        lin_o = l2 if target == l1_at else l1
+        la_o = la2 if target == la1_at else la1
+        value = max(lin_o + comm2, la_o, new_t) + dc - dq
+        if value < beat:
+            beat, best = value, (value, Move("gather", sid, DISTRIBUTED, target, start - value))
+    return best

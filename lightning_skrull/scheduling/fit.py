@@ -24,16 +24,31 @@ micro-batch count.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
 import numpy as np
 
-from lightning_skrull.scheduling.costs import SequenceCosts
+from lightning_skrull.scheduling.cost_model import CostModel
 from lightning_skrull.scheduling.plan import GlobalBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
-if TYPE_CHECKING:
-    from lightning_skrull.scheduling.cost_model import CostModel, FitSample
+
+@dataclass(frozen=True)
+class FitSample:
+    """One measured optimizer step: its plan, the lengths it planned, and its seconds.
+
+    Attributes:
+        plan: the plan that ran.
+        lengths: the global batch's sequence lengths.
+        seconds: measured wall-clock seconds of the step's forward/backward work (the slowest
+            DP rank, i.e. what the gradient all-reduce waits for), without the optimizer step.
+    """
+
+    plan: GlobalBatchPlan
+    lengths: Sequence[int]
+    seconds: float
+
 
 _NAMES = ("achieved_flops", "micro_batch_overhead_s", "comm_latency_s", "comm_bandwidth")
 

@@ -14,13 +14,13 @@
    a micro-batch.
 
 4. When every DP rank could hold its share in one micro-batch (and the batch has at most
-   :data:`GATHER_MAX_SEQUENCES` sequences), a second DP split is weighed:
+   ``PlannerOptions.gather_max_sequences`` sequences), a second DP split is weighed:
    the sequences that will be sharded anyway (longer than the bucket, or costing more whole than
    a CP rank's mean share of the batch) packed onto as few DP ranks as their cost allows, the
    others balanced over all ranks. A sharded sequence occupies every CP rank of its micro-batch,
    leaving less room there for whole sequences; gathered on a few DP ranks, they leave the
    other ranks' CP ranks free for the medium sequences to stay whole, which elsewhere would be
-   sharded and pay communication. Up to :data:`PLAN_BOTH_MAX_SEQUENCES` sequences both splits
+   sharded and pay communication. Up to ``PlannerOptions.plan_both_max_sequences`` sequences both splits
    are planned and the faster is kept (the cost model's time of every micro-batch, K/V groups
    included; the balanced one on ties), so step 4 never makes a plan slower there. Above, only
    the split with the lower quick estimate
@@ -34,15 +34,15 @@
    leaves no CP rank room for a whole sequence next to the shards, so DACP must shard everything
    and the K/V exchange lies on every rank's critical path. Dealt in rows of ``cp_size``
    sequences of similar length (one per CP rank), over the same number of micro-batches and up
-   to :data:`ROWS_EXTRA_MICRO_BATCHES` more, a row can stay whole, balanced over the CP ranks,
+   to ``PlannerOptions.rows_extra_micro_batches`` more, a row can stay whole, balanced over the CP ranks,
    and its local attention hides the exchange of the sequences sharded next to it. Tried only
-   where the rank's fullest micro-batch holds at least :data:`ROWS_MIN_FILL` of its token budget
-   and its communication is at least :data:`ROWS_COMM_SHARE` of the least it can take
-   (elsewhere the rows won rarely and little: see those constants); kept only when the cost
+   where the rank's fullest micro-batch holds at least ``PlannerOptions.rows_min_fill`` of its token budget
+   and its communication is at least ``PlannerOptions.rows_comm_share`` of the least it can take
+   (elsewhere the rows won rarely and little: see those fields); kept only when the cost
    model's time of the rank's micro-batches (K/V groups included) is lower, so it never makes a
    rank slower.
 
-6. Up to :data:`PLAN_BOTH_MAX_SEQUENCES` sequences, the DP ranks are evened out once more by
+6. Up to ``PlannerOptions.plan_both_max_sequences`` sequences, the DP ranks are evened out once more by
    the cost model's time of their planned micro-batches (:func:`rebalance_dp`). Steps 1 and 4
    balance an estimate made before placement, and the K/V exchange, the tile waste of sharded
    sequences and the whole sequences' balance over CP ranks all land after it: on the paper's
@@ -62,41 +62,14 @@ import heapq
 import math
 from collections.abc import Callable, Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
-from lightning_skrull.scheduling.kv_groups import choose_kv_groups
+from lightning_skrull.scheduling.kv_groups import choose_kv_groups, one_group
+from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
-
-GATHER_MAX_SEQUENCES = 1024
-"""Step 4 is weighed only for global batches of at most this many sequences: its ranks hold
-more sequences each, and at DP=64 x CP=16 with 4096 sequences placing them took the planner from
-35 to 52 ms, past its 50 ms budget."""
-
-PLAN_BOTH_MAX_SEQUENCES = 128
-"""Up to this many sequences, step 4 plans both DP splits and keeps the faster, and step 6 runs.
-Planning twice costs about what planning 256 sequences once does, the size the planner's 5 ms
-budget is set for; above, the quick estimate picks one split to plan, and step 6 is left out."""
-
-
-ROWS_COMM_SHARE = 0.15
-"""GDS step 5 runs on a DP rank whose fullest micro-batch's communication is at least this share
-of the least that micro-batch can take (overhead, communication and distributed compute). In the
-paper's settings and at DP=64 x CP=16 on ChatQA2-like data that share is at most 0.11 at
-100 GB/s (the default), where the rows won by at most 0.8% on the ranks they won, and at least
-0.18 at 50 GB/s, where they won by up to 1.5%, and by up to 9% at 25 GB/s."""
-
-ROWS_MIN_FILL = 0.5
-"""... and whose fullest micro-batch holds at least this share of ``cp_size * bucket_size``
-tokens. In the paper's settings at 25 and 100 GB/s the rows won on every rank whose fullest
-micro-batch was over 0.75 full and on none under 0.26."""
-
-ROWS_EXTRA_MICRO_BATCHES = 2
-"""GDS step 5 deals rows into as many micro-batches as steps 2-4 used and up to this many more
-(more room per CP rank for whole sequences; each pays the fixed cost of a micro-batch). In the
-paper's settings no win needed more than two more."""
 
 
 def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[list[int]]:
@@ -248,7 +221,11 @@ def _place_all(
 
 
 def split_micro_batches(
-    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, place: Placer
+    ids: Sequence[int],
+    costs: SequenceCosts,
+    bucket_size: int,
+    place: Placer,
+    options: PlannerOptions = DEFAULT_OPTIONS,
 ) -> list[MicroBatchPlan]:
     """Deal one DP rank's sequences into the fewest micro-batches that ``place`` accepts:
     strided, or dealt by tokens where the strided deal does not fit (module docstring)."""
@@ -264,7 +241,7 @@ def split_micro_batches(
         plans = _place_all(strided, costs, bucket_size, place)
         if plans is not None:
             return plans
-        dealt = deal_by_tokens(mine, m, lengths)
+        dealt = deal_by_tokens(mine, m, lengths) if options.gds_deal_by_tokens else strided
         if sorted(dealt) != sorted(strided):  # not the same micro-batches in another order
             plans = _place_all(dealt, costs, bucket_size, place)
             if plans is not None:
@@ -277,36 +254,43 @@ def split_micro_batches(
 
 
 def rows_if_faster(
-    plans: list[MicroBatchPlan], costs: SequenceCosts, bucket_size: int, place: Placer
+    plans: list[MicroBatchPlan],
+    costs: SequenceCosts,
+    bucket_size: int,
+    place: Placer,
+    options: PlannerOptions = DEFAULT_OPTIONS,
 ) -> list[MicroBatchPlan]:
     """GDS step 5 on one DP rank's micro-batches: the rows dealt (:func:`deal_rows`) into as
-    many micro-batches and up to :data:`ROWS_EXTRA_MICRO_BATCHES` more, where they are faster
+    many micro-batches and up to ``PlannerOptions.rows_extra_micro_batches`` more, where they are faster
     (module docstring); ``plans`` itself otherwise."""
     n, lengths, distributed = costs.cp_size, costs.lengths, costs.distributed
-    if n < 2:
+    if n < 2 or not options.gds_rows:
         return plans
     # A few operations per sequence (the exact time of the micro-batches took a tenth of the
     # planning budget at DP=64 x CP=16): the fullest micro-batch's tokens, then its communication
     # against the least it can take (overhead, communication and distributed compute), which
     # bounds its exposed communication's share from above.
     tokens = [sum(map(lengths.__getitem__, mb.sequence_ids)) for mb in plans]
-    if not tokens or max(tokens) < ROWS_MIN_FILL * n * bucket_size:
+    if not tokens or max(tokens) < options.rows_min_fill * n * bucket_size:
         return plans
     fullest = plans[tokens.index(max(tokens))]
     placed = zip(fullest.sequence_ids, fullest.placement, strict=True)
     dist = [sid for sid, where in placed if where == DISTRIBUTED]
     comm = costs.comm(sum(map(lengths.__getitem__, dist)))
     floor = costs.cost_model.micro_batch_overhead_s + comm + sum(map(distributed, dist))
-    if comm < ROWS_COMM_SHARE * floor:
+    if comm < options.rows_comm_share * floor:
         return plans
     mine = sorted(sid for mb in plans for sid in mb.sequence_ids)
-    best = _rank_seconds(plans, costs)
+    best = _rank_seconds(plans, costs, options)
     previous = math.inf
-    for m in range(len(plans), min(len(plans) + ROWS_EXTRA_MICRO_BATCHES, len(mine)) + 1):
-        other = _place_all(deal_rows(mine, m, lengths, n, bucket_size), costs, bucket_size, place)
+    for m in range(len(plans), min(len(plans) + options.rows_extra_micro_batches, len(mine)) + 1):
+        groups = deal_rows(mine, m, lengths, n, bucket_size)
+        if not all(groups):  # fewer rows than micro-batches: no empty micro-batch is planned
+            break
+        other = _place_all(groups, costs, bucket_size, place)
         if other is None:
             continue
-        seconds = _rank_seconds(other, costs)
+        seconds = _rank_seconds(other, costs, options)
         if seconds < best:
             best, plans = seconds, other
         if seconds >= previous:  # one more micro-batch did not help: more will not either
@@ -320,6 +304,7 @@ def rebalance_dp(
     costs: SequenceCosts,
     bucket_size: int,
     place: Placer,
+    options: PlannerOptions = DEFAULT_OPTIONS,
 ) -> list[list[MicroBatchPlan]]:
     """GDS step 6 (module docstring) on micro-batches with their K/V groups chosen: move one
     sequence from the slowest DP rank to the fastest where that makes the slower of the two
@@ -344,14 +329,14 @@ def rebalance_dp(
         key=lambda item: (abs(costs.local(item[1]) - half), item[1]),
     )
     left = [sid for sid in out[slow][k].sequence_ids if sid != moved]
-    left_plan = _placed(left, costs, bucket_size, place) if left else None
+    left_plan = _placed(left, costs, bucket_size, place, options) if left else None
     j = min(
         range(len(out[fast])),
         key=lambda i: (sum(map(lengths.__getitem__, out[fast][i].sequence_ids)), i),
         default=len(out[fast]),
     )
     joined_ids = out[fast][j].sequence_ids if j < len(out[fast]) else ()
-    joined = _placed([moved, *joined_ids], costs, bucket_size, place)
+    joined = _placed([moved, *joined_ids], costs, bucket_size, place, options)
     if joined is None or (left and left_plan is None):
         return out
     slow_s = totals[slow] - _micro_batch_seconds(out[slow][k], costs)
@@ -366,12 +351,23 @@ def rebalance_dp(
 
 
 def _placed(
-    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, place: Placer
+    ids: Sequence[int],
+    costs: SequenceCosts,
+    bucket_size: int,
+    place: Placer,
+    options: PlannerOptions,
 ) -> MicroBatchPlan | None:
     """The micro-batch of ``ids`` (ascending by length) placed, with its K/V groups chosen;
     ``None`` when it is over the CP group's tokens or ``place`` refuses it."""
     plans = _place_all([ascending(ids, costs.lengths)], costs, bucket_size, place)
-    return None if plans is None else choose_kv_groups(plans[0], costs)
+    return None if plans is None else with_kv_groups(plans[0], costs, options)
+
+
+def with_kv_groups(
+    mb: MicroBatchPlan, costs: SequenceCosts, options: PlannerOptions
+) -> MicroBatchPlan:
+    """``mb`` with its K/V groups chosen, or one group when ``options`` switches them off."""
+    return choose_kv_groups(mb, costs) if options.kv_groups else one_group(mb)
 
 
 def _micro_batch_seconds(mb: MicroBatchPlan, costs: SequenceCosts) -> float:
@@ -380,37 +376,55 @@ def _micro_batch_seconds(mb: MicroBatchPlan, costs: SequenceCosts) -> float:
 
 
 def plan_gds(
-    n: int, dp_size: int, costs: SequenceCosts, bucket_size: int, place: Placer
+    n: int,
+    dp_size: int,
+    costs: SequenceCosts,
+    bucket_size: int,
+    place: Placer,
+    options: PlannerOptions = DEFAULT_OPTIONS,
 ) -> list[list[MicroBatchPlan]]:
     """GDS over all ``n`` sequences of the global batch with the given CP placement: the
     balanced DP split, or the gathered one where step 4 weighs it and it wins; then step 5 on
     every DP rank, the K/V groups of every micro-batch, and step 6 up to
-    :data:`PLAN_BOTH_MAX_SEQUENCES` sequences."""
-    ranks = _split_and_deal(n, dp_size, costs, bucket_size, place)
+    ``PlannerOptions.plan_both_max_sequences`` sequences."""
+    ranks = _split_and_deal(n, dp_size, costs, bucket_size, place, options)
     ranks = [
-        [choose_kv_groups(mb, costs) for mb in rows_if_faster(r, costs, bucket_size, place)]
+        [
+            with_kv_groups(mb, costs, options)
+            for mb in rows_if_faster(r, costs, bucket_size, place, options)
+        ]
         for r in ranks
     ]
-    if dp_size > 1 and n <= PLAN_BOTH_MAX_SEQUENCES:
-        ranks = rebalance_dp(ranks, costs, bucket_size, place)
+    if options.gds_rebalance and dp_size > 1 and n <= options.plan_both_max_sequences:
+        ranks = rebalance_dp(ranks, costs, bucket_size, place, options)
     return ranks
 
 
 def _split_and_deal(
-    n: int, dp_size: int, costs: SequenceCosts, bucket_size: int, place: Placer
+    n: int,
+    dp_size: int,
+    costs: SequenceCosts,
+    bucket_size: int,
+    place: Placer,
+    options: PlannerOptions,
 ) -> list[list[MicroBatchPlan]]:
     """GDS steps 1-4 (module docstring)."""
 
     def planned(split: list[list[int]]) -> list[list[MicroBatchPlan]]:
-        return [split_micro_batches(b, costs, bucket_size, place) for b in split]
+        return [split_micro_batches(b, costs, bucket_size, place, options) for b in split]
 
     bins = balance_dp(range(n), dp_size, costs)
-    if n <= GATHER_MAX_SEQUENCES and sum(costs.lengths) <= dp_size * costs.cp_size * bucket_size:
-        both = n <= PLAN_BOTH_MAX_SEQUENCES
+    if (
+        options.gds_gather
+        and n <= options.gather_max_sequences
+        and sum(costs.lengths) <= dp_size * costs.cp_size * bucket_size
+    ):
+        both = n <= options.plan_both_max_sequences
         gathered = gather_sharded(range(n), dp_size, costs, bucket_size, need_free_rank=not both)
         if gathered is not None and both:
             ranks, balanced = planned(gathered), planned(bins)
-            return ranks if _seconds(ranks, costs) < _seconds(balanced, costs) else balanced
+            faster = _seconds(ranks, costs, options) < _seconds(balanced, costs, options)
+            return ranks if faster else balanced
         if gathered is not None and _estimate(gathered, costs, bucket_size) < _estimate(
             bins, costs, bucket_size
         ):
@@ -420,14 +434,18 @@ def _split_and_deal(
     return planned(bins)
 
 
-def _seconds(ranks: Sequence[Sequence[MicroBatchPlan]], costs: SequenceCosts) -> float:
+def _seconds(
+    ranks: Sequence[Sequence[MicroBatchPlan]], costs: SequenceCosts, options: PlannerOptions
+) -> float:
     """The slowest DP rank of planned micro-batches, each with the K/V groups it will get."""
-    return max(_rank_seconds(r, costs) for r in ranks)
+    return max(_rank_seconds(r, costs, options) for r in ranks)
 
 
-def _rank_seconds(plans: Sequence[MicroBatchPlan], costs: SequenceCosts) -> float:
+def _rank_seconds(
+    plans: Sequence[MicroBatchPlan], costs: SequenceCosts, options: PlannerOptions
+) -> float:
     """Seconds of one DP rank's micro-batches, each with the K/V groups it will get."""
-    return sum(_micro_batch_seconds(choose_kv_groups(mb, costs), costs) for mb in plans)
+    return sum(_micro_batch_seconds(with_kv_groups(mb, costs, options), costs) for mb in plans)
 
 
 def _estimate(bins: Sequence[Sequence[int]], costs: SequenceCosts, bucket_size: int) -> float:

@@ -20,8 +20,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 MAX_KV_GROUPS = 8
 """Most K/V groups of one micro-batch: each adds two collectives per layer."""
@@ -81,7 +81,7 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
         ``mb`` itself when one group is as fast, else a copy with ``kv_groups`` set.
     """
     if costs.cp_size == 1 or costs.comm_per_token == 0.0:
-        return _one_group(mb)
+        return one_group(mb)
     n = costs.cp_size
     linear_t, attention_t = costs.linear_table, costs.local_attention_table
     dist: list[int] = []
@@ -96,7 +96,7 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
         linear[where] += linear_t[sid]
         attn[where] += attention_t[sid]
     if len(dist) < 2:
-        return _one_group(mb)
+        return one_group(mb)
     lengths, per_token = costs.lengths, costs.comm_per_token
     sent = [0.0]  # communication of the first i distributed sequences
     acc = 0.0
@@ -114,7 +114,7 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
     if linear:
         floor += max(lin + a for lin, a in zip(linear, attn, strict=True)) - max(linear)
     if one <= floor:
-        return _one_group(mb)
+        return one_group(mb)
     # Every cut has a first group (its exchange before all attention) and a last one (all
     # exchange before its attention): its span is at least either path with one sequence.
     lo = max(floor, latency + sent[1] + total, sent[-1] + latency + after[-2])
@@ -132,12 +132,13 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
             break
         ask = min((lo + hi) / 2, lo * (1 + FIRST_PROBE)) if ask == lo else (lo + hi) / 2
     if len(best) == 1 or hi > one * (1 - SPAN_TOLERANCE):
-        return _one_group(mb)
+        return one_group(mb)
     counts = tuple(end - start for start, end in zip([0, *best], best, strict=False))
     return MicroBatchPlan(mb.sequence_ids, mb.placement, counts)
 
 
-def _one_group(mb: MicroBatchPlan) -> MicroBatchPlan:
+def one_group(mb: MicroBatchPlan) -> MicroBatchPlan:
+    """``mb`` with one K/V group (``kv_groups=()``)."""
     if not mb.kv_groups:
         return mb
     return MicroBatchPlan(mb.sequence_ids, mb.placement)

@@ -7,8 +7,16 @@ computes identically from the sequence lengths of one global batch.
 from __future__ import annotations
 
 import hashlib
+import typing
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
+
+Policy = Literal["skrull", "dacp", "static", "sorted", "round_robin"]
+"""Names of the planning policies (see :func:`~lightning_skrull.scheduling.plan_global_batch`)."""
+
+POLICIES: tuple[Policy, ...] = typing.get_args(Policy)
+"""Every policy name, in the order of :data:`Policy`."""
 
 DISTRIBUTED = -1
 """Placement value of a sequence sharded over the whole CP group."""

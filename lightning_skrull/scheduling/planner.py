@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from numbers import Integral
 
@@ -12,14 +13,11 @@ from lightning_skrull.scheduling.baselines import (
     plan_static,
 )
 from lightning_skrull.scheduling.cost_model import CostModel
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.dacp import place_micro_batch
-from lightning_skrull.scheduling.gds import plan_gds
-from lightning_skrull.scheduling.kv_groups import choose_kv_groups
-from lightning_skrull.scheduling.plan import GlobalBatchPlan, MicroBatchPlan
-
-POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
-"""Names accepted by :func:`plan_global_batch`'s ``policy``."""
+from lightning_skrull.scheduling.gds import plan_gds, with_kv_groups
+from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
+from lightning_skrull.scheduling.plan import POLICIES, GlobalBatchPlan, MicroBatchPlan, Policy
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 DEFAULT_COST_MODEL = CostModel()
 """Cost model used when none is given: Qwen2.5-0.5B shape, H100-class constants."""
@@ -31,6 +29,17 @@ def _check_size(name: str, value: object) -> int:
     if value < 1:
         raise ValueError(f"{name}={value} is invalid; it must be >= 1.")
     return int(value)
+
+
+def _check_options(options: object) -> PlannerOptions:
+    if options is None:
+        return DEFAULT_OPTIONS
+    if not isinstance(options, PlannerOptions):
+        raise TypeError(
+            f"options must be a PlannerOptions or None, got {type(options).__name__}; "
+            "build one with PlannerOptions(gds_rows=False, ...)."
+        )
+    return options
 
 
 def validate_lengths(lengths: Sequence[int], cp_size: int, bucket_size: int) -> list[int]:
@@ -77,7 +86,8 @@ def plan_global_batch(
     cp_size: int,
     bucket_size: int,
     cost_model: CostModel | None = None,
-    policy: str = "skrull",
+    policy: Policy = "skrull",
+    options: PlannerOptions | None = None,
 ) -> GlobalBatchPlan:
     """Plan one optimizer step: micro-batches per DP rank and the placement of each sequence.
 
@@ -93,13 +103,15 @@ def plan_global_batch(
         cost_model: time estimate the cost-aware policies optimise; default
             :data:`DEFAULT_COST_MODEL`. Build one with ``CostModel.from_hf_config(config)``.
         policy: one of :data:`POLICIES`.
+        options: which steps beyond the paper ``skrull`` and ``dacp`` run; default
+            :class:`PlannerOptions` ``()``, every step on.
 
     Returns:
         The plan; ``plan.micro_batches[dp_rank]`` lists that rank's micro-batches (possibly
         none). An empty ``lengths`` gives a plan with no micro-batches.
 
     Raises:
-        TypeError: for a non-int size or length, or a cost model of the wrong type.
+        TypeError: for a non-int size or length, or a cost model or options of the wrong type.
         ValueError: for a size below 1, a length below 1, a sequence longer than
             ``cp_size * bucket_size`` (naming its index, length and the capacity), or an
             unknown policy.
@@ -116,6 +128,7 @@ def plan_global_batch(
             f"cost_model must be a CostModel or None, got {type(cost_model).__name__}; "
             "build one with CostModel.from_hf_config(config)."
         )
+    options = _check_options(options)
     checked = validate_lengths(lengths, cp_size, bucket_size)
     n = len(checked)
     ranks: list[list[MicroBatchPlan]]
@@ -125,14 +138,15 @@ def plan_global_batch(
         ranks = plan_sorted(checked, dp_size, cp_size, bucket_size)
     else:
         costs = SequenceCosts(checked, cp_size, cost_model)
+        dacp = functools.partial(place_micro_batch, options=options)
         if policy == "skrull":
-            ranks = plan_gds(n, dp_size, costs, bucket_size, place_micro_batch)
+            ranks = plan_gds(n, dp_size, costs, bucket_size, dacp, options)
         elif policy == "dacp":
-            ranks = plan_data_order(n, dp_size, costs, bucket_size, place_micro_batch)
+            ranks = plan_data_order(n, dp_size, costs, bucket_size, dacp)
         else:
             ranks = plan_data_order(n, dp_size, costs, bucket_size, place_round_robin)
         if policy == "dacp":  # skrull's micro-batches come with theirs (GDS)
-            ranks = [[choose_kv_groups(mb, costs) for mb in r] for r in ranks]
+            ranks = [[with_kv_groups(mb, costs, options) for mb in r] for r in ranks]
     return GlobalBatchPlan(
         micro_batches=tuple(tuple(r) for r in ranks),
         dp_size=dp_size,

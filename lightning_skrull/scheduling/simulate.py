@@ -7,8 +7,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from lightning_skrull.scheduling.cost_model import CostModel, kv_pipeline_span
-from lightning_skrull.scheduling.costs import SequenceCosts
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
 
 def _check_plan(plan: GlobalBatchPlan, lengths: Sequence[int]) -> None:
@@ -42,11 +42,6 @@ class MicroBatchTerms:
     exposed_collectives: int
     exposed_tokens: int
     distributed_tokens: int
-
-    @property
-    def comm_exposed(self) -> bool:
-        """Whether communication, not attention, sets part of the slowest rank's time."""
-        return self.exposed_collectives > 0
 
 
 def micro_batch_terms(
