@@ -1,7 +1,7 @@
 """Measured training speed of every scheduling policy, end to end, on CPU processes.
 
 Real optimizer steps (forward, backward, AdamW) through ``Trainer(strategy=SkrullStrategy(...))``
-on gloo processes started by :func:`lightning_skrull.utils.launch.spawn`, in two layouts:
+on gloo processes started by :func:`lightning_skrull.runtime.launch.spawn`, in two layouts:
 CP=2 on 2 processes, and DP=2 x CP=2 on 4 processes. Per layout and dataset, every global batch
 is trained once under each policy (``skrull``, ``dacp``, ``static``, ``sorted``,
 ``round_robin``), one step after the other in one Trainer (the order of the policies rotates
@@ -328,7 +328,7 @@ class _InterleavedPolicies(L.LightningDataModule):
         self.pool = pool
 
     def train_dataloader(self) -> DataLoader:
-        from lightning_skrull.data.datamodule import RankPlanner
+        from lightning_skrull.data.batch import RankPlanner
 
         strategy: Any = self.trainer.strategy
         planners = {
@@ -778,7 +778,7 @@ def describe_data(spec: Spec) -> str:
 
 
 def run_layout(layout: Layout, args: argparse.Namespace) -> tuple[Spec, list[Row], dict]:
-    from lightning_skrull.utils.launch import spawn
+    from lightning_skrull.runtime.launch import spawn
 
     spec = build_spec(layout, args.batches, args.calibration, args.rounds, args.seed)
     t = time.perf_counter()

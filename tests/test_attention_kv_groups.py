@@ -35,13 +35,13 @@ from lightning_skrull.attention import flash as flash_backend
 from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.layout import RankLayout
 from lightning_skrull.data.collate import collate_rank
+from lightning_skrull.runtime.launch import spawn
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
     GlobalBatchPlan,
     MicroBatchPlan,
     kv_group_ranges,
 )
-from lightning_skrull.utils.launch import spawn
 
 D = DISTRIBUTED
 HEAD_DIM = 8

@@ -21,8 +21,6 @@ from test_models_reference import (
 from torch import nn
 
 from lightning_skrull.data.collate import collate_rank
-from lightning_skrull.distributed import ParallelLayout
-from lightning_skrull.engine import forward_backward, micro_batch_context, train_step
 from lightning_skrull.models import (
     SKRULL_ATTENTION,
     SUPPORTED_ARCHITECTURES,
@@ -31,6 +29,8 @@ from lightning_skrull.models import (
     is_prepared,
     prepare_model,
 )
+from lightning_skrull.runtime.engine import forward_backward, micro_batch_context, train_step
+from lightning_skrull.runtime.process_groups import ParallelLayout
 from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 
 

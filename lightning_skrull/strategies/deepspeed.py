@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_skrull.config import SkrullConfig
-from lightning_skrull.strategy import SkrullStrategyMixin
+from lightning_skrull.strategies.base import SkrullStrategyMixin
 
 if TYPE_CHECKING:
     import deepspeed
@@ -87,7 +87,7 @@ class _HeldZeroGrad:
             if any(held is optimizer for held, _ in self._held):
                 continue
             self._held.append((optimizer, vars(optimizer).get("zero_grad", _MISSING)))
-            optimizer.zero_grad = _keep_gradients  # type: ignore[attr-defined]
+            vars(optimizer)["zero_grad"] = _keep_gradients
 
     def release(self) -> None:
         """Give every held optimizer its own ``zero_grad`` back."""
@@ -96,7 +96,7 @@ class _HeldZeroGrad:
             if previous is _MISSING:
                 vars(optimizer).pop("zero_grad", None)
             else:
-                optimizer.zero_grad = previous  # type: ignore[attr-defined]
+                vars(optimizer)["zero_grad"] = previous
 
 
 @contextmanager
