@@ -68,12 +68,13 @@ import simulate_paper  # same directory: the Table 1 length sampler
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_skrull.scheduling import POLICIES
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 CHART = ROOT / "docs" / "img" / "e2e_cpu.png"
 BEGIN, END = "<!-- e2e_cpu:begin -->", "<!-- e2e_cpu:end -->"
 
-POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
 DDP = "ddp (no CP)"
 LENGTH_SCALE = 16
 """Every length of the paper's Table 1 is divided by this."""

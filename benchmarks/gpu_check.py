@@ -180,7 +180,7 @@ def _model(config: dict[str, Any], dtype: torch.dtype, device: torch.device, att
 def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
     """Flash vs SDPA on the same layout, and the Skrull model loss vs plain HF."""
     from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
-    from lightning_skrull.attention.flash import flash_kernel
+    from lightning_skrull.attention.backends import flash_kernel
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.models import prepare_model
     from lightning_skrull.runtime.engine import micro_batch_context
@@ -273,7 +273,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     rng = random.Random(0)
     vocab = s.model["vocab_size"]
     from lightning_skrull.attention import resolve_backend
-    from lightning_skrull.attention.flash import flash_kernel
+    from lightning_skrull.attention.backends import flash_kernel
 
     backend = resolve_backend("auto", device)
     runs = {p: (p, backend) for p in POLICIES}

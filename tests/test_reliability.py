@@ -300,12 +300,12 @@ def test_flash_backend_without_cuda_is_refused(clean_world: None) -> None:
 
 
 def test_flash_backend_without_a_kernel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_skrull.attention import flash
+    from lightning_skrull.attention import backends
 
-    monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
-    monkeypatch.setattr(flash, "torch_varlen_available", lambda: False)
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(backends, "torch_varlen_available", lambda: False)
     with pytest.raises(ValueError, match=r"'flash' needs a FlashAttention varlen kernel.*neither"):
-        flash.resolve_backend("flash", "cuda")  # what every micro-batch resolves on a GPU
+        backends.resolve_backend("flash", "cuda")  # what every micro-batch resolves on a GPU
     with pytest.raises(ValueError, match=r"neither is installed.*pip install flash-attn.*'sdpa'"):
         prepare_model(Qwen2ForCausalLM(Qwen2Config(**CFG)), backend="flash")  # at setup
 

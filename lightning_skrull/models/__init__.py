@@ -1,7 +1,7 @@
 """Hugging Face decoders under Skrull: select the attention, check the model, find it."""
 
+from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.patching import (
-    SKRULL_ATTENTION,
     SUPPORTED_ARCHITECTURES,
     attention_window,
     check_model,
@@ -12,7 +12,7 @@ from lightning_skrull.models.patching import (
 )
 
 __all__ = [
-    "SKRULL_ATTENTION",
+    "ATTENTION_NAME",
     "SUPPORTED_ARCHITECTURES",
     "attention_window",
     "check_model",

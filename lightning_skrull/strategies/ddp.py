@@ -22,6 +22,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
+from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import SkrullConfig
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -76,7 +77,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         bucket_size: int | Literal["auto"] | None = None,
         policy: str = "skrull",
         *,
-        attention_backend: str = "auto",
+        attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
         model_attribute: str | None = None,
         verify_plans: bool = True,

@@ -45,6 +45,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import SkrullConfig
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -142,7 +143,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         bucket_size: int | None = None,
         policy: str = "skrull",
         *,
-        attention_backend: str = "auto",
+        attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
         model_attribute: str | None = None,
         verify_plans: bool = True,
