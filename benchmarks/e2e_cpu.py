@@ -10,7 +10,7 @@ from batch to batch), so a change in machine load hits every policy alike; plain
 global batches in a Trainer of its own, alternating with the Skrull one, when every sequence of
 the measured batches fits the per-rank token budget.
 
-Each step's plan is made by :class:`lightning_skrull.data.datamodule.RankPlanner`, the planner
+Each step's plan is made by :class:`lightning_skrull.data.batch.RankPlanner`, the planner
 that ``SkrullDataModule`` runs, with that step's policy and the strategy's cost model.
 
 The cost model is fitted to this machine first: a calibration phase trains other global
