@@ -33,8 +33,8 @@ from lightning_skrull.attention import (
     pack,
     sdpa_attention,
 )
+from lightning_skrull.runtime.launch import spawn
 from lightning_skrull.scheduling import DISTRIBUTED, plan_global_batch
-from lightning_skrull.utils.launch import spawn
 
 LONG_TAILED = [3072, 640, 384, 256, 192, 160, 128, 128, 96, 64, 64, 48, 32, 32, 24, 16]
 """A micro-batch with one long sequence and many short ones (the SFT long tail)."""

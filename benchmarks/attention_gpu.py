@@ -42,6 +42,7 @@ from gpu_check import SHARES, default_json, median_seconds, sample_lengths, writ
 from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
 from lightning_skrull.attention import flash as flash_backend
 from lightning_skrull.attention import sdpa as sdpa_backend
+from lightning_skrull.attention.backends import flash_kernel
 from lightning_skrull.attention.sdpa import sdpa_attention
 from lightning_skrull.scheduling import DISTRIBUTED
 
@@ -124,8 +125,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     # (label, attention, backend, shipped kernel choice, SDPA kernel, K/V repeated)
     rows: list[tuple[str, Callable[..., torch.Tensor], str, bool, Any, bool]] = []
-    if device.type == "cuda" and flash_backend.flash_kernel() is not None:
-        rows.append((f"flash ({flash_backend.flash_kernel()})", flash_backend.flash_attention,
+    if device.type == "cuda" and flash_kernel() is not None:
+        rows.append((f"flash ({flash_kernel()})", flash_backend.flash_attention,
                      "flash", True, None, False))  # fmt: skip
     rows.append(("sdpa", sdpa_attention, "sdpa", True, None, False))
     rows.append(("sdpa, PyTorch's choice", sdpa_attention, "sdpa", False, None, False))

@@ -82,8 +82,8 @@ def measure(
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from lightning_skrull.data.collate import collate_rank
-    from lightning_skrull.engine import forward_backward
     from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import forward_backward
     from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, MicroBatchPlan
 
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16

@@ -1,7 +1,7 @@
 """Measured training speed of every scheduling policy, end to end, on CPU processes.
 
 Real optimizer steps (forward, backward, AdamW) through ``Trainer(strategy=SkrullStrategy(...))``
-on gloo processes started by :func:`lightning_skrull.utils.launch.spawn`, in two layouts:
+on gloo processes started by :func:`lightning_skrull.runtime.launch.spawn`, in two layouts:
 CP=2 on 2 processes, and DP=2 x CP=2 on 4 processes. Per layout and dataset, every global batch
 is trained once under each policy (``skrull``, ``dacp``, ``static``, ``sorted``,
 ``round_robin``), one step after the other in one Trainer (the order of the policies rotates
@@ -10,7 +10,7 @@ from batch to batch), so a change in machine load hits every policy alike; plain
 global batches in a Trainer of its own, alternating with the Skrull one, when every sequence of
 the measured batches fits the per-rank token budget.
 
-Each step's plan is made by :class:`lightning_skrull.data.datamodule.RankPlanner`, the planner
+Each step's plan is made by :class:`lightning_skrull.data.batch.RankPlanner`, the planner
 that ``SkrullDataModule`` runs, with that step's policy and the strategy's cost model.
 
 The cost model is fitted to this machine first: a calibration phase trains other global
@@ -68,12 +68,13 @@ import simulate_paper  # same directory: the Table 1 length sampler
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from lightning_skrull.scheduling import POLICIES
+
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 CHART = ROOT / "docs" / "img" / "e2e_cpu.png"
 BEGIN, END = "<!-- e2e_cpu:begin -->", "<!-- e2e_cpu:end -->"
 
-POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
 DDP = "ddp (no CP)"
 LENGTH_SCALE = 16
 """Every length of the paper's Table 1 is divided by this."""
@@ -328,7 +329,7 @@ class _InterleavedPolicies(L.LightningDataModule):
         self.pool = pool
 
     def train_dataloader(self) -> DataLoader:
-        from lightning_skrull.data.datamodule import RankPlanner
+        from lightning_skrull.data.batch import RankPlanner
 
         strategy: Any = self.trainer.strategy
         planners = {
@@ -778,7 +779,7 @@ def describe_data(spec: Spec) -> str:
 
 
 def run_layout(layout: Layout, args: argparse.Namespace) -> tuple[Spec, list[Row], dict]:
-    from lightning_skrull.utils.launch import spawn
+    from lightning_skrull.runtime.launch import spawn
 
     spec = build_spec(layout, args.batches, args.calibration, args.rounds, args.seed)
     t = time.perf_counter()

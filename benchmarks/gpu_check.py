@@ -18,9 +18,9 @@ Three checks, one summary block, one JSON file:
    (:meth:`lightning_skrull.scheduling.CostModel.fit`: achieved FLOP/s and seconds per
    micro-batch; at CP=1 nothing is communicated), reported with each step's error under the fit.
 3. **Memory.** Peak CUDA memory of one-sequence steps at three token counts is fitted with
-   :func:`lightning_skrull.memory.fit_memory_model`; the fit's prediction for the largest
+   :func:`lightning_skrull.runtime.memory.fit_memory_model`; the fit's prediction for the largest
    micro-batch of the throughput steps is compared with their measured peak, and
-   :func:`lightning_skrull.memory.choose_bucket_size` gives the bucket this GPU would hold.
+   :func:`lightning_skrull.runtime.memory.choose_bucket_size` gives the bucket this GPU would hold.
 
 ``--device cpu --tiny`` runs every code path with a tiny model on CPU in seconds (the memory
 check needs CUDA and reports ``n/a``); the test suite runs it that way. A deadline
@@ -180,10 +180,10 @@ def _model(config: dict[str, Any], dtype: torch.dtype, device: torch.device, att
 def check_backends(s: Settings, device: torch.device) -> dict[str, Any]:
     """Flash vs SDPA on the same layout, and the Skrull model loss vs plain HF."""
     from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
-    from lightning_skrull.attention.flash import flash_kernel
+    from lightning_skrull.attention.backends import flash_kernel
     from lightning_skrull.data.collate import collate_rank
-    from lightning_skrull.engine import micro_batch_context
     from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import micro_batch_context
     from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
     rng = random.Random(0)
@@ -261,9 +261,9 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     """Median step time and tokens/s of ``skrull`` and ``static`` (``auto`` backend) and, when
     that is flash, of ``skrull`` with the sdpa backend, at CP=1, interleaved."""
     from lightning_skrull.data.collate import tokens_per_cp_rank
-    from lightning_skrull.distributed import ParallelLayout
-    from lightning_skrull.engine import train_step
     from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import train_step
+    from lightning_skrull.runtime.process_groups import ParallelLayout
     from lightning_skrull.scheduling import CostModel
 
     layout = ParallelLayout(rank=0, world_size=1, dp_size=1, cp_size=1, dp_rank=0, cp_rank=0)
@@ -273,7 +273,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     rng = random.Random(0)
     vocab = s.model["vocab_size"]
     from lightning_skrull.attention import resolve_backend
-    from lightning_skrull.attention.flash import flash_kernel
+    from lightning_skrull.attention.backends import flash_kernel
 
     backend = resolve_backend("auto", device)
     runs = {p: (p, backend) for p in POLICIES}
@@ -387,10 +387,14 @@ def fit_constants(model: Any, samples: list[tuple[Any, list[int], float]]) -> di
 # --------------------------------------------------------------------------- 3. memory
 def check_memory(s: Settings, device: torch.device, throughput: dict[str, Any]) -> dict[str, Any]:
     """Fit peak memory against tokens and compare with the throughput steps' peak."""
-    from lightning_skrull.distributed import ParallelLayout
-    from lightning_skrull.engine import train_step
-    from lightning_skrull.memory import choose_bucket_size, fit_memory_model, probe_peak_memory
     from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import train_step
+    from lightning_skrull.runtime.memory import (
+        choose_bucket_size,
+        fit_memory_model,
+        probe_peak_memory,
+    )
+    from lightning_skrull.runtime.process_groups import ParallelLayout
 
     if device.type != "cuda":
         return {"skipped": "peak memory is measured on CUDA only"}

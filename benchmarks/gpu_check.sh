@@ -41,7 +41,7 @@ from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
-from lightning_skrull.attention.flash import flash_kernel
+from lightning_skrull.attention.backends import flash_kernel
 
 try:
     mine = version("lightning-skrull")

@@ -26,7 +26,7 @@ import psutil
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_skrull.utils.launch import spawn
+from lightning_skrull.runtime.launch import spawn
 
 CFG: dict[str, Any] = {
     "vocab_size": 128,

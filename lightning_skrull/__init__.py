@@ -9,10 +9,11 @@ from __future__ import annotations
 
 from lightning_skrull.callbacks import PlanPictureCallback
 from lightning_skrull.config import DataConfig, SkrullConfig
-from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
+from lightning_skrull.data.batch import SkrullBatch
+from lightning_skrull.data.datamodule import SkrullDataModule
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
-from lightning_skrull.strategy import SkrullStrategy
-from lightning_skrull.zero import SkrullZero2Strategy
+from lightning_skrull.strategies.ddp import SkrullStrategy
+from lightning_skrull.strategies.deepspeed import SkrullZero2Strategy
 
 __version__ = "0.1.0"
 

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 import lightning.pytorch as pl
 from typing_extensions import override
 
+from lightning_skrull import viz
+from lightning_skrull.data.batch import SkrullBatch
+
 if TYPE_CHECKING:
-    from lightning_skrull.data.datamodule import SkrullBatch
     from lightning_skrull.scheduling.cost_model import CostModel
 
 DEFAULT_SUBDIR = "plans"
@@ -126,9 +128,6 @@ class PlanPictureCallback(pl.Callback):
         Raises:
             TypeError: ``batch`` is not a Skrull batch.
         """
-        from lightning_skrull.data.datamodule import SkrullBatch
-        from lightning_skrull.viz import plot_plan
-
         if not isinstance(batch, SkrullBatch):
             raise TypeError(
                 f"PlanPictureCallback needs the batches of SkrullDataModule, got "
@@ -144,7 +143,9 @@ class PlanPictureCallback(pl.Callback):
             f"bucket {plan.bucket_size}\n{stats.num_sequences} sequences, "
             f"{stats.num_tokens} tokens, {stats.distributed_share:.0%} of them distributed"
         )
-        fig = plot_plan(plan, lengths, dp_ranks=self.dp_ranks, title=title, cost_model=cost_model)
+        fig = viz.plot_plan(
+            plan, lengths, dp_ranks=self.dp_ranks, title=title, cost_model=cost_model
+        )
         directory = self.directory
         directory.mkdir(parents=True, exist_ok=True)
         path = directory / f"step_{step:06d}.png"

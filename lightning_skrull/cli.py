@@ -23,8 +23,10 @@ from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics import Metric
 
-from lightning_skrull.data.datamodule import SkrullBatch, SkrullDataModule
-from lightning_skrull.strategy import SkrullStrategy
+from lightning_skrull.data.batch import SkrullBatch
+from lightning_skrull.data.datamodule import SkrullDataModule
+from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.strategies.ddp import SkrullStrategy
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.data import AttributeDict
@@ -45,8 +47,6 @@ TINY_QWEN2_5: dict[str, Any] = {
 }
 """A Qwen2.5-architecture decoder small enough to train on a CPU (vocabulary of the bundled
 dataset; GQA 4:2 and tied embeddings as in Qwen2.5-0.5B)."""
-
-IGNORE_INDEX = -100
 
 
 class TokenPerplexity(Metric):

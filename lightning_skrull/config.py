@@ -9,20 +9,14 @@ construct them directly; they document the knobs in one place.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, TypeGuard
+from typing import Any, Literal, TypeGuard
 
-if TYPE_CHECKING:
-    from lightning_skrull.scheduling.cost_model import CostModel
-
-POLICIES = ("skrull", "dacp", "static", "sorted", "round_robin")
-"""Scheduling policies the planner knows (see ``scheduling.plan_global_batch``)."""
+from lightning_skrull.attention.backends import ATTENTION_BACKENDS, AttentionBackend
+from lightning_skrull.scheduling import POLICIES
+from lightning_skrull.scheduling.cost_model import CostModel
 
 AUTO_BUCKET = "auto"
 """``bucket_size="auto"``: measure the budget from peak memory at setup (CUDA only)."""
-
-ATTENTION_BACKENDS = ("auto", "sdpa", "flash")
-"""Attention kernels: ``"auto"`` picks ``"flash"`` on CUDA when a FlashAttention varlen kernel
-(flash-attn, or PyTorch's ``torch.nn.attention.varlen``) is installed, else SDPA."""
 
 
 def _is_int(value: object) -> TypeGuard[int]:
@@ -51,7 +45,7 @@ class SkrullConfig:
     """Scheduling policy: ``"skrull"`` (GDS + DACP), ``"dacp"``, ``"static"`` (every sequence
     distributed, the DeepSpeed-style baseline), ``"sorted"`` or ``"round_robin"``."""
 
-    attention_backend: str = "auto"
+    attention_backend: AttentionBackend = "auto"
     """Attention kernel: ``"auto"``, ``"sdpa"`` (any device, CPU too) or ``"flash"``
     (FlashAttention-2 varlen: flash-attn, else PyTorch's own; CUDA, bf16/fp16 only)."""
 
@@ -100,8 +94,6 @@ class SkrullConfig:
                 f"{ATTENTION_BACKENDS}."
             )
         if self.cost_model is not None:
-            from lightning_skrull.scheduling.cost_model import CostModel
-
             if not isinstance(self.cost_model, CostModel):
                 raise TypeError(
                     f"cost_model must be a CostModel or None, got {type(self.cost_model).__name__}."

@@ -25,6 +25,7 @@ from lightning_skrull.attention import (
     ATTENTION_NAME,
     SkrullAttentionContext,
     attention_context,
+    backends,
     build_rank_layout,
     build_rank_layouts,
     current_attention_context,
@@ -263,20 +264,20 @@ def test_dispatch_refuses_unsupported_inputs() -> None:
 
 
 def test_resolve_backend(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="lightning_skrull.attention.flash"):
+    with caplog.at_level(logging.INFO, logger="lightning_skrull.attention.backends"):
         assert resolve_backend("auto", "cpu") == "sdpa"
     assert resolve_backend("sdpa", "cpu") == "sdpa"
     with pytest.raises(ValueError, match="CUDA device"):
         resolve_backend("flash", "cpu")
     with pytest.raises(ValueError, match="unknown attention backend 'ring'"):
         resolve_backend("ring", "cpu")
-    if flash_backend.flash_kernel() is None:
+    if backends.flash_kernel() is None:
         with pytest.raises(ValueError, match="pip install flash-attn"):
             resolve_backend("flash", "cuda")
     else:  # flash-attn, or PyTorch's varlen kernel (this PyTorch has one)
         assert resolve_backend("flash", "cuda") == "flash"
     # "auto" on CUDA: flash whenever a kernel is installed
-    want = "sdpa" if flash_backend.flash_kernel() is None else "flash"
+    want = "sdpa" if backends.flash_kernel() is None else "flash"
     assert resolve_backend("auto", "cuda") == want
 
 
@@ -344,7 +345,7 @@ def test_flash_equals_sdpa_on_emulated_ranks(cp_size: int, hq: int, hkv: int) ->
     # and gradient errors of each kernel are a few bf16 ulps of values of order 1, so the flash
     # error may be at most twice the sdpa error plus 1e-2. A wrong causal alignment of the
     # distributed chunks (seqlen_q < seqlen_k) gives errors of order 1.
-    if flash_backend.flash_kernel() is None:
+    if backends.flash_kernel() is None:
         pytest.skip("no varlen kernel: neither flash-attn nor torch.nn.attention.varlen")
     rng = random.Random(cp_size)
     for _ in range(3):
@@ -546,9 +547,9 @@ def test_flash_backend_on_torch_varlen_call_contract_on_cpu(
     # results as whole-sequence SDPA, forward and gradients (the scale folded into q included).
     import torch.nn.attention.varlen as torch_varlen
 
-    monkeypatch.setattr(flash_backend, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: False)
     monkeypatch.setattr(torch_varlen, "varlen_attn", _torch_varlen_reference(signature))
-    assert flash_backend.flash_kernel() == "torch"
+    assert backends.flash_kernel() == "torch"
     _flash_contract(cp_size, hq, hkv)
 
 

@@ -3,7 +3,7 @@
 The layout tests are pure (no process group): each group's layout must describe exactly the
 rows the one-group layout gives that group. The schedule test runs 2 gloo processes and logs
 the launch and wait of every collective and the forward and backward of every attention part,
-then checks the order the module docstring of ``lightning_skrull.attention.comm`` promises.
+then checks the order the module docstring of ``lightning_skrull.attention.schedule`` promises.
 Outputs and gradients against whole-sequence SDPA with several groups on real collectives are
 in ``test_attention_multiprocess.py`` (float64 1e-10, float32 1e-5); here cp_size 1 runs the
 grouped path in one process, float64, 1e-10 (only summation order differs, ~1e-15).
@@ -28,6 +28,7 @@ from lightning_skrull.attention import (
     comm,
     distributed_kv_bytes,
     pack,
+    schedule,
     skrull_attention_forward,
     unpack,
 )
@@ -35,13 +36,13 @@ from lightning_skrull.attention import flash as flash_backend
 from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.layout import RankLayout
 from lightning_skrull.data.collate import collate_rank
+from lightning_skrull.runtime.launch import spawn
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
     GlobalBatchPlan,
     MicroBatchPlan,
     kv_group_ranges,
 )
-from lightning_skrull.utils.launch import spawn
 
 D = DISTRIBUTED
 HEAD_DIM = 8
@@ -368,7 +369,7 @@ def _record_schedule(rank: int, world_size: int) -> list[str]:
     )
     comm._all_gather, comm._reduce_scatter = gather, scatter
     try:
-        out = comm.context_parallel_attention(
+        out = schedule.context_parallel_attention(
             q, k, v, ctx, scale=None, local_attention=local, distributed_attention=distributed
         )
         log.append("backward")

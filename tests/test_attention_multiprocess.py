@@ -35,8 +35,8 @@ from lightning_skrull.attention import (
     skrull_attention_forward,
     unpack,
 )
+from lightning_skrull.runtime.launch import spawn
 from lightning_skrull.scheduling.plan import DISTRIBUTED
-from lightning_skrull.utils.launch import spawn
 
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 HEAD_DIM = 8

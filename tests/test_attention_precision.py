@@ -41,8 +41,8 @@ from lightning_skrull.attention import (
     unpack,
 )
 from lightning_skrull.models import prepare_model
+from lightning_skrull.runtime.launch import spawn
 from lightning_skrull.scheduling.plan import DISTRIBUTED
-from lightning_skrull.utils.launch import spawn
 
 HEAD_DIM = 8
 BF16_TOLERANCE = 2e-2

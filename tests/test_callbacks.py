@@ -10,7 +10,7 @@ import pytest
 
 import lightning_skrull.viz as viz
 from lightning_skrull.callbacks import DEFAULT_SUBDIR, PlanPictureCallback
-from lightning_skrull.data.datamodule import RankPlanner, SkrullBatch
+from lightning_skrull.data.batch import RankPlanner, SkrullBatch
 from lightning_skrull.data.sources import load_sft_data
 from lightning_skrull.scheduling import CostModel
 

@@ -26,13 +26,8 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule, SkrullStrategy
 from lightning_skrull.data import GlobalBatchSampler, load_sft_data
-from lightning_skrull.data.datamodule import (
-    GlobalBatchStream,
-    RankPlanner,
-    SkrullDataLoader,
-    plan_stats,
-    split_dataset,
-)
+from lightning_skrull.data.batch import RankPlanner, plan_stats
+from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader, split_dataset
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
 
 

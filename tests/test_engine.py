@@ -35,21 +35,21 @@ from test_models_reference import (
 )
 
 from lightning_skrull.data.collate import collate_rank
-from lightning_skrull.distributed import (
-    ParallelLayout,
-    build_process_groups,
-    check_world,
-    rank_coordinates,
-)
-from lightning_skrull.engine import (
+from lightning_skrull.models import prepare_model
+from lightning_skrull.runtime.engine import (
     StepResult,
     all_reduce_gradients,
     forward_backward,
     train_step,
 )
-from lightning_skrull.models import prepare_model
+from lightning_skrull.runtime.launch import spawn
+from lightning_skrull.runtime.process_groups import (
+    ParallelLayout,
+    build_process_groups,
+    check_world,
+    rank_coordinates,
+)
 from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
-from lightning_skrull.utils.launch import spawn
 
 D = DISTRIBUTED
 ATOL = 1e-5

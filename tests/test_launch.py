@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from lightning_skrull.utils.launch import DistributedRunError, spawn
+from lightning_skrull.runtime.launch import DistributedRunError, spawn
 
 
 def _sum_ranks(rank: int, world_size: int) -> float:

@@ -23,7 +23,7 @@ import torchmetrics
 from helpers import TINY_QWEN2, count_exchanged_bytes, cpu_trainer, reference_logits
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_skrull.utils.launch import spawn
+from lightning_skrull.runtime.launch import spawn
 
 CFG = TINY_QWEN2
 LENGTHS = (60, 60, 60, 2, 2)

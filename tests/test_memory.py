@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_skrull.memory import (
+from lightning_skrull.runtime.memory import (
     MemoryFit,
     choose_bucket_size,
     fit_memory_model,

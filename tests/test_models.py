@@ -21,16 +21,16 @@ from test_models_reference import (
 from torch import nn
 
 from lightning_skrull.data.collate import collate_rank
-from lightning_skrull.distributed import ParallelLayout
-from lightning_skrull.engine import forward_backward, micro_batch_context, train_step
 from lightning_skrull.models import (
-    SKRULL_ATTENTION,
+    ATTENTION_NAME,
     SUPPORTED_ARCHITECTURES,
     attention_window,
     find_hf_model,
     is_prepared,
     prepare_model,
 )
+from lightning_skrull.runtime.engine import forward_backward, micro_batch_context, train_step
+from lightning_skrull.runtime.process_groups import ParallelLayout
 from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 
 
@@ -41,10 +41,10 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
     assert model.config.use_cache is True  # the config default: forwards would build a cache
     assert not is_prepared(model)
     assert prepare_model(model, backend="sdpa") is model
-    assert model.config._attn_implementation == SKRULL_ATTENTION
-    assert model.model.config._attn_implementation == SKRULL_ATTENTION
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert model.model.config._attn_implementation == ATTENTION_NAME
     assert model.config.use_cache is True  # the user's setting, saved by save_pretrained
-    assert SKRULL_ATTENTION in ALL_ATTENTION_FUNCTIONS.valid_keys()
+    assert ATTENTION_NAME in ALL_ATTENTION_FUNCTIONS.valid_keys()
     assert is_prepared(model)
     hooks = len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)
     prepare_model(model, backend="sdpa")  # again: nothing is added
@@ -220,12 +220,12 @@ def test_prepare_refuses_non_models_and_unknown_backends() -> None:
 
 
 def test_flash_backend_needs_a_varlen_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_skrull.attention import flash
+    from lightning_skrull.attention import backends
 
     model = tiny_model("qwen2")
-    if flash.flash_kernel() is not None:  # flash-attn, or torch.nn.attention.varlen
+    if backends.flash_kernel() is not None:  # flash-attn, or torch.nn.attention.varlen
         assert prepare_model(model, backend="flash") is model
-    monkeypatch.setattr(flash, "flash_kernel", lambda: None)
+    monkeypatch.setattr(backends, "flash_kernel", lambda: None)
     with pytest.raises(ValueError, match="needs a FlashAttention varlen kernel"):
         prepare_model(model, backend="flash")
 
@@ -304,10 +304,10 @@ def test_save_pretrained_after_training_keeps_the_users_config(tmp_path: Path) -
 
     text = (tmp_path / "config.json").read_text()
     assert json.loads(text)["use_cache"] is True  # the tiny config's (transformers') default
-    assert SKRULL_ATTENTION not in text  # transformers does not save the attention name
+    assert ATTENTION_NAME not in text  # transformers does not save the attention name
 
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path)
-    assert loaded.config._attn_implementation != SKRULL_ATTENTION
+    assert loaded.config._attn_implementation != ATTENTION_NAME
     assert loaded.config.use_cache is True
     prompt = torch.tensor([[5, 9, 2, 7]])
     out = loaded.generate(

@@ -22,7 +22,7 @@ import torch
 from helpers import TINY_QWEN2, cpu_trainer, token_loss_sum
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from lightning_skrull.utils.launch import spawn
+from lightning_skrull.runtime.launch import spawn
 
 CFG = TINY_QWEN2
 GLOBAL_BATCH = 8

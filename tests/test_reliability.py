@@ -26,12 +26,12 @@ import torch
 import torch.distributed as dist
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
-import lightning_skrull.memory as memory
+import lightning_skrull.runtime.memory as memory
 from lightning_skrull import SkrullConfig, SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
 from lightning_skrull.data import TruncationWarning
-from lightning_skrull.distributed import ParallelLayout
-from lightning_skrull.engine import train_step
-from lightning_skrull.memory import (
+from lightning_skrull.models import prepare_model
+from lightning_skrull.runtime.engine import train_step
+from lightning_skrull.runtime.memory import (
     MemoryFit,
     ProbeStep,
     auto_bucket_size,
@@ -39,7 +39,7 @@ from lightning_skrull.memory import (
     describe_fit,
     fit_memory_model,
 )
-from lightning_skrull.models import prepare_model
+from lightning_skrull.runtime.process_groups import ParallelLayout
 
 VOCAB = 64
 CFG: dict[str, Any] = {
@@ -300,12 +300,12 @@ def test_flash_backend_without_cuda_is_refused(clean_world: None) -> None:
 
 
 def test_flash_backend_without_a_kernel_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_skrull.attention import flash
+    from lightning_skrull.attention import backends
 
-    monkeypatch.setattr(flash, "flash_attn_available", lambda: False)
-    monkeypatch.setattr(flash, "torch_varlen_available", lambda: False)
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(backends, "torch_varlen_available", lambda: False)
     with pytest.raises(ValueError, match=r"'flash' needs a FlashAttention varlen kernel.*neither"):
-        flash.resolve_backend("flash", "cuda")  # what every micro-batch resolves on a GPU
+        backends.resolve_backend("flash", "cuda")  # what every micro-batch resolves on a GPU
     with pytest.raises(ValueError, match=r"neither is installed.*pip install flash-attn.*'sdpa'"):
         prepare_model(Qwen2ForCausalLM(Qwen2Config(**CFG)), backend="flash")  # at setup
 
@@ -459,7 +459,7 @@ def test_strategy_resolves_auto_bucket_from_probe_steps(
     monkeypatch.setattr(torch.cuda, "memory_reserved", lambda device=None: 0)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     callback = MeasureAtFitStart()
-    caplog.set_level("INFO", logger="lightning_skrull.strategy")
+    caplog.set_level("INFO", logger="lightning_skrull.strategies.base")
     trainer, _ = fit(
         SkrullStrategy(bucket_size=64), SkrullDataModule(GOOD, global_batch_size=4),
         callbacks=[callback],
@@ -509,8 +509,8 @@ class LiveObjects(L.Callback):
 
     def __init__(self, every: int) -> None:
         from lightning_skrull.attention.context import SkrullAttentionContext
+        from lightning_skrull.data.batch import SkrullBatch
         from lightning_skrull.data.collate import MicroBatch, RankBatch
-        from lightning_skrull.data.datamodule import SkrullBatch
 
         self.every = every
         self.types = (torch.Tensor, MicroBatch, RankBatch, SkrullBatch, SkrullAttentionContext)

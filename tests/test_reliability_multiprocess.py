@@ -270,7 +270,7 @@ def _launch_env(out_dir: Path, **extra: str) -> dict[str, str]:
 
 def _run_killed(out_dir: Path) -> dict[str, Any]:
     """Two ranks started like torchrun does; rank 0 kills itself before step ``KILL_AT``."""
-    from lightning_skrull.utils.launch import free_port
+    from lightning_skrull.runtime.launch import free_port
 
     port = str(free_port())
     procs, logs = [], []
@@ -347,7 +347,7 @@ def killed(workdir: Path) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def spawn_run(killed: dict[str, Any], workdir: Path) -> dict[str, Any]:
-    from lightning_skrull.utils.launch import DistributedRunError, spawn
+    from lightning_skrull.runtime.launch import DistributedRunError, spawn
 
     out = workdir / "spawned"
     out.mkdir()

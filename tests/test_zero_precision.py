@@ -40,7 +40,7 @@ from test_strategy_multiprocess import (
     make_data,
 )
 
-from lightning_skrull.utils.launch import spawn
+from lightning_skrull.runtime.launch import spawn
 
 STEPS = 2
 ONE_MICRO_BATCH = 400  # tokens per rank: a DP rank's share of each global batch fits at once
@@ -228,7 +228,7 @@ def test_update_equals_single_process_with_one_or_several_micro_batches(
 def test_held_zero_grad_keeps_gradients_until_released() -> None:
     from lightning.pytorch.core.optimizer import LightningOptimizer
 
-    from lightning_skrull.zero import _HeldZeroGrad
+    from lightning_skrull.strategies.deepspeed import _HeldZeroGrad
 
     param = torch.nn.Parameter(torch.ones(2))
     optimizer = torch.optim.SGD([param], lr=1.0)

@@ -28,13 +28,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_skrull.attention.backends import resolve_backend
 from lightning_skrull.attention.layout import RankLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
-
-BACKENDS = ("sdpa", "flash")
-"""Attention backends a context can name (``"auto"`` resolves to one of them at build)."""
 
 
 @dataclass(frozen=True)
@@ -106,8 +104,6 @@ class SkrullAttentionContext:
                 "build_rank_layout(...)."
             )
         device = torch.device(device)
-        from lightning_skrull.attention.flash import resolve_backend
-
         auto = backend == "auto"
         backend = resolve_backend(backend, device)
         _check_group(layout, group)

@@ -20,14 +20,13 @@ from typing import Any
 
 import torch
 
+from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.attention.context import current_attention_context
 from lightning_skrull.attention.flash import flash_attention
+from lightning_skrull.attention.schedule import LocalAttention
 from lightning_skrull.attention.sdpa import sdpa_attention
 
-ATTENTION_NAME = "skrull"
-"""Name under which :func:`register_skrull_attention` registers the attention function."""
-
-_BACKENDS = {"sdpa": sdpa_attention, "flash": flash_attention}
+_BACKENDS: dict[str, LocalAttention] = {"sdpa": sdpa_attention, "flash": flash_attention}
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 """What FlashAttention kernels compute in."""
 

@@ -1,6 +1,7 @@
-"""The ``flash`` backend (FlashAttention-2 varlen kernels, CUDA only) and backend selection.
+"""The ``flash`` backend (FlashAttention-2 varlen kernels, CUDA only).
 
-Two kernels can run it, both imported lazily so this module imports everywhere:
+Two kernels can run it (chosen by :func:`~lightning_skrull.attention.backends.flash_kernel`),
+both imported lazily so this module imports everywhere:
 
 * ``flash_attn_varlen_func`` from the flash-attn package (an optional GPU extra,
   ``pip install flash-attn``), used whenever it is installed;
@@ -24,7 +25,6 @@ backward (docs/benchmarks.md).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import inspect
 import logging
 from collections.abc import Callable
@@ -32,99 +32,11 @@ from typing import Any, cast
 
 import torch
 
-from lightning_skrull.attention.comm import context_parallel_attention
+from lightning_skrull.attention.backends import FLASH_FIX, flash_kernel
 from lightning_skrull.attention.context import SkrullAttentionContext
+from lightning_skrull.attention.schedule import context_parallel_attention
 
 log = logging.getLogger(__name__)
-
-_FLASH_FIX = (
-    "install flash-attn (`pip install flash-attn`) or a CUDA build of PyTorch >= 2.9 (which "
-    "ships torch.nn.attention.varlen), or use backend='sdpa' (pure PyTorch, any device)"
-)
-
-
-@functools.cache
-def flash_attn_available() -> bool:
-    """Whether the ``flash_attn`` package can be imported (without importing it; asked once,
-    since the attention asks on every call)."""
-    return importlib.util.find_spec("flash_attn") is not None
-
-
-@functools.cache
-def torch_varlen_available() -> bool:
-    """Whether this PyTorch has ``torch.nn.attention.varlen`` (without importing it; asked once)."""
-    try:
-        return importlib.util.find_spec("torch.nn.attention.varlen") is not None
-    except ModuleNotFoundError:  # pragma: no cover - a PyTorch without torch.nn.attention
-        return False
-
-
-def flash_kernel() -> str | None:
-    """The kernel the ``flash`` backend would run: ``"flash-attn"`` (the package, preferred),
-    ``"torch"`` (``torch.nn.attention.varlen``), or ``None`` when neither is installed."""
-    if flash_attn_available():
-        return "flash-attn"
-    if torch_varlen_available():
-        return "torch"
-    return None
-
-
-def require_flash_kernel() -> None:
-    """Raise the error of the ``flash`` backend without a kernel (see :func:`flash_kernel`).
-
-    Raises:
-        ValueError: neither flash-attn nor ``torch.nn.attention.varlen`` is installed.
-    """
-    if flash_kernel() is None:
-        raise ValueError(
-            "attention backend 'flash' needs a FlashAttention varlen kernel (flash-attn or "
-            f"torch.nn.attention.varlen), and neither is installed: {_FLASH_FIX}."
-        )
-
-
-def resolve_backend(backend: str, device: torch.device | str) -> str:
-    """The attention backend to use on ``device``.
-
-    Args:
-        backend: ``"auto"`` (``"flash"`` on CUDA when a varlen kernel is installed, else
-            ``"sdpa"``; a float32 compute dtype, i.e. float32 without autocast, still runs
-            ``"sdpa"``), ``"sdpa"`` or ``"flash"`` (flash-attn's kernel, else PyTorch's;
-            float16/bfloat16 compute dtype only: autocast to either, or a 16-bit model).
-        device: the activations' device.
-
-    Returns:
-        ``"sdpa"`` or ``"flash"``. The choice is logged once per (request, device type).
-
-    Raises:
-        ValueError: unknown name, or ``"flash"`` without CUDA or without a varlen kernel.
-    """
-    device = torch.device(device)
-    if backend not in ("auto", "sdpa", "flash"):
-        raise ValueError(f"unknown attention backend {backend!r}; use 'auto', 'sdpa' or 'flash'.")
-    if backend == "flash":
-        if device.type != "cuda":
-            raise ValueError(
-                f"attention backend 'flash' needs a CUDA device, got {device}; use "
-                "backend='sdpa' (or 'auto')."
-            )
-        require_flash_kernel()
-        chosen = "flash"
-    elif backend == "sdpa":
-        chosen = "sdpa"
-    else:
-        chosen = "flash" if device.type == "cuda" and flash_kernel() is not None else "sdpa"
-    _log_choice(backend, device.type, chosen)
-    return chosen
-
-
-@functools.cache
-def _log_choice(requested: str, device_type: str, chosen: str) -> None:
-    why = f" ({flash_kernel()} kernel)" if chosen == "flash" else ""
-    if requested == "auto" and chosen == "sdpa":
-        why = (
-            " (no varlen kernel installed)" if device_type == "cuda" else f" ({device_type} device)"
-        )
-    log.info("lightning-skrull attention backend: %s%s", chosen, why)
 
 
 def _varlen_func() -> Callable[..., Any]:
@@ -136,7 +48,7 @@ def _varlen_func() -> Callable[..., Any]:
         return flash_attn_varlen_func  # type: ignore[no-any-return]
     if kernel == "torch":
         return _torch_varlen
-    raise ImportError(f"the 'flash' attention backend needs a varlen kernel: {_FLASH_FIX}.")
+    raise ImportError(f"the 'flash' attention backend needs a varlen kernel: {FLASH_FIX}.")
 
 
 @functools.cache

@@ -36,8 +36,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
-from lightning_skrull.attention.comm import context_parallel_attention
 from lightning_skrull.attention.context import SkrullAttentionContext
+from lightning_skrull.attention.schedule import context_parallel_attention
 
 MASK_ELEMENTS_PER_CALL = 1 << 22
 """Largest boolean mask (elements) one SDPA call of a distributed chunk builds (4 MiB)."""

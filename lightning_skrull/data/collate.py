@@ -34,9 +34,9 @@ from typing import Any
 import torch
 
 from lightning_skrull.attention.layout import RankLayout, build_rank_layout, pack, zigzag_chunks
+from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
-IGNORE_INDEX = -100
 """Label of a token that is not supervised (transformers' ``ignore_index``)."""
 
 PLACEHOLDER_TOKEN_ID = 0

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
@@ -26,169 +25,23 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from lightning_skrull.config import DataConfig
-from lightning_skrull.data.collate import RankBatch, collate_rank
+from lightning_skrull.data.batch import (
+    RankPlanner,
+    SkrullBatch,
+    SkrullTrainingStrategy,
+    is_skrull_training_strategy,
+)
+from lightning_skrull.data.bundled import load_bundled_dataset
 from lightning_skrull.data.dataset import SFTDataset
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import SFTData, load_sft_data
-from lightning_skrull.scheduling import (
-    DISTRIBUTED,
-    CostModel,
-    GlobalBatchPlan,
-    dp_rank_seconds,
-    plan_global_batch,
-)
+from lightning_skrull.models.patching import find_hf_model
 
 if TYPE_CHECKING:
     from lightning.pytorch.loops.progress import _ProcessedTracker
 
-    from lightning_skrull.strategy import SkrullStrategyMixin
-
 BUNDLED_PREFIX = "bundled:"
 """``train_data="bundled:mixed_tiny"`` loads a dataset shipped with the package."""
-
-
-# --------------------------------------------------------------------------- batch types
-@dataclass(frozen=True)
-class PlanStats:
-    """Statistics of one global batch's plan, identical on every rank.
-
-    Attributes:
-        num_sequences: sequences in the global batch.
-        num_tokens: tokens in the global batch (all ranks).
-        num_supervised_tokens: supervised tokens of the global batch (shifted labels != -100).
-        distributed_share: share of the sequences sharded over a CP group (0 with cp_size 1).
-        estimated_seconds: the cost model's time of the step (slowest DP rank).
-        imbalance: slowest DP rank's estimated time over the mean (1.0 = balanced).
-        max_micro_batches: most micro-batches of any DP rank.
-        min_micro_batches: fewest micro-batches of any DP rank.
-    """
-
-    num_sequences: int
-    num_tokens: int
-    num_supervised_tokens: int
-    distributed_share: float
-    estimated_seconds: float
-    imbalance: float
-    max_micro_batches: int
-    min_micro_batches: int
-
-
-def plan_stats(
-    plan: GlobalBatchPlan, lengths: Sequence[int], num_supervised: int, cost_model: CostModel
-) -> PlanStats:
-    """The :class:`PlanStats` of ``plan`` for sequences of ``lengths``."""
-    placements = [p for mbs in plan.micro_batches for mb in mbs for p in mb.placement]
-    distributed = sum(1 for p in placements if p == DISTRIBUTED)
-    seconds = dp_rank_seconds(plan, lengths, cost_model)
-    slowest = max(seconds) if seconds else 0.0
-    mean = sum(seconds) / len(seconds) if seconds else 0.0
-    counts = [len(mbs) for mbs in plan.micro_batches]
-    return PlanStats(
-        num_sequences=len(lengths),
-        num_tokens=int(sum(lengths)),
-        num_supervised_tokens=num_supervised,
-        distributed_share=distributed / max(len(placements), 1),
-        estimated_seconds=slowest,
-        imbalance=slowest / mean if mean > 0 else 1.0,
-        max_micro_batches=max(counts),
-        min_micro_batches=min(counts),
-    )
-
-
-class SkrullBatch:
-    """What the Skrull loader yields per optimizer step on one rank.
-
-    A plain class, not a dataclass, on purpose: Lightning's precision plugins walk batches with
-    ``apply_to_collection`` (casting floating tensors, refusing frozen dataclasses); this batch
-    is moved as a whole by :meth:`to` and its tensors keep their dtypes (``num_items_in_batch``
-    stays float32 under half precision).
-
-    Attributes:
-        rank_batch: this rank's micro-batches of the global batch.
-        stats: the plan's statistics (the same on every rank).
-        epoch: the epoch the global batch belongs to.
-        index: the global batch's index inside its epoch.
-    """
-
-    __slots__ = ("epoch", "index", "rank_batch", "stats")
-
-    def __init__(self, rank_batch: RankBatch, stats: PlanStats, epoch: int, index: int) -> None:
-        self.rank_batch = rank_batch
-        self.stats = stats
-        self.epoch = epoch
-        self.index = index
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> SkrullBatch:
-        """A copy with every tensor on ``device`` (Lightning calls it to move the batch)."""
-        moved = self.rank_batch.to(device, non_blocking=non_blocking)
-        return SkrullBatch(moved, self.stats, self.epoch, self.index)
-
-    def __repr__(self) -> str:
-        return (
-            f"SkrullBatch(epoch={self.epoch}, index={self.index}, "
-            f"micro_batches={len(self.rank_batch.micro_batches)}, "
-            f"sequences={self.stats.num_sequences}, tokens={self.stats.num_tokens})"
-        )
-
-
-# --------------------------------------------------------------------------- planning
-@dataclass(frozen=True, kw_only=True)
-class RankPlanner:
-    """Everything a rank needs to turn a global batch into its :class:`SkrullBatch`.
-
-    Attributes:
-        dp_size: DP ranks.
-        cp_size: ranks per CP group.
-        dp_rank: this rank's DP rank.
-        cp_rank: this rank's CP rank.
-        bucket_size: tokens one CP rank may hold in one micro-batch.
-        policy: the planner's policy.
-        cost_model: the planner's cost model.
-        equal_micro_batches: pad every DP rank to the plan's largest micro-batch count
-            (needed by ZeRO-2, which reduces gradients in every backward); otherwise pad only
-            ranks without any micro-batch to one (DDP needs one backward per rank and step).
-    """
-
-    dp_size: int
-    cp_size: int
-    dp_rank: int
-    cp_rank: int
-    bucket_size: int
-    policy: str
-    cost_model: CostModel
-    equal_micro_batches: bool = False
-
-    @property
-    def world_size(self) -> int:
-        """Ranks over which gradients are averaged."""
-        return self.dp_size * self.cp_size
-
-    def __call__(
-        self, samples: Sequence[Mapping[str, Any]], indices: Sequence[int], epoch: int, index: int
-    ) -> SkrullBatch:
-        """Plan the global batch ``samples`` (dataset ``indices``) and collate this rank's part."""
-        lengths = [len(s["input_ids"]) for s in samples]
-        plan = plan_global_batch(
-            lengths,
-            dp_size=self.dp_size,
-            cp_size=self.cp_size,
-            bucket_size=self.bucket_size,
-            cost_model=self.cost_model,
-            policy=self.policy,
-        )
-        counts = [len(mbs) for mbs in plan.micro_batches]
-        minimum = max(counts) if self.equal_micro_batches else 1
-        rank_batch = collate_rank(
-            samples,
-            plan,
-            dp_rank=self.dp_rank,
-            cp_rank=self.cp_rank,
-            world_size=self.world_size,
-            sample_indices=indices,
-            min_micro_batches=max(minimum, 1),
-        )
-        stats = plan_stats(plan, lengths, rank_batch.num_supervised_tokens, self.cost_model)
-        return SkrullBatch(rank_batch=rank_batch, stats=stats, epoch=epoch, index=index)
 
 
 class GlobalBatchStream(IterableDataset):
@@ -377,8 +230,6 @@ def _load(
     data: SFTData, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None
 ) -> SFTDataset:
     if isinstance(data, str) and data.startswith(BUNDLED_PREFIX):
-        from lightning_skrull.data.bundled import load_bundled_dataset
-
         return load_bundled_dataset(data[len(BUNDLED_PREFIX) :] or "mixed_tiny")
     if isinstance(tokenizer, (str, os.PathLike)):
         from transformers import AutoTokenizer
@@ -516,9 +367,7 @@ class SkrullDataModule(pl.LightningDataModule):
         return self._loader(self.test_dataset, sampler, "test_dataloader")
 
     # ------------------------------------------------------------------ internals
-    def _strategy(self, hook: str) -> SkrullStrategyMixin:
-        from lightning_skrull.strategy import SkrullStrategyMixin
-
+    def _strategy(self, hook: str) -> SkrullTrainingStrategy:
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError(
@@ -526,7 +375,7 @@ class SkrullDataModule(pl.LightningDataModule):
                 "trainer.fit(model, datamodule=...) rather than calling it directly."
             )
         strategy = trainer.strategy
-        if not isinstance(strategy, SkrullStrategyMixin):
+        if not is_skrull_training_strategy(strategy):
             raise TypeError(
                 f"SkrullDataModule needs a Skrull strategy, but the Trainer uses "
                 f"{type(strategy).__name__}; pass Trainer(strategy='skrull') or "
@@ -534,7 +383,7 @@ class SkrullDataModule(pl.LightningDataModule):
             )
         return strategy
 
-    def _resolve_bucket_size(self, strategy: SkrullStrategyMixin) -> int:
+    def _resolve_bucket_size(self, strategy: SkrullTrainingStrategy) -> int:
         if self._bucket_size is None:
             longest = max(
                 max(d.lengths)
@@ -545,10 +394,8 @@ class SkrullDataModule(pl.LightningDataModule):
         return self._bucket_size
 
     def _validate(
-        self, dataset: SFTDataset | SampleView, strategy: SkrullStrategyMixin, bucket: int
+        self, dataset: SFTDataset | SampleView, strategy: SkrullTrainingStrategy, bucket: int
     ) -> None:
-        from lightning_skrull.models.patching import find_hf_model
-
         vocab_size = None
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is not None:
@@ -573,16 +420,7 @@ class SkrullDataModule(pl.LightningDataModule):
             )
         bucket = self._resolve_bucket_size(strategy)
         self._validate(dataset, strategy, bucket)
-        planner = RankPlanner(
-            dp_size=strategy.dp_size,
-            cp_size=strategy.cp_size,
-            dp_rank=strategy.dp_rank,
-            cp_rank=strategy.cp_rank,
-            bucket_size=bucket,
-            policy=strategy.skrull_config.policy,
-            cost_model=strategy.cost_model,
-            equal_micro_batches=strategy.requires_equal_micro_batches,
-        )
+        planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
         stream = GlobalBatchStream(dataset, sampler, planner)
         trainer = self.trainer if hook == "train_dataloader" else None
         return SkrullDataLoader(stream, num_workers=self.config.num_workers, trainer=trainer)

@@ -26,8 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch.utils.data
 
-IGNORE_INDEX = -100
-"""Label of a token that is not supervised (the convention of HF causal-LM losses)."""
+from lightning_skrull.models.chunked_loss import IGNORE_INDEX
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 

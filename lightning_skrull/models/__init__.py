@@ -1,6 +1,7 @@
 """Hugging Face decoders under Skrull: select the attention, check the model, find it, and
 compute the causal-LM loss without the full logits."""
 
+from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.chunked_loss import (
     linear_cross_entropy,
     use_chunked_loss,
@@ -8,7 +9,6 @@ from lightning_skrull.models.chunked_loss import (
     uses_chunked_loss,
 )
 from lightning_skrull.models.patching import (
-    SKRULL_ATTENTION,
     SUPPORTED_ARCHITECTURES,
     attention_window,
     check_model,
@@ -19,7 +19,7 @@ from lightning_skrull.models.patching import (
 )
 
 __all__ = [
-    "SKRULL_ATTENTION",
+    "ATTENTION_NAME",
     "SUPPORTED_ARCHITECTURES",
     "attention_window",
     "check_model",

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 IGNORE_INDEX = -100
+"""Label of a token that is not supervised (the convention of HF causal-LM losses)."""
 
 LOGIT_ELEMENTS_PER_CHUNK = 1 << 25
 """Float32 logits one chunk may hold (128 MiB): 220 tokens of Qwen2.5's vocabulary."""
@@ -277,6 +278,7 @@ def use_dense_loss(model: nn.Module) -> None:
 
 __all__ = [
     "CHUNKED_LOSS_MODEL_TYPES",
+    "IGNORE_INDEX",
     "check_chunked_loss_supported",
     "default_chunk_tokens",
     "linear_cross_entropy",

@@ -23,6 +23,12 @@ from typing import TYPE_CHECKING, Any, cast
 
 from torch import nn
 
+from lightning_skrull.attention.backends import (
+    ATTENTION_BACKENDS,
+    ATTENTION_NAME,
+    require_flash_kernel,
+)
+from lightning_skrull.attention.dispatch import register_skrull_attention
 from lightning_skrull.models.chunked_loss import (
     check_chunked_loss_supported,
     use_chunked_loss,
@@ -31,9 +37,6 @@ from lightning_skrull.models.chunked_loss import (
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
-
-SKRULL_ATTENTION = "skrull"
-"""Name of the attention function in transformers' ``AttentionInterface``."""
 
 SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyType(
     {
@@ -53,7 +56,6 @@ as long as the attention function honours the layout.
 
 _INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
 _ROPE_CALL = "apply_rotary_pos_emb("
-_BACKENDS = ("auto", "sdpa", "flash")
 
 
 def attention_window(model: nn.Module) -> int | None:
@@ -231,21 +233,16 @@ def prepare_model(
         ValueError: unsupported model (the message names the class and why), unknown backend,
             or ``"flash"`` without a varlen kernel installed.
     """
-    if backend not in _BACKENDS:
-        raise ValueError(f"unknown attention backend {backend!r}; use one of {_BACKENDS}.")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}.")
     if backend == "flash":
-        from lightning_skrull.attention.flash import require_flash_kernel
-
         require_flash_kernel()
     check_model(model, max_sequence_length=max_sequence_length)
     if chunked_loss:
         check_chunked_loss_supported(model)
-
-    from lightning_skrull.attention.dispatch import register_skrull_attention
-
     register_skrull_attention()
     hf_model = cast("PreTrainedModel", model)  # check_model refused anything else
-    hf_model.set_attn_implementation(SKRULL_ATTENTION)
+    hf_model.set_attn_implementation(ATTENTION_NAME)
     _check_attention_selected(model)
     _run_without_cache(hf_model)
     if chunked_loss:
@@ -262,13 +259,13 @@ def _check_attention_selected(model: nn.Module) -> None:
         {
             type(m).__name__
             for m in model.modules()
-            if isinstance(m, PreTrainedModel) and m.config._attn_implementation != SKRULL_ATTENTION
+            if isinstance(m, PreTrainedModel) and m.config._attn_implementation != ATTENTION_NAME
         }
     )
     if stale:
         raise ValueError(
             f"{type(model).__name__} cannot be trained with Skrull context parallelism: "
-            f"set_attn_implementation('{SKRULL_ATTENTION}') left {', '.join(stale)} on another "
+            f"set_attn_implementation('{ATTENTION_NAME}') left {', '.join(stale)} on another "
             "attention (its attention does not go through transformers' AttentionInterface)."
         )
 
@@ -284,7 +281,7 @@ def _forward_without_cache(
     decorator adds it as a keyword), so the hook sets the keyword.
     """
     config = getattr(module, "config", None)
-    if getattr(config, "_attn_implementation", None) != SKRULL_ATTENTION:
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
         return None
     kwargs["use_cache"] = False
     return args, kwargs
@@ -310,7 +307,7 @@ def is_prepared(model: nn.Module) -> bool:
     ``config.use_cache = False`` set by hand.
     """
     config = getattr(model, "config", None)
-    if getattr(config, "_attn_implementation", None) != SKRULL_ATTENTION:
+    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
         return False
     return getattr(config, "use_cache", True) is False or _has_no_cache_hook(model)
 

@@ -24,10 +24,11 @@ import json
 import random
 from pathlib import Path
 
+from lightning_skrull.data.dataset import IGNORE_INDEX
+
 BOS, EOS, TASK_CHAIN, TASK_MAP, SEP = 0, 1, 2, 3, 4
 FIRST_CONTENT_TOKEN = 8
 VOCAB_SIZE = 256
-IGNORE_INDEX = -100
 
 MIXED_TINY_SEED = 2505_19609
 # (how many samples, shortest, longest, spacing) of each length band.

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
@@ -36,9 +39,6 @@ def _worker(
     queue: Any,
     pg_timeout_s: float,
 ) -> None:
-    import torch
-    import torch.distributed as dist
-
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -98,7 +98,6 @@ def spawn(
         p.start()
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
-    import time
 
     deadline = time.monotonic() + timeout
     while len(results) + len(errors) < world_size:

@@ -1,7 +1,6 @@
-"""Lightning strategies that run one Skrull global batch per optimizer step.
+"""The shared base of the Skrull strategies: one Skrull global batch per optimizer step.
 
-:class:`SkrullStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (gloo on
-CPU, NCCL on GPU, launched the way Lightning launches DDP) plus:
+:class:`SkrullStrategyMixin` is put in front of a Lightning data-parallel strategy and adds:
 
 - the DP x CP process groups, CP innermost (``cp_rank = rank % cp_size``), built right after
   the default process group exists;
@@ -10,52 +9,56 @@ CPU, NCCL on GPU, launched the way Lightning launches DDP) plus:
 - a ``training_step`` that takes this rank's :class:`~lightning_skrull.data.collate.RankBatch`
   (from :class:`~lightning_skrull.data.datamodule.SkrullDataModule`) and runs the
   LightningModule's own ``training_step`` once per micro-batch inside that micro-batch's attention
-  context. All micro-batches but the last run forward and backward right there under DDP
-  ``no_sync``; the last one's loss goes back to Lightning, whose backward syncs the gradients once. DP ranks
-  may have different micro-batch counts: only the last backward communicates.
+  context. All micro-batches but the last run forward and backward right there without gradient
+  sync; the last one's loss goes back to Lightning, whose backward syncs the gradients once. DP
+  ranks may have different micro-batch counts: only the last backward communicates.
 
-:class:`SkrullZero2Strategy` (``"skrull_zero2"``, in :mod:`lightning_skrull.zero`) does the same
-on DeepSpeed ZeRO-2.
+The concrete strategies are :class:`~lightning_skrull.strategies.ddp.SkrullStrategy` (DDP) and
+:class:`~lightning_skrull.strategies.deepspeed.SkrullZero2Strategy` (DeepSpeed ZeRO-2).
 """
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
+import logging
 import time
 from contextlib import AbstractContextManager, ExitStack, nullcontext
-from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.strategies import _StrategyRegistry
+import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.memory import recursive_detach
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
+from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
-from lightning_skrull.step_logging import StepLogs, combine_outputs
+from lightning_skrull.data.batch import PlanStats, SkrullBatch
+from lightning_skrull.data.collate import MicroBatch, RankBatch
+from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.models.patching import find_hf_model, prepare_model
+from lightning_skrull.runtime.engine import check_same_plan, micro_batch_context
+from lightning_skrull.runtime.memory import (
+    AUTO_PROBE_TOKENS,
+    AUTO_SAFETY_MARGIN,
+    NONLINEAR_FIT_ERROR,
+    MemoryFit,
+    ProbeStep,
+    auto_bucket_size,
+    describe_fit,
+)
+from lightning_skrull.runtime.process_groups import ParallelLayout, build_process_groups
+from lightning_skrull.scheduling import CostModel
+from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-    from lightning_skrull.data.collate import MicroBatch, RankBatch
-    from lightning_skrull.distributed import ParallelLayout
-    from lightning_skrull.memory import MemoryFit
-    from lightning_skrull.scheduling.cost_model import CostModel
-
-_NO_FORWARD_BUFFER_SYNC = (
-    "forward_sync_buffers"
-    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
-    else "broadcast_buffers"
-)
-"""DDP's argument that turns off the per-forward buffer sync (renamed in torch 2.13)."""
+log = logging.getLogger(__name__)
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
 """Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
@@ -66,8 +69,6 @@ LOSS_KEYS = {"train": "train_loss", "validation": "val_loss", "test": "test_loss
 
 def _refuse_metrics_synced_on_step(module: torch.nn.Module) -> None:
     """Refuse torchmetrics that sync in every ``forward`` (a collective per micro-batch)."""
-    from torchmetrics import Metric
-
     for name, metric in module.named_modules():
         if isinstance(metric, Metric) and metric.dist_sync_on_step:
             raise ValueError(
@@ -81,12 +82,10 @@ def _refuse_metrics_synced_on_step(module: torch.nn.Module) -> None:
 
 def _supervised_tokens(mb: MicroBatch) -> Tensor:
     """This rank's supervised tokens in ``mb``, as a 0-dim tensor (no host sync)."""
-    from lightning_skrull.data.collate import IGNORE_INDEX
-
     return (mb.inputs["shift_labels"] != IGNORE_INDEX).sum()
 
 
-class SkrullStrategyMixin:
+class SkrullStrategyMixin(ParallelStrategy):
     """What every Skrull strategy adds to a Lightning data-parallel strategy.
 
     The concrete classes mix this in front of a Lightning strategy (``DDPStrategy`` or
@@ -174,16 +173,29 @@ class SkrullStrategyMixin:
             )
         return self._skrull_cost_model
 
+    @property
+    def _attached_module(self) -> pl.LightningModule:
+        """The LightningModule the Trainer attached.
+
+        Raises:
+            RuntimeError: no LightningModule is attached yet.
+        """
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no LightningModule yet; it is attached by "
+                "trainer.fit / validate / test before any step runs."
+            )
+        return module
+
     # ------------------------------------------------------------------ set-up
     def _build_parallel_layout(self) -> None:
-        from lightning_skrull.distributed import build_process_groups
-
         self._skrull_layout = build_process_groups(self._skrull_config.cp_size)
 
     def _check_trainer(self, trainer: pl.Trainer) -> None:
         """Refuse Trainer settings that would silently change the math."""
         accelerator = trainer.accelerator
-        device_type = self.root_device.type  # type: ignore[attr-defined]
+        device_type = self.root_device.type
         if device_type not in SUPPORTED_ACCELERATORS:
             raise ValueError(
                 f"{type(self).__name__} runs on {SUPPORTED_ACCELERATORS} devices, but the Trainer "
@@ -220,11 +232,8 @@ class SkrullStrategyMixin:
 
     def _prepare_hf_model(self) -> None:
         """Find the HF model in the LightningModule and switch it to Skrull attention."""
-        from lightning_skrull.models.patching import find_hf_model, prepare_model
-        from lightning_skrull.scheduling import CostModel
-
         config = self._skrull_config
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._attached_module
         hf_model = find_hf_model(module, attribute=config.model_attribute)
         self._hf_model = hf_model
         longest = None
@@ -237,11 +246,8 @@ class SkrullStrategyMixin:
             self._skrull_cost_model = CostModel.from_hf_config(hf_model.config)
 
     # ------------------------------------------------------------------ steps
-    def _as_rank_batch(self, batch: Any, hook: str) -> tuple[RankBatch, Any]:
+    def _as_rank_batch(self, batch: Any, hook: str) -> tuple[RankBatch, PlanStats | None]:
         """``(rank batch, plan statistics or None)`` of a loader batch, or a clear TypeError."""
-        from lightning_skrull.data.collate import RankBatch
-        from lightning_skrull.data.datamodule import SkrullBatch
-
         if isinstance(batch, SkrullBatch):
             return batch.rank_batch, batch.stats
         if isinstance(batch, RankBatch):
@@ -254,8 +260,6 @@ class SkrullStrategyMixin:
         )
 
     def _micro_batch_context(self, mb: MicroBatch) -> AbstractContextManager[Any]:
-        from lightning_skrull.engine import micro_batch_context
-
         return micro_batch_context(
             mb, self.parallel_layout.cp_group, self._skrull_config.attention_backend
         )
@@ -264,20 +268,18 @@ class SkrullStrategyMixin:
         self, hook: str, mb: MicroBatch, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> Any:
         """Run the LightningModule's ``hook`` on one micro-batch (inside its context)."""
-        module = self.lightning_module  # type: ignore[attr-defined]
-        model = self.model  # type: ignore[attr-defined]
+        module = self._attached_module
+        model = self.model
         if hook == "training_step" and model is not None and model is not module:
             # through the wrapper's forward, as Lightning does: DDP prepares its reducer there
-            redirect = self._forward_redirection  # type: ignore[attr-defined]
+            redirect = self._forward_redirection
             return redirect(model, module, hook, mb.inputs, *args, **kwargs)
         return getattr(module, hook)(mb.inputs, *args, **kwargs)
 
     def _check_plan(self, rank_batch: RankBatch) -> None:
         if not self._skrull_config.verify_plans or rank_batch.world_size == 1:
             return
-        from lightning_skrull.engine import check_same_plan
-
-        device = self.root_device  # type: ignore[attr-defined]
+        device = self.root_device
         check_same_plan(
             rank_batch.plan,
             device,
@@ -291,29 +293,13 @@ class SkrullStrategyMixin:
         Every rank probes (its CP group together), fits ``peak = alpha * tokens + beta`` and
         chooses a bucket; the smallest over the world is kept, so every rank plans alike.
         """
-        import dataclasses
-        import logging
-
-        import torch.distributed as dist
-
-        from lightning_skrull.memory import (
-            AUTO_PROBE_TOKENS,
-            AUTO_SAFETY_MARGIN,
-            NONLINEAR_FIT_ERROR,
-            ProbeStep,
-            auto_bucket_size,
-            describe_fit,
-        )
-        from lightning_skrull.models.patching import find_hf_model
-
-        log = logging.getLogger(__name__)
         config = self._skrull_config
         layout = self.parallel_layout
-        device = self.root_device  # type: ignore[attr-defined]
-        module = self.lightning_module  # type: ignore[attr-defined]
+        device = self.root_device
+        module = self._attached_module
         hf_model = find_hf_model(module, attribute=config.model_attribute)
-        optimizers = self.optimizers  # type: ignore[attr-defined]
-        precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
+        optimizers = self.optimizers
+        precision: Precision = self.precision_plugin
         probe = ProbeStep(
             hf_model,
             optimizers[0] if optimizers else None,
@@ -389,9 +375,9 @@ class SkrullStrategyMixin:
         backward skips the plugin's ``pre_backward`` / ``post_backward`` (which call them) and
         applies only what ``pre_backward`` does to the tensor: the AMP loss scale (16-mixed).
         """
-        module = self.lightning_module  # type: ignore[attr-defined]
-        precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
-        optimizer = self.optimizers[0] if self.optimizers else None  # type: ignore[attr-defined]
+        module = self._attached_module
+        precision: Precision = self.precision_plugin
+        optimizer = self.optimizers[0] if self.optimizers else None
         scaler = getattr(precision, "scaler", None)
         tensor = scaler.scale(loss) if scaler is not None else loss
         precision.backward(tensor, module, optimizer)
@@ -403,7 +389,7 @@ class SkrullStrategyMixin:
         the backward it runs itself; the stash moves the accumulated ``.grad`` tensors aside
         (no copy) and :meth:`backward` puts them back before the last micro-batch's backward.
         """
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._attached_module
         self._stashed_grads = []
         for p in module.parameters():
             if p.grad is not None:
@@ -419,7 +405,7 @@ class SkrullStrategyMixin:
         self._stashed_grads = []
 
     def _clear_gradients(self) -> None:
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._attached_module
         for p in module.parameters():
             p.grad = None
 
@@ -441,7 +427,7 @@ class SkrullStrategyMixin:
                 "this rank got no micro-batch for the step; every rank must run at least one "
                 "forward and backward (the data module pads with an empty micro-batch)."
             )
-        precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
+        precision: Precision = self.precision_plugin
         earlier: list[Tensor] = []
         outputs: list[Any] = []
         last_index = len(micro_batches) - 1
@@ -494,7 +480,7 @@ class SkrullStrategyMixin:
         rank_batch, stats = self._as_rank_batch(args[0], hook)
         self._check_plan(rank_batch)
         rest = args[1:]
-        precision: Precision = self.precision_plugin  # type: ignore[attr-defined]
+        precision: Precision = self.precision_plugin
         context = (
             precision.val_step_context() if stage == "validation" else precision.test_step_context()
         )
@@ -520,10 +506,13 @@ class SkrullStrategyMixin:
         return combine_outputs(outputs, logs.is_model_loss)
 
     # ------------------------------------------------------------------ user collectives
+    # ``reduce``, ``broadcast`` and ``barrier`` are abstract in ParallelStrategy, the mixin's
+    # base; at run time ``super()`` reaches the concrete Lightning strategy the mixin is put in
+    # front of (DDPStrategy or DeepSpeedStrategy), which mypy cannot see (safe-super).
     def _open_step_logs(self, rank_batch: RankBatch) -> StepLogs:
         """Stand in for the module's ``self.log`` while this step's micro-batches run, note the
         model's loss of each micro-batch, and refuse collectives from user code meanwhile."""
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self._attached_module
         logs = StepLogs(
             module.log,
             world_size=rank_batch.world_size,
@@ -537,7 +526,8 @@ class SkrullStrategyMixin:
 
         model = self._hf_model
         self._loss_hook = None if model is None else model.register_forward_hook(note_loss)
-        module.log = logs.record  # an instance attribute shadows the method until closed
+        # an instance attribute shadows the method until closed
+        module.__dict__["log"] = logs.record
         self._in_micro_batches = True
         return logs
 
@@ -546,7 +536,7 @@ class SkrullStrategyMixin:
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         if module is not None and "log" in module.__dict__:
             del module.__dict__["log"]
 
@@ -562,52 +552,50 @@ class SkrullStrategyMixin:
             )
 
     @override
-    def all_gather(  # type: ignore[misc]
+    def all_gather(
         self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False
     ) -> Tensor:
         self._refuse_in_micro_batches("all_gather (self.all_gather)")
-        return super().all_gather(tensor, group=group, sync_grads=sync_grads)  # type: ignore[misc,no-any-return]
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
-    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+    def reduce(self, tensor: Any, *args: Any, **kwargs: Any) -> Any:
         self._refuse_in_micro_batches("strategy.reduce")
-        return super().reduce(tensor, *args, **kwargs)  # type: ignore[misc]
+        return super().reduce(tensor, *args, **kwargs)  # type: ignore[safe-super]
 
     @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:  # type: ignore[misc]
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
         self._refuse_in_micro_batches("strategy.broadcast")
-        return super().broadcast(obj, src)  # type: ignore[misc]
+        return super().broadcast(obj, src)  # type: ignore[safe-super]
 
     @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:  # type: ignore[misc]
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
         self._refuse_in_micro_batches("strategy.barrier")
-        super().barrier(*args, **kwargs)  # type: ignore[misc]
+        super().barrier(*args, **kwargs)  # type: ignore[safe-super]
 
     # ------------------------------------------------------------------ Lightning hooks
-    # These override the hooks of the Lightning strategy this mixin is put in front of; the
-    # mixin itself has no such base, so mypy's override check is silenced on each (misc).
     @override
-    def setup(self, trainer: pl.Trainer) -> None:  # type: ignore[misc]
+    def setup(self, trainer: pl.Trainer) -> None:
         self._check_trainer(trainer)
         self._prepare_hf_model()
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._skrull_training_step(args, kwargs)
 
     @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._skrull_eval_step("validation_step", "validation", args, kwargs)
 
     @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._skrull_eval_step("test_step", "test", args, kwargs)
 
     @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[misc]
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"{type(self).__name__} does not support trainer.predict: generation needs a KV "
             "cache, which context-parallel attention does not keep. Predict with a plain "
@@ -615,44 +603,44 @@ class SkrullStrategyMixin:
         )
 
     @override
-    def backward(  # type: ignore[misc]
+    def backward(
         self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any
     ) -> Tensor:
         self._restore_gradients()
         try:
-            return super().backward(closure_loss, optimizer, *args, **kwargs)  # type: ignore[misc,no-any-return]
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
         finally:
             self._close_last_context()
 
     @override
-    def optimizer_step(  # type: ignore[misc]
+    def optimizer_step(
         self,
         optimizer: Optimizer,
         closure: Any,
         model: pl.LightningModule | torch.nn.Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        output = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._log_throughput()
         return output
 
     @override
-    def on_exception(self, exception: BaseException) -> None:  # type: ignore[misc]
+    def on_exception(self, exception: BaseException) -> None:
         self._close_last_context()
         self._stashed_grads = []
-        super().on_exception(exception)  # type: ignore[misc]
+        super().on_exception(exception)
 
     @override
-    def teardown(self) -> None:  # type: ignore[misc]
+    def teardown(self) -> None:
         self._close_last_context()
         self._stashed_grads = []
-        super().teardown()  # type: ignore[misc]
+        super().teardown()
 
     # ------------------------------------------------------------------ logging
     def _log_step(
         self,
         rank_batch: RankBatch,
-        stats: Any,
+        stats: PlanStats | None,
         share: Tensor,
         stage: str,
         user_names: tuple[str, ...] = (),
@@ -667,7 +655,7 @@ class SkrullStrategyMixin:
         """
         if not self._skrull_config.log_stats:
             return
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         if module is None or module._trainer is None or module._trainer.barebones:
             return
         on_step = stage == "train"
@@ -701,7 +689,7 @@ class SkrullStrategyMixin:
     def _log_throughput(self) -> None:
         if self._step_start is None or not self._skrull_config.log_stats:
             return
-        module = self.lightning_module  # type: ignore[attr-defined]
+        module = self.lightning_module
         elapsed = time.perf_counter() - self._step_start
         self._step_start = None
         if module is None or module._trainer is None or elapsed <= 0 or not self._step_tokens:
@@ -714,119 +702,3 @@ class SkrullStrategyMixin:
             prog_bar=True,
             batch_size=1,
         )
-
-
-class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
-    """DDP with Skrull scheduling: DP x CP groups, CP attention, one global batch per step.
-
-    Use it with :class:`~lightning_skrull.SkrullDataModule`; the LightningModule stays plain
-    (``training_step`` returns ``self.model(**batch).loss``).
-
-    Args:
-        cp_size: ranks in one context-parallel group; must divide the world size.
-        bucket_size: token budget of one CP rank in one micro-batch, at least ``cp_size``
-            (``None``: fit the longest sequence of the data, no memory bound; ``"auto"``: measured
-            on CUDA at setup, see :class:`~lightning_skrull.config.SkrullConfig`).
-        policy: scheduling policy (``"skrull"``, ``"dacp"``, ``"static"``, ``"sorted"``,
-            ``"round_robin"``).
-        attention_backend: ``"auto"``, ``"sdpa"`` or ``"flash"``.
-        cost_model: the planner's cost model (default: from the HF model's config).
-        model_attribute: dotted name of the HF model in the LightningModule, when it holds
-            several.
-        verify_plans: check every step that all ranks planned the same global batch.
-        log_stats: log the exact loss, tokens/s and plan statistics.
-        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
-            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
-        **ddp_kwargs: passed to ``DistributedDataParallel``. The per-forward buffer sync
-            (``forward_sync_buffers`` / ``broadcast_buffers``) is turned off: DP ranks may run
-            different numbers of forwards per step.
-
-    Raises:
-        ValueError: a bad option (see :class:`~lightning_skrull.config.SkrullConfig`), or
-            ``broadcast_buffers=True`` / ``forward_sync_buffers=True``.
-    """
-
-    strategy_name = "skrull"
-
-    def __init__(
-        self,
-        cp_size: int = 1,
-        bucket_size: int | Literal["auto"] | None = None,
-        policy: str = "skrull",
-        *,
-        attention_backend: str = "auto",
-        cost_model: CostModel | None = None,
-        model_attribute: str | None = None,
-        verify_plans: bool = True,
-        log_stats: bool = True,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
-        **ddp_kwargs: Any,
-    ) -> None:
-        config = SkrullConfig(
-            cp_size=cp_size,
-            bucket_size=bucket_size,
-            policy=policy,
-            attention_backend=attention_backend,
-            cost_model=cost_model,
-            model_attribute=model_attribute,
-            verify_plans=verify_plans,
-            log_stats=log_stats,
-        )
-        for key in ("broadcast_buffers", "forward_sync_buffers"):
-            if ddp_kwargs.pop(key, None):
-                raise ValueError(
-                    f"{key}=True is not supported: DDP then syncs buffers in every forward, a "
-                    "collective, and DP ranks run different numbers of micro-batches per step. "
-                    "Buffers are synced once when DDP wraps the model; leave it unset."
-                )
-        ddp_kwargs[_NO_FORWARD_BUFFER_SYNC] = False
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            start_method=start_method,
-            **ddp_kwargs,
-        )
-        self._init_skrull(config)
-
-    @override
-    def setup_distributed(self) -> None:
-        super().setup_distributed()
-        self._build_parallel_layout()
-
-    @override
-    def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
-        return self.block_backward_sync()
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
-        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
-            ("skrull", "Skrull scheduling on DDP (CP size 1, launched like 'ddp')", {}),
-            (
-                "skrull_spawn",
-                "Skrull scheduling on DDP, processes started with 'spawn' (notebooks, tests)",
-                {"start_method": "spawn"},
-            ),
-            *(
-                (
-                    f"skrull_cp{n}",
-                    f"Skrull scheduling on DDP with context-parallel groups of {n} ranks",
-                    {"cp_size": n},
-                )
-                for n in (2, 4, 8)
-            ),
-        )
-        for name, description, init_kwargs in entries:
-            strategy_registry.register(name, cls, description=description, **init_kwargs)

@@ -45,8 +45,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import SkrullConfig
-from lightning_skrull.strategy import SkrullStrategyMixin
+from lightning_skrull.strategies.base import SkrullStrategyMixin
 
 if TYPE_CHECKING:
     import deepspeed
@@ -87,7 +88,7 @@ class _HeldZeroGrad:
             if any(held is optimizer for held, _ in self._held):
                 continue
             self._held.append((optimizer, vars(optimizer).get("zero_grad", _MISSING)))
-            optimizer.zero_grad = _keep_gradients  # type: ignore[attr-defined]
+            vars(optimizer)["zero_grad"] = _keep_gradients
 
     def release(self) -> None:
         """Give every held optimizer its own ``zero_grad`` back."""
@@ -96,7 +97,7 @@ class _HeldZeroGrad:
             if previous is _MISSING:
                 vars(optimizer).pop("zero_grad", None)
             else:
-                optimizer.zero_grad = previous  # type: ignore[attr-defined]
+                vars(optimizer)["zero_grad"] = previous
 
 
 @contextmanager
@@ -142,7 +143,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         bucket_size: int | None = None,
         policy: str = "skrull",
         *,
-        attention_backend: str = "auto",
+        attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
         model_attribute: str | None = None,
         verify_plans: bool = True,

@@ -27,8 +27,9 @@ from torch.distributed import ProcessGroup
 
 from lightning_skrull.attention.context import SkrullAttentionContext, attention_context
 from lightning_skrull.data.collate import MicroBatch, RankBatch, collate_rank, sample_length
-from lightning_skrull.distributed import ParallelLayout
+from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.patching import is_prepared, sequence_length_limit
+from lightning_skrull.runtime.process_groups import ParallelLayout
 from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, plan_global_batch
 
 GRAD_BUCKET_ELEMENTS = 1 << 25
@@ -213,7 +214,7 @@ def check_token_ids(
                 continue  # malformed samples are named by the collate step
             bad = (t < 0) | (t >= vocab_size)
             if key == "labels":
-                bad &= t != -100
+                bad &= t != IGNORE_INDEX
             if bool(bad.any()):
                 pos = int(bad.nonzero()[0, 0])
                 raise ValueError(
@@ -267,7 +268,7 @@ def train_step(
         optimizer: optimizer over the model's parameters; stepped once, then its gradients are
             zeroed (``set_to_none``).
         samples: the global batch: mappings with ``input_ids`` and optional ``labels``.
-        layout: this process's :class:`~lightning_skrull.distributed.ParallelLayout`.
+        layout: this process's :class:`~lightning_skrull.runtime.process_groups.ParallelLayout`.
         bucket_size: tokens one CP rank may hold in one micro-batch.
         policy: planning policy (see :func:`~lightning_skrull.scheduling.plan_global_batch`).
         cost_model: the planner's cost model (default: the planner's).

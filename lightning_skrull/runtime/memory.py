@@ -15,11 +15,14 @@ import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    import torch
-    from torch.distributed import ProcessGroup
+import torch
+from torch.distributed import ProcessGroup
+
+from lightning_skrull.data.collate import collate_rank
+from lightning_skrull.runtime.engine import micro_batch_context
+from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
 AUTO_PROBE_TOKENS = (512, 1024, 2048, 4096)
 """Tokens per rank of the probe steps of ``bucket_size="auto"`` (small, so no probe runs out
@@ -138,8 +141,6 @@ def probe_peak_memory(
     Raises:
         RuntimeError: CUDA is not available.
     """
-    import torch
-
     if not torch.cuda.is_available():
         raise RuntimeError(
             "bucket_size='auto' measures CUDA peak memory and needs a GPU; on CPU give "
@@ -258,12 +259,6 @@ class ProbeStep:
         self.autocast = autocast
 
     def __call__(self, tokens: int) -> None:
-        import torch
-
-        from lightning_skrull.data.collate import collate_rank
-        from lightning_skrull.engine import micro_batch_context
-        from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
-
         length = tokens * self.cp_size
         generator = torch.Generator().manual_seed(tokens)
         ids = torch.randint(0, self.vocab_size, (length,), generator=generator).tolist()
@@ -288,8 +283,6 @@ class ProbeStep:
 
     @staticmethod
     def _step_without_change(optimizer: torch.optim.Optimizer) -> None:
-        import torch
-
         saved = []
         for group in optimizer.param_groups:
             lr = group["lr"]

@@ -1,0 +1,249 @@
+"""What a rank's loader yields per optimizer step, and how a rank builds it.
+
+:class:`RankPlanner` plans one global batch and collates this rank's part into a
+:class:`SkrullBatch` (the rank's :class:`~lightning_skrull.data.collate.RankBatch` plus the
+plan's :class:`PlanStats`). The numbers it needs from the training strategy (DP and CP sizes and
+ranks, the cost model, the config) are described by :class:`SkrullTrainingStrategy`, so the data
+side depends on that protocol, not on a strategy class.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeGuard
+
+import torch
+
+from lightning_skrull.config import SkrullConfig
+from lightning_skrull.data.collate import RankBatch, collate_rank
+from lightning_skrull.scheduling import (
+    DISTRIBUTED,
+    CostModel,
+    GlobalBatchPlan,
+    dp_rank_seconds,
+    plan_global_batch,
+)
+
+
+class SkrullTrainingStrategy(Protocol):
+    """What the data module reads from the training strategy (every Skrull strategy has it).
+
+    The rank properties are known once the Trainer set up the process group, the cost model
+    once the strategy found the model: the data module reads them from its loader hooks.
+    """
+
+    @property
+    def skrull_config(self) -> SkrullConfig:
+        """The strategy's config (bucket size, policy, model attribute)."""
+        ...
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks in one CP group."""
+        ...
+
+    @property
+    def dp_size(self) -> int:
+        """Number of DP ranks."""
+        ...
+
+    @property
+    def dp_rank(self) -> int:
+        """This process's DP rank."""
+        ...
+
+    @property
+    def cp_rank(self) -> int:
+        """This process's rank inside its CP group."""
+        ...
+
+    @property
+    def cost_model(self) -> CostModel:
+        """The planner's cost model."""
+        ...
+
+    @property
+    def requires_equal_micro_batches(self) -> bool:
+        """Whether every DP rank must run the same number of micro-batches per step."""
+        ...
+
+
+_STRATEGY_MEMBERS = (
+    "skrull_config",
+    "cp_size",
+    "dp_size",
+    "dp_rank",
+    "cp_rank",
+    "cost_model",
+    "requires_equal_micro_batches",
+)
+
+
+def is_skrull_training_strategy(strategy: object) -> TypeGuard[SkrullTrainingStrategy]:
+    """Whether ``strategy`` has every member of :class:`SkrullTrainingStrategy`.
+
+    Looked up statically (``inspect.getattr_static``): the rank properties raise before the
+    process group exists, so they must not be evaluated to answer.
+    """
+    missing = object()
+    return all(
+        inspect.getattr_static(strategy, name, missing) is not missing for name in _STRATEGY_MEMBERS
+    )
+
+
+@dataclass(frozen=True)
+class PlanStats:
+    """Statistics of one global batch's plan, identical on every rank.
+
+    Attributes:
+        num_sequences: sequences in the global batch.
+        num_tokens: tokens in the global batch (all ranks).
+        num_supervised_tokens: supervised tokens of the global batch (shifted labels != -100).
+        distributed_share: share of the sequences sharded over a CP group (0 with cp_size 1).
+        estimated_seconds: the cost model's time of the step (slowest DP rank).
+        imbalance: slowest DP rank's estimated time over the mean (1.0 = balanced).
+        max_micro_batches: most micro-batches of any DP rank.
+        min_micro_batches: fewest micro-batches of any DP rank.
+    """
+
+    num_sequences: int
+    num_tokens: int
+    num_supervised_tokens: int
+    distributed_share: float
+    estimated_seconds: float
+    imbalance: float
+    max_micro_batches: int
+    min_micro_batches: int
+
+
+def plan_stats(
+    plan: GlobalBatchPlan, lengths: Sequence[int], num_supervised: int, cost_model: CostModel
+) -> PlanStats:
+    """The :class:`PlanStats` of ``plan`` for sequences of ``lengths``."""
+    placements = [p for mbs in plan.micro_batches for mb in mbs for p in mb.placement]
+    distributed = sum(1 for p in placements if p == DISTRIBUTED)
+    seconds = dp_rank_seconds(plan, lengths, cost_model)
+    slowest = max(seconds) if seconds else 0.0
+    mean = sum(seconds) / len(seconds) if seconds else 0.0
+    counts = [len(mbs) for mbs in plan.micro_batches]
+    return PlanStats(
+        num_sequences=len(lengths),
+        num_tokens=int(sum(lengths)),
+        num_supervised_tokens=num_supervised,
+        distributed_share=distributed / max(len(placements), 1),
+        estimated_seconds=slowest,
+        imbalance=slowest / mean if mean > 0 else 1.0,
+        max_micro_batches=max(counts),
+        min_micro_batches=min(counts),
+    )
+
+
+class SkrullBatch:
+    """What the Skrull loader yields per optimizer step on one rank.
+
+    A plain class, not a dataclass, on purpose: Lightning's precision plugins walk batches with
+    ``apply_to_collection`` (casting floating tensors, refusing frozen dataclasses); this batch
+    is moved as a whole by :meth:`to` and its tensors keep their dtypes (``num_items_in_batch``
+    stays float32 under half precision).
+
+    Attributes:
+        rank_batch: this rank's micro-batches of the global batch.
+        stats: the plan's statistics (the same on every rank).
+        epoch: the epoch the global batch belongs to.
+        index: the global batch's index inside its epoch.
+    """
+
+    __slots__ = ("epoch", "index", "rank_batch", "stats")
+
+    def __init__(self, rank_batch: RankBatch, stats: PlanStats, epoch: int, index: int) -> None:
+        self.rank_batch = rank_batch
+        self.stats = stats
+        self.epoch = epoch
+        self.index = index
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> SkrullBatch:
+        """A copy with every tensor on ``device`` (Lightning calls it to move the batch)."""
+        moved = self.rank_batch.to(device, non_blocking=non_blocking)
+        return SkrullBatch(moved, self.stats, self.epoch, self.index)
+
+    def __repr__(self) -> str:
+        return (
+            f"SkrullBatch(epoch={self.epoch}, index={self.index}, "
+            f"micro_batches={len(self.rank_batch.micro_batches)}, "
+            f"sequences={self.stats.num_sequences}, tokens={self.stats.num_tokens})"
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankPlanner:
+    """Everything a rank needs to turn a global batch into its :class:`SkrullBatch`.
+
+    Attributes:
+        dp_size: DP ranks.
+        cp_size: ranks per CP group.
+        dp_rank: this rank's DP rank.
+        cp_rank: this rank's CP rank.
+        bucket_size: tokens one CP rank may hold in one micro-batch.
+        policy: the planner's policy.
+        cost_model: the planner's cost model.
+        equal_micro_batches: pad every DP rank to the plan's largest micro-batch count
+            (needed by ZeRO-2, which reduces gradients in every backward); otherwise pad only
+            ranks without any micro-batch to one (DDP needs one backward per rank and step).
+    """
+
+    dp_size: int
+    cp_size: int
+    dp_rank: int
+    cp_rank: int
+    bucket_size: int
+    policy: str
+    cost_model: CostModel
+    equal_micro_batches: bool = False
+
+    @property
+    def world_size(self) -> int:
+        """Ranks over which gradients are averaged."""
+        return self.dp_size * self.cp_size
+
+    def __call__(
+        self, samples: Sequence[Mapping[str, Any]], indices: Sequence[int], epoch: int, index: int
+    ) -> SkrullBatch:
+        """Plan the global batch ``samples`` (dataset ``indices``) and collate this rank's part."""
+        lengths = [len(s["input_ids"]) for s in samples]
+        plan = plan_global_batch(
+            lengths,
+            dp_size=self.dp_size,
+            cp_size=self.cp_size,
+            bucket_size=self.bucket_size,
+            cost_model=self.cost_model,
+            policy=self.policy,
+        )
+        counts = [len(mbs) for mbs in plan.micro_batches]
+        minimum = max(counts) if self.equal_micro_batches else 1
+        rank_batch = collate_rank(
+            samples,
+            plan,
+            dp_rank=self.dp_rank,
+            cp_rank=self.cp_rank,
+            world_size=self.world_size,
+            sample_indices=indices,
+            min_micro_batches=max(minimum, 1),
+        )
+        stats = plan_stats(plan, lengths, rank_batch.num_supervised_tokens, self.cost_model)
+        return SkrullBatch(rank_batch=rank_batch, stats=stats, epoch=epoch, index=index)
+
+    @classmethod
+    def for_strategy(cls, strategy: SkrullTrainingStrategy, *, bucket_size: int) -> RankPlanner:
+        """The planner of this rank under ``strategy`` (after the Trainer set it up)."""
+        return cls(
+            dp_size=strategy.dp_size,
+            cp_size=strategy.cp_size,
+            dp_rank=strategy.dp_rank,
+            cp_rank=strategy.cp_rank,
+            bucket_size=bucket_size,
+            policy=strategy.skrull_config.policy,
+            cost_model=strategy.cost_model,
+            equal_micro_batches=strategy.requires_equal_micro_batches,
+        )

@@ -1,0 +1,155 @@
+"""``SkrullStrategy``: Skrull scheduling on Lightning's DDP.
+
+:class:`SkrullStrategy` is Lightning's :class:`~lightning.pytorch.strategies.DDPStrategy` (gloo on
+CPU, NCCL on GPU, launched the way Lightning launches DDP) plus the Skrull pieces of
+:class:`~lightning_skrull.strategies.base.SkrullStrategyMixin`; the earlier micro-batches of a
+step run their backward under DDP ``no_sync``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from contextlib import AbstractContextManager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+from typing_extensions import override
+
+from lightning_skrull.attention.backends import AttentionBackend
+from lightning_skrull.config import SkrullConfig
+from lightning_skrull.strategies.base import SkrullStrategyMixin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_skrull.scheduling.cost_model import CostModel
+
+_NO_FORWARD_BUFFER_SYNC = (
+    "forward_sync_buffers"
+    if "forward_sync_buffers" in inspect.signature(DistributedDataParallel.__init__).parameters
+    else "broadcast_buffers"
+)
+"""DDP's argument that turns off the per-forward buffer sync (renamed in torch 2.13)."""
+
+
+class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
+    """DDP with Skrull scheduling: DP x CP groups, CP attention, one global batch per step.
+
+    Use it with :class:`~lightning_skrull.SkrullDataModule`; the LightningModule stays plain
+    (``training_step`` returns ``self.model(**batch).loss``).
+
+    Args:
+        cp_size: ranks in one context-parallel group; must divide the world size.
+        bucket_size: token budget of one CP rank in one micro-batch, at least ``cp_size``
+            (``None``: fit the longest sequence of the data, no memory bound; ``"auto"``: measured
+            on CUDA at setup, see :class:`~lightning_skrull.config.SkrullConfig`).
+        policy: scheduling policy (``"skrull"``, ``"dacp"``, ``"static"``, ``"sorted"``,
+            ``"round_robin"``).
+        attention_backend: ``"auto"``, ``"sdpa"`` or ``"flash"``.
+        cost_model: the planner's cost model (default: from the HF model's config).
+        model_attribute: dotted name of the HF model in the LightningModule, when it holds
+            several.
+        verify_plans: check every step that all ranks planned the same global batch.
+        log_stats: log the exact loss, tokens/s and plan statistics.
+        accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
+            process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
+        **ddp_kwargs: passed to ``DistributedDataParallel``. The per-forward buffer sync
+            (``forward_sync_buffers`` / ``broadcast_buffers``) is turned off: DP ranks may run
+            different numbers of forwards per step.
+
+    Raises:
+        ValueError: a bad option (see :class:`~lightning_skrull.config.SkrullConfig`), or
+            ``broadcast_buffers=True`` / ``forward_sync_buffers=True``.
+    """
+
+    strategy_name = "skrull"
+
+    def __init__(
+        self,
+        cp_size: int = 1,
+        bucket_size: int | Literal["auto"] | None = None,
+        policy: str = "skrull",
+        *,
+        attention_backend: AttentionBackend = "auto",
+        cost_model: CostModel | None = None,
+        model_attribute: str | None = None,
+        verify_plans: bool = True,
+        log_stats: bool = True,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen",
+        **ddp_kwargs: Any,
+    ) -> None:
+        config = SkrullConfig(
+            cp_size=cp_size,
+            bucket_size=bucket_size,
+            policy=policy,
+            attention_backend=attention_backend,
+            cost_model=cost_model,
+            model_attribute=model_attribute,
+            verify_plans=verify_plans,
+            log_stats=log_stats,
+        )
+        for key in ("broadcast_buffers", "forward_sync_buffers"):
+            if ddp_kwargs.pop(key, None):
+                raise ValueError(
+                    f"{key}=True is not supported: DDP then syncs buffers in every forward, a "
+                    "collective, and DP ranks run different numbers of micro-batches per step. "
+                    "Buffers are synced once when DDP wraps the model; leave it unset."
+                )
+        ddp_kwargs[_NO_FORWARD_BUFFER_SYNC] = False
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            start_method=start_method,
+            **ddp_kwargs,
+        )
+        self._init_skrull(config)
+
+    @override
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        self._build_parallel_layout()
+
+    @override
+    def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
+        return self.block_backward_sync()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        entries: tuple[tuple[str, str, dict[str, Any]], ...] = (
+            ("skrull", "Skrull scheduling on DDP (CP size 1, launched like 'ddp')", {}),
+            (
+                "skrull_spawn",
+                "Skrull scheduling on DDP, processes started with 'spawn' (notebooks, tests)",
+                {"start_method": "spawn"},
+            ),
+            *(
+                (
+                    f"skrull_cp{n}",
+                    f"Skrull scheduling on DDP with context-parallel groups of {n} ranks",
+                    {"cp_size": n},
+                )
+                for n in (2, 4, 8)
+            ),
+        )
+        for name, description, init_kwargs in entries:
+            strategy_registry.register(name, cls, description=description, **init_kwargs)

@@ -1,1 +1,0 @@
-"""Small utilities shared by the package, its tests and its benchmarks."""
