@@ -9,7 +9,7 @@ This script times forward + backward (no optimizer step: that is paid once per s
 micro-batch) of single micro-batches through the package's own path (``prepare_model``,
 ``collate_rank``, ``forward_backward``, attention backend ``auto``, CP=1) on a decoder with
 random bf16 weights. The micro-batches differ in tokens (64 up to the bucket), sequence count
-and length mix, so that the two constants separate; :meth:`CostModel.fit` fits them.
+and length mix, so that the two constants separate; :func:`~lightning_skrull.scheduling.fit_cost_model` fits them.
 
 A model too big to train on one GPU (Qwen2.5-7B) is cut to a few layers and measured at two
 depths. The fixed cost is linear in depth (launches and weight reads are per layer), so the

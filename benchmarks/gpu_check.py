@@ -15,7 +15,7 @@ Three checks, one summary block, one JSON file:
    for a Wikipedia-like and a ChatQA2-like global batch (the paper's length shares, lengths cut
    to the bucket).
    The measured steps of the ``auto`` runs also fit the cost model's compute constants
-   (:meth:`lightning_skrull.scheduling.CostModel.fit`: achieved FLOP/s and seconds per
+   (:func:`lightning_skrull.scheduling.fit_cost_model`: achieved FLOP/s and seconds per
    micro-batch; at CP=1 nothing is communicated), reported with each step's error under the fit.
 3. **Memory.** Peak CUDA memory of one-sequence steps at three token counts is fitted with
    :func:`lightning_skrull.runtime.memory.fit_memory_model`; the fit's prediction for the largest

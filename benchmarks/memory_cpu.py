@@ -64,7 +64,7 @@ def _samples(tokens: int) -> list[dict[str, list[int]]]:
 def _step_fn(mode: str, tokens: int) -> Any:
     """A function running one forward + backward of ``tokens`` packed tokens in ``mode``."""
     from lightning_skrull.data.collate import collate_rank
-    from lightning_skrull.engine import micro_batch_context
+    from lightning_skrull.runtime.engine import micro_batch_context
     from lightning_skrull.models import prepare_model
     from lightning_skrull.scheduling import plan_global_batch
 

@@ -65,6 +65,11 @@ class SkrullConfig:
     """Log the step loss, tokens per second, supervised tokens, share of distributed sequences,
     estimated plan imbalance and micro-batches per rank through the Trainer's loggers."""
 
+    chunked_loss: bool = True
+    """Compute the causal-LM loss with the chunked LM head + cross-entropy, which never holds
+    the ``[tokens, vocab]`` logits (the model's output then has ``logits=None`` when it is given
+    labels). ``False``: transformers' dense head and loss, with logits."""
+
     def __post_init__(self) -> None:
         if not _is_int(self.cp_size) or self.cp_size < 1:
             raise ValueError(
@@ -98,7 +103,7 @@ class SkrullConfig:
                 raise TypeError(
                     f"cost_model must be a CostModel or None, got {type(self.cost_model).__name__}."
                 )
-        for name in ("verify_plans", "log_stats"):
+        for name in ("verify_plans", "log_stats", "chunked_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")
         if self.model_attribute is not None and not isinstance(self.model_attribute, str):

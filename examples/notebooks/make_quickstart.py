@@ -28,7 +28,7 @@ cells = [
     ),
     nbf.v4.new_markdown_cell(
         "Estimated iteration time of each policy with a cost model of a 0.5B Qwen2.5-shaped "
-        "model (H100-class defaults; fit the constants to your cluster with `CostModel.fit`)."
+        "model (H100-class defaults; fit the constants to your cluster with `fit_cost_model`)."
     ),
     nbf.v4.new_code_cell(
         "config = Qwen2Config(hidden_size=896, intermediate_size=4864, num_hidden_layers=24,\n"

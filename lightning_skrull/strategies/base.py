@@ -239,7 +239,12 @@ class SkrullStrategyMixin(ParallelStrategy):
         longest = None
         if isinstance(config.bucket_size, int):
             longest = config.cp_size * config.bucket_size
-        prepare_model(hf_model, backend=config.attention_backend, max_sequence_length=longest)
+        prepare_model(
+            hf_model,
+            backend=config.attention_backend,
+            max_sequence_length=longest,
+            chunked_loss=config.chunked_loss,
+        )
         if self._skrull_config.cost_model is not None:
             self._skrull_cost_model = self._skrull_config.cost_model
         else:

@@ -58,6 +58,9 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             several.
         verify_plans: check every step that all ranks planned the same global batch.
         log_stats: log the exact loss, tokens/s and plan statistics.
+        chunked_loss: compute the loss with the chunked LM head + cross-entropy, never holding
+            the ``[tokens, vocab]`` logits (``logits`` is then ``None`` in the model's output
+            when it is given labels); ``False`` for transformers' dense head, with logits.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to ``DistributedDataParallel``. The per-forward buffer sync
@@ -82,6 +85,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         model_attribute: str | None = None,
         verify_plans: bool = True,
         log_stats: bool = True,
+        chunked_loss: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -101,6 +105,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             model_attribute=model_attribute,
             verify_plans=verify_plans,
             log_stats=log_stats,
+            chunked_loss=chunked_loss,
         )
         for key in ("broadcast_buffers", "forward_sync_buffers"):
             if ddp_kwargs.pop(key, None):

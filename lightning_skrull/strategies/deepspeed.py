@@ -122,7 +122,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
 
     Args:
         cp_size, bucket_size, policy, attention_backend, cost_model, model_attribute,
-            verify_plans, log_stats: as for :class:`~lightning_skrull.SkrullStrategy`.
+            verify_plans, log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
         config: a DeepSpeed config (dict or JSON path) to start from; its
             ``zero_optimization.stage`` must be 1 or 2 if given.
         accelerator, parallel_devices, cluster_environment, precision_plugin,
@@ -148,6 +148,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         model_attribute: str | None = None,
         verify_plans: bool = True,
         log_stats: bool = True,
+        chunked_loss: bool = True,
         config: str | Path | dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -166,6 +167,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             model_attribute=model_attribute,
             verify_plans=verify_plans,
             log_stats=log_stats,
+            chunked_loss=chunked_loss,
         )
         if bucket_size == "auto":
             raise ValueError(
