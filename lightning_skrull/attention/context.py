@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import contextvars
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -33,6 +33,8 @@ from lightning_skrull.attention.layout import RankLayout
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
+
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,10 @@ class SkrullAttentionContext:
             the group's distributed sequences alone, so a backend's distributed attention and
             :func:`~lightning_skrull.attention.comm.gather_distributed_kv` run on a group as
             on a whole micro-batch. Empty with one group.
+
+    Data a backend derives from the layout and needs in every layer (the ``sdpa`` backend's
+    groups of local sequences and their masks) is built on first use and kept with the context
+    by :meth:`cached`, so it is made once per micro-batch, not once per layer.
     """
 
     layout: RankLayout
@@ -74,6 +80,20 @@ class SkrullAttentionContext:
     chunk_key_index: torch.Tensor
     auto: bool = False
     kv_group_contexts: tuple[SkrullAttentionContext, ...] = ()
+    _cache: dict[Hashable, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def cached(self, key: Hashable, build: Callable[[], _T]) -> _T:
+        """``build()`` on the first call with ``key``, the same object on every later one.
+
+        For per-micro-batch data that every layer's attention shares (index tensors, masks).
+        ``key`` must name everything the result depends on besides the layout (a bound, a
+        device, a dtype).
+        """
+        try:
+            return self._cache[key]
+        except KeyError:
+            value = self._cache[key] = build()
+            return value
 
     @classmethod
     def build(

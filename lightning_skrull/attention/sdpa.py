@@ -1,7 +1,16 @@
 """The ``sdpa`` backend: pure PyTorch, any device and dtype (float64 included).
 
-Local sequences: one ``scaled_dot_product_attention(..., is_causal=True)`` per sequence, so a
-sequence of ``s`` tokens costs what SDPA costs on it alone (no mask over the packed buffer).
+Local sequences: consecutive short sequences share one SDPA call with a block-diagonal causal
+boolean mask (each query sees the keys of its own sequence up to itself, so no row is fully
+masked); a group holds as many as fit :data:`LOCAL_GROUP_MASK_ELEMENTS` (its tokens squared).
+A sequence too long to share a group runs alone with ``is_causal=True`` and no mask, so its
+cost is what SDPA costs on it alone (no mask over the packed buffer), and the mask memory stays
+bounded whatever the lengths. The groups and their masks are built once per micro-batch (kept
+by ``SkrullAttentionContext.cached``) and shared by every layer. Grouping trades SDPA calls (each
+with its autograd node, views and dispatch, tens of microseconds on CPU whatever its size) for
+masked-out work: a group of ``G`` tokens computes ``G x G`` scores, as SDPA on CPU does not
+skip the masked blocks. The bound is where the two balance for short sequences on CPU
+(docs/benchmarks.md).
 
 Distributed chunks: a chunk holding tokens ``[start, end)`` of a sequence attends keys
 ``[0, end)`` of the whole (all-gathered) sequence with lower-right causal alignment: query
@@ -30,6 +39,8 @@ flash kernel GQA but not a mask, and the math kernel, which takes both, keeps th
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +52,11 @@ from lightning_skrull.attention.schedule import context_parallel_attention
 
 MASK_ELEMENTS_PER_CALL = 1 << 22
 """Largest boolean mask (elements) one SDPA call of a distributed chunk builds (4 MiB)."""
+
+LOCAL_GROUP_MASK_ELEMENTS = 1 << 12
+"""Largest block-diagonal mask (elements, a group's tokens squared) of one SDPA call over a
+group of local sequences: groups of up to 64 tokens. Read at each call; ``0`` runs every local
+sequence in its own call."""
 
 
 CUDA_SDPA_KERNELS = (
@@ -130,6 +146,86 @@ def causal_lower_right_attention(
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
+def group_local_lengths(
+    lengths: Sequence[int], max_mask_elements: int
+) -> tuple[tuple[int, ...], ...]:
+    """Consecutive local sequences in groups whose tokens squared fit ``max_mask_elements``.
+
+    Sequences are taken in packed order; a group is closed when the next sequence would take it
+    over the bound. A sequence that alone exceeds the bound is a group of its own.
+
+    Args:
+        lengths: the local sequences' lengths in packed order.
+        max_mask_elements: largest ``(sum of a group's lengths) ** 2``; ``0`` = one sequence
+            per group.
+
+    Returns:
+        The lengths, in packed order, cut into groups.
+
+    Raises:
+        ValueError: ``max_mask_elements`` is negative.
+    """
+    if max_mask_elements < 0:
+        raise ValueError(
+            f"max_mask_elements={max_mask_elements} is negative; pass 0 (one SDPA call per local "
+            "sequence) or a positive number of mask elements."
+        )
+    groups: list[tuple[int, ...]] = []
+    current: list[int] = []
+    tokens = 0
+    for n in lengths:
+        if current and (tokens + n) ** 2 > max_mask_elements:
+            groups.append(tuple(current))
+            current, tokens = [], 0
+        current.append(n)
+        tokens += n
+    if current:
+        groups.append(tuple(current))
+    return tuple(groups)
+
+
+def block_causal_mask(lengths: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+    """Boolean ``[G, G]`` mask (``G = sum(lengths)``) of sequences laid end to end, each causal.
+
+    ``True`` = attend: position ``i`` sees ``j`` when both are in one sequence and ``j <= i``.
+    Every row sees at least its own position.
+    """
+    seq = torch.repeat_interleave(
+        torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
+    )
+    pos = torch.arange(seq.numel(), device=device)
+    return (seq.unsqueeze(1) == seq.unsqueeze(0)) & (pos.unsqueeze(0) <= pos.unsqueeze(1))
+
+
+@dataclass(frozen=True)
+class LocalGroups:
+    """The local sequences of a micro-batch in SDPA calls.
+
+    Attributes:
+        sizes: tokens of each group, in packed order (they sum to the local tokens).
+        masks: per group, its :func:`block_causal_mask`, or ``None`` for a group of one
+            sequence (run with ``is_causal=True``).
+    """
+
+    sizes: tuple[int, ...]
+    masks: tuple[torch.Tensor | None, ...]
+
+
+def local_groups(
+    ctx: SkrullAttentionContext, max_mask_elements: int, device: torch.device
+) -> LocalGroups:
+    """The micro-batch's :class:`LocalGroups`, built once per context, bound and device."""
+
+    def build() -> LocalGroups:
+        groups = group_local_lengths(ctx.layout.local_lengths, max_mask_elements)
+        return LocalGroups(
+            sizes=tuple(sum(g) for g in groups),
+            masks=tuple(block_causal_mask(g, device) if len(g) > 1 else None for g in groups),
+        )
+
+    return ctx.cached(("sdpa_local_groups", max_mask_elements, device), build)
+
+
 def local_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -137,27 +233,39 @@ def local_attention(
     ctx: SkrullAttentionContext,
     *,
     scale: float | None = None,
+    group_mask_elements: int | None = None,
 ) -> torch.Tensor:
-    """Causal attention of each local sequence on its own.
+    """Causal attention of each local sequence on its own, short ones grouped in one call.
 
     Args:
         q: ``[n_local, Hq, D]`` the local part of the packed queries.
         k: ``[n_local, Hkv, D]``.
         v: ``[n_local, Hkv, D]``.
-        ctx: the micro-batch's attention context (``layout.local_cu_seqlens`` is read).
+        ctx: the micro-batch's attention context (``layout.local_lengths`` is read).
         scale: softmax scale; ``None`` = ``D ** -0.5``.
+        group_mask_elements: bound of :func:`group_local_lengths`; ``None`` =
+            :data:`LOCAL_GROUP_MASK_ELEMENTS`, ``0`` = one SDPA call per sequence.
 
     Returns:
         ``[n_local, Hq, D]``.
     """
-    lengths = ctx.layout.local_lengths
-    if len(lengths) == 1:
-        return _sdpa(q, k, v, scale=scale, is_causal=True)
-    # One split per tensor: its backward is one concatenation. Slicing each sequence out
-    # instead costs a zero-filled gradient of the whole buffer per sequence in the backward.
+    if group_mask_elements is None:
+        group_mask_elements = LOCAL_GROUP_MASK_ELEMENTS
+    groups = local_groups(ctx, group_mask_elements, q.device)
+    if len(groups.sizes) == 1:
+        mask = groups.masks[0]
+        return _sdpa(q, k, v, scale=scale, is_causal=mask is None, mask=mask)
+    # One split per tensor: its backward is one concatenation. Slicing each group out
+    # instead costs a zero-filled gradient of the whole buffer per group in the backward.
     outs = [
-        _sdpa(qs, ks, vs, scale=scale, is_causal=True)
-        for qs, ks, vs in zip(q.split(lengths), k.split(lengths), v.split(lengths), strict=True)
+        _sdpa(qs, ks, vs, scale=scale, is_causal=mask is None, mask=mask)
+        for qs, ks, vs, mask in zip(
+            q.split(groups.sizes),
+            k.split(groups.sizes),
+            v.split(groups.sizes),
+            groups.masks,
+            strict=True,
+        )
     ]
     return torch.cat(outs, dim=0)
 
