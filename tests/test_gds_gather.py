@@ -16,9 +16,10 @@ from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import GlobalBatchPlan
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
-OPTIONS = PlannerOptions()
-ESTIMATED = PlannerOptions(plan_both_max_sequences=0)  # the estimate decides
-WITHOUT_STEP_4 = PlannerOptions(gds_gather=False)  # the LPT split
+# Step 4 is judged on the split it chose: step 6 would move a sequence after it.
+OPTIONS = PlannerOptions(gds_rebalance=False)
+ESTIMATED = PlannerOptions(gds_rebalance=False, plan_both_max_sequences=0)  # the estimate decides
+WITHOUT_STEP_4 = PlannerOptions(gds_rebalance=False, gds_gather=False)  # the LPT split
 
 MODEL_7B = CostModel(shape=QWEN2_5_7B)
 # Found by a random search over small 7B batches: the gathered split plans 10% faster.
@@ -102,7 +103,7 @@ def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches() 
 
 def test_plan_gds_skips_the_gathered_split_above_the_size_limit() -> None:
     lengths = GATHER_WINS
-    options = PlannerOptions(gather_max_sequences=len(lengths) - 1)
+    options = PlannerOptions(gds_rebalance=False, gather_max_sequences=len(lengths) - 1)
     kw = dict(dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
     plan = plan_global_batch(lengths, **kw, options=options)
     costs = SequenceCosts(lengths, 4, MODEL_7B)

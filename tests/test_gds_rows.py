@@ -23,9 +23,9 @@ FAST = CostModel(shape=QWEN2_5_7B)
 # Found by a random search over small batches: steps 1-4 shard everything but one row.
 LENGTHS = [926, 858, 842, 687, 328]
 
-# Step 5 is judged rank by rank on the DP split steps 1-4 made.
-OPTIONS = PlannerOptions()
-WITHOUT_STEP_5 = PlannerOptions(gds_rows=False)
+# Step 5 is judged rank by rank on the DP split steps 1-4 made: step 6 would move sequences.
+OPTIONS = PlannerOptions(gds_rebalance=False)
+WITHOUT_STEP_5 = PlannerOptions(gds_rebalance=False, gds_rows=False)
 
 
 def _without_step_5(**kw):

@@ -9,13 +9,13 @@ from lightning_skrull.scheduling import PlannerOptions, plan_global_batch, simul
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B, CostModel
 from tests.test_scheduling import SMALL_TILES, batches, check_contract
 
-SLOW = CostModel(shape=QWEN2_5_7B, comm_bandwidth=5e9)  # the rows run here
+SLOW = CostModel(shape=QWEN2_5_7B, comm_bandwidth=5e9)  # the split and the rows run here
 ALONE = [PlannerOptions(**{step: False}) for step in PlannerOptions.steps()]
 
 
 def test_paper_switches_every_step_off_and_the_default_every_step_on() -> None:
     steps = PlannerOptions.steps()
-    assert steps == ("dacp_cost_aware", "gds_deal_by_tokens", "gds_gather", "gds_rows", "kv_groups")
+    assert len(steps) == 9 and "dacp_cost_aware" in steps and "gds_rebalance" in steps
     assert not any(getattr(PlannerOptions.paper(), s) for s in steps)
     assert all(getattr(PlannerOptions(), s) for s in steps)
 

@@ -4,7 +4,7 @@ Cost-aware version of the paper's Algorithm 1. The paper only shards a sequence 
 forces it; here a sequence is also sharded when that lowers the micro-batch's estimated time
 (one long local sequence would leave the other CP ranks idle), kept local when sharding costs
 more than it balances (tiny chunks waste attention tiles and every distributed token pays
-communication).
+communication), and moved between ranks when that lowers the slowest rank.
 
 Steps, for a micro-batch of sequences and a CP group of ``N`` ranks with ``C`` tokens each:
 
@@ -14,8 +14,17 @@ Steps, for a micro-batch of sequences and a CP group of ``N`` ranks with ``C`` t
    (slowest rank so far vs. mean rank time once everything left is placed). A sequence that
    fits no rank whole is distributed if every rank has room for its shard, else a local
    sequence is rolled back to distributed and the sequence retried.
-3. Should step 2 leave a sequence no room (its choices took the space), the micro-batch is
-   placed again, longest first, sharding only what memory forces.
+3. Local search on the slowest rank: move one of its sequences to another rank, distribute
+   one, or bring a distributed sequence back whole, whichever lowers the estimated time most;
+   repeat until nothing helps.
+4. When step 2 sharded short sequences by choice and communication is a large share of the
+   estimate, or those sequences waste a large share of it (tile waste and communication), a
+   second construction decides all at once: shard the ``k`` longest, spread the others whole
+   over the ranks (``k`` from a bound of the result). Step 2's one-at-a-time choice shards
+   the first short sequence (keeping it whole raises the slowest rank more) and then every
+   one after it, paying their communication; kept if faster, then step 3.
+5. The same with the paper's rule in step 2 (shard only when memory forces it), kept if
+   faster; skipped or abandoned when it cannot win (see :func:`place_micro_batch`).
 
 The roll-back is the corrected one: turning local sequence ``k`` on rank ``t`` into a
 distributed one frees ``S_k - ceil(S_k/N)`` tokens on ``t`` and costs every other rank
@@ -25,12 +34,20 @@ that can be rolled back, the one that frees most is chosen.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
 
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
+
+_REL_GAIN = 1e-9
+"""A move must lower the estimate by this relative amount (guards against float noise)."""
+_BOUND_SLACK = 1.0 - 1e-12
+"""A lower bound prunes a move only when it beats the best by more than its own rounding."""
 
 
 class CpGroupState:
@@ -55,6 +72,8 @@ class CpGroupState:
         self.dist_tokens = 0  # whole tokens of the distributed sequences (communication)
         self.dist_compute = 0.0  # per-rank compute seconds of the distributed sequences
         self.distributed: list[int] = []
+        self.chosen_shards = 0  # sequences that fit whole but were sharded by choice
+        self.chosen_local_max = 0.0  # largest whole-rank cost among those
 
     # --------------------------------------------------------------------- mutations
     def put_local(self, sid: int, rank: int) -> None:
@@ -85,6 +104,15 @@ class CpGroupState:
         self.dist_tokens += s
         self.dist_compute += c.distributed(sid)
         self.distributed.append(sid)
+
+    def take_distributed(self, sid: int) -> None:
+        """Remove distributed ``sid``."""
+        c = self.costs
+        del self.where[sid]
+        self.reserved -= c.shard(sid)
+        self.dist_tokens -= c.lengths[sid]
+        self.dist_compute -= c.distributed(sid)
+        self.distributed.remove(sid)
 
     # --------------------------------------------------------------------- queries
     def room(self, rank: int) -> int:
@@ -179,29 +207,66 @@ def place_micro_batch(
         fits = sum(costs.lengths[i] for i in ids) <= bucket_size
         return (0,) * len(ids) if fits else None
     if not options.dacp_cost_aware:
-        return _place_paper(ids, costs, bucket_size)
+        return _place_paper(ids, costs, bucket_size, options)
+    # Up to three constructions, each refined by local search; the best estimate wins. When the
+    # first (the greedy) sharded something by choice and communication, or the waste of what it
+    # sharded by choice, is a large share of its estimate, the split construction (shard the k
+    # longest, spread the rest whole) is tried too. The last shards only what memory forces (the
+    # paper's rule) and is refined only if it starts no slower than the best so far ended
+    # (single moves rarely recover a gap; this bounds the planning time). It is not built when
+    # the first sharded nothing by choice (it would be the same placement), nor when a sequence
+    # the first sharded by choice would alone, kept whole, take as long as the first's whole
+    # micro-batch (then it cannot start faster). All start from the same forced shards.
     forced = _forced(ids, costs, bucket_size)
     if forced is None:
         return None
     base, rest = forced
-    state = base.copy()
-    if _greedy(state, rest, look_ahead=True):
-        return state.placement(ids)
-    # Sequences sharded by choice can leave a later one no room, where sharding only what
-    # memory forces fits; this is the same forced state's last use, so no copy.
-    if _greedy(base, rest, look_ahead=False):
-        return base.placement(ids)
-    return None
+    tails = _tails(rest, costs)  # shared by every construction
+    moves = 2 * len(ids) + costs.cp_size if options.dacp_local_search else 0
+    first = base.copy()
+    best: CpGroupState | None = None
+    if _greedy(first, rest, look_ahead=True, tails=tails):
+        chosen, chosen_max = first.chosen_shards, first.chosen_local_max
+        _improve(first, max_moves=moves)
+        if chosen == 0:
+            return first.placement(ids)
+        best = first
+        estimate = first.estimate()
+        if options.dacp_split and (
+            costs.comm(first.dist_tokens) >= options.split_comm_share * estimate
+            or _shard_waste(first) >= options.split_waste_share * estimate
+        ):
+            split = _split_longest(base, rest, estimate, tails)
+            if split is not None:  # it beats the estimate
+                _improve(split, max_moves=moves)
+                best = split
+        if chosen_max >= estimate or not options.dacp_paper_rule:
+            return best.placement(ids)
+    elif not options.dacp_paper_rule:
+        return None
+    give_up = None
+    if best is not None:
+        give_up = options.paper_rule_start_slack * best.estimate()
+    other = base  # the last use of the forced state: no copy needed
+    if _greedy(other, rest, look_ahead=False, give_up_at=give_up, tails=tails) and (
+        give_up is None or other.estimate() < give_up
+    ):
+        _improve(other, max_moves=moves)
+        if best is None or other.estimate() < best.estimate():
+            best = other
+    return None if best is None else best.placement(ids)
 
 
 def _place_paper(
-    ids: Sequence[int], costs: SequenceCosts, bucket_size: int
+    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, options: PlannerOptions
 ) -> tuple[int, ...] | None:
-    """The paper's Algorithm 1: shortest first, shard only when no rank fits the sequence
-    whole, corrected roll-back."""
+    """The paper's Algorithm 1 (shortest first, shard only when no rank fits the sequence
+    whole, corrected roll-back), then step 3 when ``options`` runs it."""
     state = CpGroupState(costs, bucket_size)
     if not _greedy(state, ascending(ids, costs.lengths), look_ahead=False, most_free=True):
         return None
+    if options.dacp_local_search:
+        _improve(state, max_moves=2 * len(ids) + costs.cp_size)
     return state.placement(ids)
 
 
@@ -235,6 +300,74 @@ def _forced(
     return state, rest
 
 
+def _shard_waste(state: CpGroupState) -> float:
+    """Seconds the distributed sequences that would fit one rank whole cost beyond an even
+    spread of their whole-rank time: their tile waste and their communication."""
+    c, n, cap = state.costs, state.n, state.cap
+    lengths, local = c.lengths, c.local_table
+    per_token = c.comm_per_token
+    return sum(
+        c.distributed(sid) - local[sid] / n + per_token * lengths[sid]
+        for sid in state.distributed
+        if lengths[sid] <= cap
+    )
+
+
+def _split_longest(
+    base: CpGroupState,
+    rest: Sequence[int],
+    beat: float,
+    tails: tuple[list[float], list[float]],
+) -> CpGroupState | None:
+    """Distribute the ``k`` longest of ``rest`` and spread the others whole over the ranks.
+
+    The greedy decides one sequence at a time, longest first, and the first sequence kept
+    whole always raises the slowest rank more than sharding it would; with slow communication
+    it can end up sharding everything although keeping the short ones whole, spread over the
+    ranks, is faster. This construction decides all at once: ``k`` minimises a lower bound of
+    the result, the distributed compute (at its cheap lower bound) plus the largest of: the
+    mean local linear time per rank plus the larger of the communication and the mean local
+    attention; the longest local sequence; and the two shortest of the ``n + 1`` longest local
+    ones, which must share a rank. The others go longest first to the rank with the least
+    local time that has room (one that fits no rank is distributed).
+
+    ``tails`` is :func:`_tails` of ``rest``.
+
+    Returns:
+        The state, or ``None`` when it does not ``beat`` the given estimate (checked on the
+        bound before spreading and on plain lists before building), when the best ``k`` is 0
+        or all of ``rest`` (the greedy's own corners), or when the shards do not fit.
+    """
+    m = len(rest)
+    if m < 2:
+        return None
+    best_k, best_value = _best_split(base, rest, tails)
+    if best_k in (0, m) or best_value >= beat * (1.0 - _REL_GAIN):
+        return None
+    return _spread(base, rest, best_k, beat * (1.0 - _REL_GAIN))
+
+
+def _best_split(
+    base: CpGroupState, rest: Sequence[int], tails: tuple[list[float], list[float]]
+) -> tuple[int, float]:
+    """The ``k`` of :func:`_split_longest` with the least :func:`_split_bound` (the first on
+    ties), distributed compute at its cheap lower bound, and that bound."""
+    c, n = base.costs, base.n
+    suffix_lin, suffix_att = tails  # seconds of rest[i:], all local
+    lin0, att0 = sum(base.linear), sum(base.attn)
+    best_k, best_value = 0, math.inf
+    dist, tokens = base.dist_compute, base.dist_tokens
+    for k in range(len(rest) + 1):
+        if k:
+            dist += c.distributed_lower_bound(rest[k - 1])
+            tokens += c.lengths[rest[k - 1]]
+        mean_lin, mean_att = (lin0 + suffix_lin[k]) / n, (att0 + suffix_att[k]) / n
+        value, _ = _split_bound(c, rest, k, dist, c.comm(tokens), mean_lin, mean_att)
+        if value < best_value:
+            best_k, best_value = k, value
+    return best_k, best_value
+
+
 def _split_bound(
     costs: SequenceCosts,
     rest: Sequence[int],
@@ -258,13 +391,75 @@ def _split_bound(
     return dist_compute + (mean if mean > longest else longest), mean >= longest
 
 
+def _spread(
+    base: CpGroupState, rest: Sequence[int], best_k: int, beat: float
+) -> CpGroupState | None:
+    """``base`` with ``rest[:best_k]`` distributed and the others spread whole, longest first,
+    each to the rank with the least local time that has room (distributed when none has);
+    ``None`` when the shards do not fit or the estimate reaches ``beat``."""
+    c = base.costs
+    lengths, local = c.lengths, c.local_table
+    lin_of, att_of = c.linear_table, c.local_attention_table
+    # Spread the rest on plain lists first; build the state only if the result wins. The
+    # estimate only grows while spreading (each rank's load, the communication and the
+    # distributed compute), so the spreading stops as soon as it reaches ``beat``.
+    linear, attn, tokens_of = list(base.linear), list(base.attn), list(base.tokens)
+    shards = list(rest[:best_k])
+    reserved = base.reserved + sum(c.shard(sid) for sid in shards)
+    if max(tokens_of) + reserved > base.cap:
+        return None
+    dist_tokens = base.dist_tokens + sum(lengths[sid] for sid in shards)
+    comm = c.comm(dist_tokens)
+    dist = base.dist_compute + sum(c.distributed(sid) for sid in shards)
+    top = max(_busy(lin, a, comm) for lin, a in zip(linear, attn, strict=True))
+    if top + dist >= beat:
+        return None
+    # Least local time first, lowest rank on ties; ranks without room are set aside.
+    heap = [(lin + a, r) for r, (lin, a) in enumerate(zip(linear, attn, strict=True))]
+    heapq.heapify(heap)
+    where: list[tuple[int, int]] = []
+    for sid in rest[best_k:]:
+        s = lengths[sid]
+        room = base.cap - reserved
+        full = []
+        while heap and tokens_of[heap[0][1]] + s > room:
+            full.append(heapq.heappop(heap))
+        if heap:
+            load, rank = heapq.heappop(heap)
+            lin = linear[rank] = linear[rank] + lin_of[sid]
+            a = attn[rank] = attn[rank] + att_of[sid]
+            tokens_of[rank] += s
+            where.append((sid, rank))
+            heapq.heappush(heap, (load + local[sid], rank))
+            top = max(top, _busy(lin, a, comm))
+        elif max(tokens_of) + reserved + c.shard(sid) <= base.cap:
+            shards.append(sid)
+            reserved += c.shard(sid)
+            dist_tokens += s
+            comm = c.comm(dist_tokens)
+            dist += c.distributed(sid)
+            top = max(_busy(lin, a, comm) for lin, a in zip(linear, attn, strict=True))
+        else:
+            return None
+        if top + dist >= beat:
+            return None
+        for item in full:
+            heapq.heappush(heap, item)
+    state = base.copy()
+    for sid in shards:
+        state.put_distributed(sid)
+    for sid, rank in where:
+        state.put_local(sid, rank)
+    return state
+
+
 def estimate_micro_batch(ids: Sequence[int], costs: SequenceCosts, bucket_size: int) -> float:
     """Quick estimate of one micro-batch of ``ids`` (fixed overhead included), without placing it.
 
     Sequences longer than ``bucket_size`` are distributed; of the others the ``k`` longest are
-    distributed too and the rest stay whole, and the estimate is the least over ``k`` of
-    :func:`_split_bound` (distributed compute, plus the larger of the mean rank and the
-    slowest rank that whole sequences force). Distributing one more sequence adds at
+    distributed too and the rest stay whole, and the estimate is the least over ``k`` of the
+    bound :func:`_split_longest` minimises (distributed compute, plus the larger of the mean rank
+    and the slowest rank that whole sequences force). Distributing one more sequence adds at
     least the compute it takes off the mean rank (sharding only adds tile waste and
     communication), so once the mean rank reaches the whole sequences' bound no larger ``k``
     is lower and the search stops. Used to compare DP splits (:mod:`gds`), in a few operations
@@ -345,6 +540,8 @@ def _greedy(
     state: CpGroupState,
     rest: Sequence[int],
     look_ahead: bool,
+    give_up_at: float | None = None,
+    tails: tuple[list[float], list[float]] | None = None,
     most_free: bool = False,
 ) -> bool:
     """Place ``rest`` in order, choosing local or distributed by a look-ahead estimate.
@@ -355,14 +552,20 @@ def _greedy(
     local is chosen on ties; a sequence that fits no rank whole is distributed, or a local one
     is rolled back. Without ``look_ahead`` only memory makes a sequence distributed.
 
-    With ``most_free``, a sequence whose least-loaded rank has no room goes to the rank with most
+    ``tails`` is :func:`_tails` of ``rest``, when the caller already has it. With
+    ``most_free``, a sequence whose least-loaded rank has no room goes to the rank with most
     free tokens (the paper's rule) instead of the least-loaded rank with room.
 
     Returns:
-        ``False`` when the micro-batch cannot fit.
+        ``False`` when the micro-batch cannot fit, or when the estimate so far (slowest rank
+        plus distributed compute) reaches ``give_up_at``.
     """
+    give_up_at = math.inf if give_up_at is None else give_up_at
     costs, cap = state.costs, state.cap
-    tails = _tails(rest, costs) if look_ahead else None
+    if not look_ahead:
+        tails = None
+    elif tails is None:
+        tails = _tails(rest, costs)
     comm = costs.comm(state.dist_tokens)
     times: list[float] | None = state.rank_times(comm)  # None: the communication changed
     loads = _Loads(state)
@@ -384,6 +587,9 @@ def _greedy(
                 and tails is not None
                 and _shard_pays(state, sid, rank, tails, i, comm, loads)
             ):
+                state.chosen_shards += 1
+                whole = costs.linear(sid) + costs.local_attention(sid)
+                state.chosen_local_max = max(state.chosen_local_max, whole)
                 rank = DISTRIBUTED
             if rank >= 0:
                 times = state.rank_times(comm) if times is None else times
@@ -399,6 +605,8 @@ def _greedy(
                 loads.reset(state)
                 continue
             else:
+                return False
+            if loads.slowest(comm) + state.dist_compute >= give_up_at:
                 return False
             break
     return True
@@ -462,3 +670,175 @@ def _busy(linear: float, attention: float, comm: float) -> float:
     """Seconds of a rank without the distributed compute: its linear work plus the larger of
     its local attention and the K/V communication that runs beside it."""
     return linear + (attention if attention > comm else comm)
+
+
+def _two_largest(values: list[float]) -> tuple[float, int, float]:
+    """Largest value, its index, and the largest value at any other index."""
+    top = max(values)
+    i = values.index(top)
+    rest = values[:i] + values[i + 1 :]
+    return top, i, (max(rest) if rest else -math.inf)
+
+
+def _max_except(times: list[float], ranked: list[int], skip_a: int, skip_b: int) -> float:
+    """Largest of ``times`` outside two ranks; ``ranked`` orders ranks by ascending time."""
+    for r in reversed(ranked):
+        if r != skip_a and r != skip_b:
+            return times[r]
+    return 0.0
+
+
+@dataclass(frozen=True)
+class Move:
+    """One step of the local search (:func:`_improve`).
+
+    Attributes:
+        kind: ``"transfer"`` (a local sequence to another rank), ``"shard"`` (a local sequence
+            becomes distributed) or ``"gather"`` (a distributed sequence comes back whole).
+        seq: the sequence id.
+        src: its rank before the move (:data:`DISTRIBUTED` for ``"gather"``).
+        dst: its rank after the move (:data:`DISTRIBUTED` for ``"shard"``).
+        gain: seconds the micro-batch's estimate drops by.
+    """
+
+    kind: Literal["transfer", "shard", "gather"]
+    seq: int
+    src: int
+    dst: int
+    gain: float
+
+
+Candidate = tuple[float, Move]
+"""A move and the estimate it reaches (compared directly: no rounding through ``gain``)."""
+
+
+def _improve(state: CpGroupState, max_moves: int) -> None:
+    """Apply the best improving move until none improves (or ``max_moves`` were made).
+
+    Moves, all evaluated exactly with the micro-batch estimate: move a local sequence of the
+    slowest rank to the least-loaded rank with room (:func:`_best_transfer`); distribute one of
+    the two longest local sequences of the slowest rank (:func:`_best_shard`); bring a
+    distributed sequence back whole onto the rank where it ends soonest (:func:`_best_gather`).
+    Ties go to the earlier kind, in that order.
+    """
+    for _ in range(max_moves):
+        comm = state.costs.comm(state.dist_tokens)
+        times = state.rank_times(comm)
+        top = max(times)
+        slowest = times.index(top)
+        start = top + state.dist_compute
+        best: Candidate | None = None
+        for find in (_best_transfer, _best_shard, _best_gather):
+            beat = start * (1.0 - _REL_GAIN) if best is None else best[0]
+            found = find(state, times, slowest, comm, beat, start)
+            if found is not None:
+                best = found
+        if best is None:
+            return
+        _apply(state, best[1])
+
+
+def _apply(state: CpGroupState, move: Move) -> None:
+    """Carry out ``move`` on ``state``."""
+    if move.kind == "gather":
+        state.take_distributed(move.seq)
+    else:
+        state.take_local(move.seq)
+    if move.kind == "shard":
+        state.put_distributed(move.seq)
+    else:
+        state.put_local(move.seq, move.dst)
+
+
+def _best_transfer(
+    state: CpGroupState, times: list[float], b: int, comm: float, beat: float, start: float
+) -> Candidate | None:
+    """The local sequence of the slowest rank ``b`` whose move to the least-loaded rank with
+    room lowers the estimate below ``beat`` most."""
+    c, linear, attn, tokens = state.costs, state.linear, state.attn, state.tokens
+    if not state.members[b]:
+        return None
+    room = state.cap - state.reserved
+    dc = state.dist_compute
+    ranked = sorted(range(state.n), key=times.__getitem__)
+    best: Candidate | None = None
+    for sid in state.members[b]:
+        s, lin, att = c.lengths[sid], c.linear(sid), c.local_attention(sid)
+        new_b = _busy(linear[b] - lin, attn[b] - att, comm)
+        for r in ranked:
+            if r == b or tokens[r] + s > room:
+                continue
+            new_r = _busy(linear[r] + lin, attn[r] + att, comm)
+            value = max(_max_except(times, ranked, b, r), new_b, new_r) + dc
+            if value < beat:
+                beat, best = value, (value, Move("transfer", sid, b, r, start - value))
+            break
+    return best
+
+
+def _best_shard(
+    state: CpGroupState, times: list[float], b: int, comm: float, beat: float, start: float
+) -> Candidate | None:
+    """One of the two longest local sequences of the slowest rank ``b``, distributed, where
+    that lowers the estimate below ``beat`` most."""
+    c, n, linear, attn, tokens = state.costs, state.n, state.linear, state.attn, state.tokens
+    if not state.members[b]:
+        return None
+    room = state.cap - state.reserved
+    others = max((tokens[r] for r in range(n) if r != b), default=0)
+    lin_o = max(linear[r] if r != b else -math.inf for r in range(n))
+    la_o = max(linear[r] + attn[r] if r != b else -math.inf for r in range(n))
+    best: Candidate | None = None
+    for sid in descending(state.members[b], c.lengths)[:2]:
+        if others + c.shard(sid) > room:
+            continue
+        comm2 = c.comm(state.dist_tokens + c.lengths[sid])
+        new_b = _busy(linear[b] - c.linear(sid), attn[b] - c.local_attention(sid), comm2)
+        value = max(lin_o + comm2, la_o, new_b) + state.dist_compute
+        # The exact distributed cost takes longer to compute: try its bound first.
+        if value + c.distributed_lower_bound(sid) >= beat:
+            continue
+        value += c.distributed(sid)
+        if value < beat:
+            beat, best = value, (value, Move("shard", sid, b, DISTRIBUTED, start - value))
+    return best
+
+
+def _best_gather(
+    state: CpGroupState, times: list[float], b: int, comm: float, beat: float, start: float
+) -> Candidate | None:
+    """The distributed sequence whose return, whole, to the rank where it ends soonest lowers
+    the estimate below ``beat`` most."""
+    c, linear, attn, tokens = state.costs, state.linear, state.attn, state.tokens
+    if not state.distributed:
+        return None
+    room, dc = state.cap - state.reserved, state.dist_compute
+    l1, l1_at, l2 = _two_largest(linear)
+    la_all = [lin + a for lin, a in zip(linear, attn, strict=True)]
+    la1, la1_at, la2 = _two_largest(la_all)
+    min_la, min_lin = min(la_all), min(linear)
+    best: Candidate | None = None
+    for sid in state.distributed:
+        s = c.lengths[sid]
+        if s > state.cap:
+            continue
+        dq = c.distributed(sid)
+        comm2 = c.comm(state.dist_tokens - s)
+        # A lower bound of the move's value, whichever rank takes it back: the other ranks keep
+        # at least the second-largest linear and linear + attention, and the taker ends no
+        # sooner than the least-loaded rank plus the sequence. The slack guards its rounding.
+        bound = max(l2 + comm2, la2, min_la + c.local(sid), min_lin + c.linear(sid) + comm2)
+        if (bound + dc - dq) * _BOUND_SLACK >= beat:
+            continue
+        need = s - c.shard(sid)  # its shard leaves every rank
+        fits = [r for r in range(state.n) if tokens[r] + need <= room]
+        if not fits:
+            continue
+        target = min(fits, key=lambda r: _busy(linear[r], attn[r], comm2))
+        new_t = _busy(linear[target] + c.linear(sid), attn[target] + c.local_attention(sid), comm2)
+        lin_o = l2 if target == l1_at else l1
+        la_o = la2 if target == la1_at else la1
+        value = max(lin_o + comm2, la_o, new_t) + dc - dq
+        if value < beat:
+            beat, best = value, (value, Move("gather", sid, DISTRIBUTED, target, start - value))
+    return best

@@ -17,10 +17,28 @@ class PlannerOptions:
 
     dacp_cost_aware: bool = True
     """DACP step 2: place longest first and shard a sequence that fits a rank whole when the
-    look-ahead estimate says sharding is faster (where that leaves a later sequence no room,
-    place again longest first, sharding only what memory forces). Off: the paper's Algorithm 1
-    (shortest first, least-loaded rank, else the rank with most free tokens, else shard, else
-    roll back)."""
+    look-ahead estimate says sharding is faster. Off: the paper's Algorithm 1 (shortest first,
+    least-loaded rank, else the rank with most free tokens, else shard, else roll back)."""
+
+    dacp_local_search: bool = True
+    """DACP step 3: move, shard or bring back single sequences while the estimate drops."""
+
+    dacp_split: bool = True
+    """DACP step 4: also try sharding the ``k`` longest and spreading the rest whole."""
+
+    split_comm_share: float = 0.2
+    """Step 4 runs when communication is at least this share of the greedy's estimate..."""
+
+    split_waste_share: float = 0.1
+    """... or when the sequences the greedy sharded by choice waste at least this share of it
+    (tile waste and communication)."""
+
+    dacp_paper_rule: bool = True
+    """DACP step 5: also try the longest-first greedy that shards only what memory forces."""
+
+    paper_rule_start_slack: float = 1.0
+    """Step 5's construction is refined only if it starts within this factor of the best
+    estimate so far."""
 
     gds_deal_by_tokens: bool = True
     """GDS step 3: before adding a micro-batch, retry the same count dealt by tokens."""
@@ -33,7 +51,7 @@ class PlannerOptions:
 
     plan_both_max_sequences: int = 128
     """Up to this many sequences step 4 plans both DP splits and keeps the faster (above, a
-    quick estimate picks one)."""
+    quick estimate picks one), and step 6 runs."""
 
     gds_rows: bool = True
     """GDS step 5: also deal each DP rank's micro-batches in rows and keep the faster."""
@@ -47,6 +65,9 @@ class PlannerOptions:
 
     rows_extra_micro_batches: int = 2
     """Step 5 tries up to this many micro-batches more than steps 2-4 used."""
+
+    gds_rebalance: bool = True
+    """GDS step 6: move one sequence from the slowest DP rank to the fastest after placement."""
 
     kv_groups: bool = True
     """Cut each micro-batch's K/V exchange into groups where that is faster."""
