@@ -625,8 +625,9 @@ per GPU, a CP group spanning nodes), other constants at their defaults."""
 def ablation(batches: int, seed: int) -> str:
     """Markdown table: skrull with each step beyond the paper switched off alone
     (:class:`PlannerOptions`), on the paper's six settings, under the default constants, the
-    measured ones and slow CP links (:data:`ABLATION_SLOW_BANDWIDTH`): the mean simulated speed-up over packed ``static``, the mean ratio to the lower
-    bound, and the mean planning time (CPU ms, one run per batch)."""
+    measured ones and slow CP links (:data:`ABLATION_SLOW_BANDWIDTH`): the mean simulated
+    speed-up over packed ``static``, the mean ratio to the lower bound, and the mean planning
+    time (CPU ms, one run per batch)."""
     variants = [("all steps", PlannerOptions())]
     variants += [(f"no {step}", PlannerOptions(**{step: False})) for step in PlannerOptions.steps()]
     variants.append(("paper only", PlannerOptions.paper()))
@@ -696,7 +697,9 @@ READING = """
   both DP ranks, a few long sequences left no CP rank room for the medium ones to stay whole.
   GDS now also weighs a split that gathers the sequences sharded anyway on few DP ranks
   (docs/scheduling.md), planned beside the balanced one up to 128 sequences, which took the
-  7B ratios from 1.12 and 1.11 to 1.06 and 1.05;
+  7B ratios from 1.12 and 1.11 to 1.06 and 1.05; moving one sequence from the slowest DP rank
+  to the fastest after placement (GDS step 6) took them to 1.05 and 1.04 (1.047 and 1.040
+  against the bound that also charges the collectives' latency);
   `benchmarks/placement_search.py` found little left in the placements themselves
   (docs/benchmarks.md).
 - Against packed `static`, skrull gains what sharding short sequences costs: communication
@@ -704,8 +707,9 @@ READING = """
   those costs are small at the default 100 GB/s: skrull is 1.25x and 1.22x faster than
   `static` there (1.17x before GDS weighed the gathered split), and a plan at the lower bound
   would be 1.31x and 1.27x. A CP group of 16 spans two nodes, though; over the inter-node
-  network (the communication table) skrull's gain grows to 1.40-1.47x, most of it from the
-  gathered DP split and the K/V groups. The baselines
+  network (the communication table) skrull's gain grows to 1.40-1.47x, which a construction
+  added to DACP for slow communication makes possible (the greedy alone stayed at 1.14x at
+  25 GB/s). The baselines
   keep one K/V exchange per micro-batch, as the systems they stand for do; cut into groups
   like skrull's, packed `static` would be 4-10% faster on these settings (default constants).
 - Against the unpacked DeepSpeed baseline the gain is mostly the fixed cost of its 64 tiny
