@@ -617,18 +617,36 @@ def write_chart(results, path: Path) -> None:
     plt.close(fig)
 
 
+ABLATION_SLOW_BANDWIDTH = 25e9
+"""The ablation's slow-link constants: the communication table's 25 GB/s (200 Gb/s InfiniBand
+per GPU, a CP group spanning nodes), other constants at their defaults."""
+
+
 def ablation(batches: int, seed: int) -> str:
     """Markdown table: skrull with each step beyond the paper switched off alone
-    (:class:`PlannerOptions`), on the paper's six settings, under the default and the measured
-    constants: the mean simulated speed-up over packed ``static``, the mean ratio to the lower
-    bound, and the mean planning time (CPU ms, one run per batch)."""
+    (:class:`PlannerOptions`), on the paper's six settings, under the default constants, the
+    measured ones and slow CP links (:data:`ABLATION_SLOW_BANDWIDTH`): the mean simulated
+    speed-up over packed ``static``, the mean ratio to the lower bound, and the mean planning
+    time (CPU ms, one run per batch)."""
     variants = [("all steps", PlannerOptions())]
     variants += [(f"no {step}", PlannerOptions(**{step: False})) for step in PlannerOptions.steps()]
     variants.append(("paper only", PlannerOptions.paper()))
     measured = measured_constants(json.loads(MEASURED.read_text()))
     keys = [(s, d) for s in settings() for d in DATASETS]
+    slow = {s.model: {"comm_bandwidth": ABLATION_SLOW_BANDWIDTH} for s in settings()}
+    overheads = ", ".join(
+        f"{name[8:]} {c['micro_batch_overhead_s'] * 1e3:.0f} ms" for name, c in measured.items()
+    )
+    constant_sets = (
+        ("default", None),
+        (f"H200-measured (micro-batch overhead {overheads})", measured),
+        (
+            f"slow CP links (default, K/V all-gather at {ABLATION_SLOW_BANDWIDTH / 1e9:g} GB/s)",
+            slow,
+        ),
+    )
     lines = []
-    for label, constants in (("default", None), ("H200-measured", measured)):
+    for label, constants in constant_sets:
         lines += [
             "",
             f"Constants: {label}. Each cell: speed-up over packed static / ratio to the lower "
