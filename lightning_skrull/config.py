@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, TypeGuard
 
 from lightning_skrull.attention.backends import ATTENTION_BACKENDS, AttentionBackend
-from lightning_skrull.scheduling import POLICIES
+from lightning_skrull.scheduling import POLICIES, Policy
 from lightning_skrull.scheduling.cost_model import CostModel
 
 AUTO_BUCKET = "auto"
@@ -41,7 +41,7 @@ class SkrullConfig:
     measured at setup from the peak memory of a few probe steps, the largest budget that keeps
     10% of the device free; the fit is logged."""
 
-    policy: str = "skrull"
+    policy: Policy = "skrull"
     """Scheduling policy: ``"skrull"`` (GDS + DACP), ``"dacp"``, ``"static"`` (every sequence
     distributed, the DeepSpeed-style baseline), ``"sorted"`` or ``"round_robin"``."""
 

@@ -22,6 +22,7 @@ from lightning_skrull.scheduling import (
     DISTRIBUTED,
     CostModel,
     GlobalBatchPlan,
+    Policy,
     dp_rank_seconds,
     plan_global_batch,
 )
@@ -198,7 +199,7 @@ class RankPlanner:
     dp_rank: int
     cp_rank: int
     bucket_size: int
-    policy: str
+    policy: Policy
     cost_model: CostModel
     equal_micro_batches: bool = False
 

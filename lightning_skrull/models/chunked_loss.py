@@ -27,7 +27,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -197,12 +197,14 @@ def _chunked_forward(
     if labels is None:
         return original(*args, **kwargs)
     arguments.pop("logits_to_keep", None)
-    outputs = model.model(**arguments, **extra)
+    decoder = cast(nn.Module, model.model)  # checked by check_chunked_loss_supported
+    head = cast(nn.Linear, model.lm_head)
+    outputs = decoder(**arguments, **extra)
     loss = linear_cross_entropy(
         outputs.last_hidden_state,
-        model.lm_head.weight,
+        head.weight,
         shifted_target(labels, extra.get("shift_labels")),
-        bias=model.lm_head.bias,
+        bias=head.bias,
         num_items_in_batch=extra.get("num_items_in_batch"),
         chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
     )

@@ -30,7 +30,7 @@ from lightning_skrull.data.collate import MicroBatch, RankBatch, collate_rank, s
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.patching import is_prepared, sequence_length_limit
 from lightning_skrull.runtime.process_groups import ParallelLayout
-from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, plan_global_batch
+from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, Policy, plan_global_batch
 
 GRAD_BUCKET_ELEMENTS = 1 << 25
 """Gradient elements flattened into one all-reduce (128 MiB in float32)."""
@@ -250,7 +250,7 @@ def train_step(
     *,
     layout: ParallelLayout,
     bucket_size: int,
-    policy: str = "skrull",
+    policy: Policy = "skrull",
     cost_model: CostModel | None = None,
     backend: str = "auto",
     plan: GlobalBatchPlan | None = None,

@@ -47,6 +47,7 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import SkrullConfig
+from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         self,
         cp_size: int = 1,
         bucket_size: int | None = None,
-        policy: str = "skrull",
+        policy: Policy = "skrull",
         *,
         attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
