@@ -133,6 +133,10 @@ TINY_QWEN2: dict[str, Any] = {
 """A Qwen2 small enough for multi-process CPU tests (two layers, GQA, untied head). Tests that
 need another shape override keys: ``{**TINY_QWEN2, "intermediate_size": 48}``."""
 
+TINY_DECODER: dict[str, Any] = {**TINY_QWEN2, "intermediate_size": 48, "use_cache": False}
+"""The decoder the attention tests run, as a Qwen2 or Llama config (GQA: 4 query heads, 2 K/V
+heads, head dim 8), without a KV cache."""
+
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 VOCAB = TINY_QWEN2["vocab_size"]
 
