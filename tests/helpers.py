@@ -1,13 +1,33 @@
-"""Helpers shared by the test modules (importable in spawned processes too)."""
+"""Scaffolding shared by the test modules (importable in spawned processes too).
+
+- tiny models: :data:`TINY_QWEN2` (overrides where a test needs another shape), the tiny
+  decoders of the supported architectures;
+- data: :func:`make_data` (random samples with an unsupervised prompt), :func:`make_samples`
+  (samples of given lengths), a word-level chat tokenizer;
+- the single-process reference every parity test compares against: a plain Hugging Face model,
+  one sequence at a time, summed token cross-entropy divided by the supervised tokens of the
+  whole global batch;
+- Trainer runs: :class:`PlainLM` (the module of the documentation), :class:`BatchRecorder`,
+  :func:`cpu_trainer`, and :func:`reference_training` of the same global batches;
+- :func:`count_exchanged_bytes`, what the attention's K/V exchange hands to its collectives.
+"""
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
+import functools
+import random
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import lightning.pytorch as L
+import numpy as np
 import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.attention import comm
 
@@ -110,9 +130,148 @@ TINY_QWEN2: dict[str, Any] = {
     "max_position_embeddings": 256,
     "tie_word_embeddings": False,
 }
-"""A Qwen2 small enough for multi-process CPU tests (two layers, GQA, untied head)."""
+"""A Qwen2 small enough for multi-process CPU tests (two layers, GQA, untied head). Tests that
+need another shape override keys: ``{**TINY_QWEN2, "intermediate_size": 48}``."""
+
+TINY_DECODER: dict[str, Any] = {**TINY_QWEN2, "intermediate_size": 48, "use_cache": False}
+"""The decoder the attention tests run, as a Qwen2 or Llama config (GQA: 4 query heads, 2 K/V
+heads, head dim 8), without a KV cache."""
+
+ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
+VOCAB = TINY_QWEN2["vocab_size"]
 
 
+def tiny_qwen2(**overrides: Any) -> Qwen2ForCausalLM:
+    """:data:`TINY_QWEN2` (updated with ``overrides``) initialised after ``torch.manual_seed(0)``:
+    the same weights in every process."""
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(**{**TINY_QWEN2, **overrides}))
+
+
+def tiny_config(arch: str, **overrides: Any) -> Any:
+    """A tiny random config of ``arch`` with :data:`TINY_QWEN2`'s sizes and eager attention."""
+    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+
+    common: dict[str, Any] = {**TINY_QWEN2, "attn_implementation": "eager"}
+    if arch == "qwen2":
+        cls, extra = Qwen2Config, {}
+    elif arch == "qwen3":
+        cls, extra = Qwen3Config, {"head_dim": 8}
+    elif arch == "llama":
+        cls, extra = LlamaConfig, {}
+    elif arch == "mistral":
+        # Mistral v0.2+ checkpoints have no sliding window (the config class defaults to 4096).
+        cls, extra = MistralConfig, {"sliding_window": None}
+    else:
+        raise ValueError(f"unknown test architecture {arch!r}")
+    return cls(**{**common, **extra, **overrides})
+
+
+def tiny_model(arch: str = "qwen2", *, seed: int = 0, **overrides: Any) -> nn.Module:
+    """A tiny random causal LM in float32 (eager attention), deterministic in ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).float()
+
+
+# ----------------------------------------------------------------------------- data
+def make_data(n: int = 24, seed: int = 0, *, longest: int = 69) -> list[dict[str, list[int]]]:
+    """``n`` samples of 3..``longest`` tokens; a random prompt prefix of each (up to half of it)
+    is not supervised."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(3, longest + 1, (1,), generator=g))
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=g))
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
+def make_samples(
+    lengths: Sequence[int],
+    *,
+    seed: int,
+    prompt: dict[int, int] | None = None,
+    fully_masked: Sequence[int] = (),
+    without_labels: Sequence[int] = (),
+) -> list[dict[str, list[int]]]:
+    """Random samples: ``prompt[i]`` first tokens of sample ``i`` masked with -100."""
+    rng = random.Random(seed)
+    samples: list[dict[str, list[int]]] = []
+    for i, length in enumerate(lengths):
+        ids = [rng.randrange(VOCAB) for _ in range(length)]
+        labels = list(ids)
+        masked = length if i in fully_masked else (prompt or {}).get(i, 0)
+        labels[:masked] = [-100] * masked
+        samples.append(
+            {"input_ids": ids} if i in without_labels else {"input_ids": ids, "labels": labels}
+        )
+    return samples
+
+
+def supervised_tokens(samples: Sequence[dict[str, list[int]]]) -> int:
+    """Targets of the global batch: labels of tokens 1.. that are not -100."""
+    return sum(
+        sum(1 for label in s.get("labels", s["input_ids"])[1:] if label != -100) for s in samples
+    )
+
+
+CHAT_VOCAB: dict[str, int] = {
+    word: i
+    for i, word in enumerate(
+        [
+            "<unk>",
+            "<|im_start|>",
+            "<|im_end|>",
+            "system",
+            "user",
+            "assistant",
+            "be",
+            "brief",
+            "hi",
+            "there",
+            "hello",
+            "how",
+            "are",
+            "you",
+            "fine",
+            "thanks",
+        ]
+    )
+}
+"""Every word :func:`make_tokenizer` knows, and its token id."""
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+"""A chat template without generation tags (the assistant turns are found by prefix rendering)."""
+
+CONVERSATION = [
+    {"role": "system", "content": "be brief"},
+    {"role": "user", "content": "hi there"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "how are you"},
+    {"role": "assistant", "content": "fine thanks"},
+]
+
+
+def make_tokenizer(template: str | None) -> PreTrainedTokenizerFast:
+    """An offline word-level tokenizer over :data:`CHAT_VOCAB` (split on whitespace, one token
+    per word) with ``template`` as its chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    backend = Tokenizer(models.WordLevel(vocab=CHAT_VOCAB, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+# ----------------------------------------------------------------------------- references
 def reference_logits(
     model: torch.nn.Module, sample: dict[str, list[int]]
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,11 +293,126 @@ def token_loss_sum(
     return loss, int((target != -100).sum())
 
 
-def cpu_trainer(strategy: Any, **kwargs: Any) -> Any:
-    """A quiet CPU ``Trainer`` over this process group's ranks (one process without one)."""
-    import lightning.pytorch as L
-    import torch.distributed as dist
+def reference_loss_and_grads(
+    model: nn.Module, samples: Sequence[dict[str, list[int]]]
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Global token-mean loss and its gradients, each sequence run alone on one process."""
+    model.zero_grad(set_to_none=True)
+    total = max(supervised_tokens(samples), 1)
+    loss_sum = 0.0
+    for s in samples:
+        ids = torch.tensor(s["input_ids"]).unsqueeze(0)
+        labels = torch.tensor(s.get("labels", s["input_ids"]))
+        logits = model(input_ids=ids, use_cache=False).logits[0].float()
+        token_losses = F.cross_entropy(logits[:-1], labels[1:], ignore_index=-100, reduction="sum")
+        (token_losses / total).backward()
+        loss_sum += float(token_losses.detach())
+    grads = {
+        n: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p))
+        for n, p in model.named_parameters()
+    }
+    model.zero_grad(set_to_none=True)
+    return loss_sum / total, grads
 
+
+def reference_sgd_step(
+    model: nn.Module, samples: Sequence[dict[str, list[int]]], lr: float
+) -> float:
+    """One plain SGD step of the reference; returns its loss."""
+    loss, grads = reference_loss_and_grads(model, samples)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p -= lr * grads[n]
+    return loss
+
+
+def max_param_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
+    """Largest absolute parameter difference between two models of the same shape, and where."""
+    worst, where = 0.0, ""
+    pb = dict(b.named_parameters())
+    for n, p in a.named_parameters():
+        d = float((p.detach() - pb[n].detach()).abs().max())
+        if d >= worst:
+            worst, where = d, n
+    return worst, where
+
+
+def max_grad_diff(model: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[float, str, float]:
+    """Largest |grad - reference| over all parameters, where, and the largest reference grad."""
+    worst, where, scale = 0.0, "", 0.0
+    for n, p in model.named_parameters():
+        got = p.grad if p.grad is not None else torch.zeros_like(p)
+        d = float((got - grads[n]).abs().max())
+        scale = max(scale, float(grads[n].abs().max()))
+        if d >= worst:
+            worst, where = d, n
+    return worst, where, scale
+
+
+def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
+    """Largest absolute difference between two state dicts of arrays with the same keys."""
+    assert a.keys() == b.keys()
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+# ----------------------------------------------------------------------------- Trainer runs
+GLOBAL_BATCH = 8
+BUCKET = 40  # small, so global batches need several micro-batches and long samples are sharded
+LR = 0.5
+# Float32 throughout. The packed, sharded computation sums the same token terms in a different
+# order than the one-sequence-at-a-time reference, and DDP / ZeRO average gradients over ranks:
+# parameters agree to a few float32 ulps after 3 SGD steps of lr 0.5 (measured ~6e-8).
+PARAM_ATOL = 2e-6
+
+
+class PlainLM(L.LightningModule):
+    """The plain module of the documentation: its training_step is the HF loss."""
+
+    def __init__(self, momentum: float = 0.0) -> None:
+        super().__init__()
+        self.model = tiny_qwen2()
+        self.momentum = momentum
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
+
+
+class BatchRecorder(L.Callback):
+    """Records, per training step, what this rank trained."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        rb = batch.rank_batch
+        self.steps.append(
+            {
+                "epoch": batch.epoch,
+                "index": batch.index,
+                "dp_rank": rb.dp_rank,
+                "cp_rank": rb.cp_rank,
+                "samples": [i for mb in rb.micro_batches for i in mb.sample_indices],
+                "planned": rb.num_planned_micro_batches,
+                "run": len(rb.micro_batches),
+                "max": batch.stats.max_micro_batches,
+                "min": batch.stats.min_micro_batches,
+            }
+        )
+
+
+def cpu_trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
+    """A quiet CPU ``Trainer`` over this process group's ranks (one process without one)."""
     defaults: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": dist.get_world_size() if dist.is_initialized() else 1,
@@ -150,3 +424,45 @@ def cpu_trainer(strategy: Any, **kwargs: Any) -> Any:
     }
     defaults.update(kwargs)
     return L.Trainer(strategy=strategy, **defaults)
+
+
+def reference_model() -> Qwen2ForCausalLM:
+    """:class:`PlainLM`'s initial model with HF's eager attention: the reference's model."""
+    return tiny_qwen2(attn_implementation="eager")
+
+
+@functools.cache
+def reference_training(
+    steps: int, clip: float | None = None
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """``(parameters, loss of each step)`` of plain HF training on :func:`make_data`'s global
+    batches of :data:`GLOBAL_BATCH` (dataset order), SGD of :data:`LR`, one process."""
+    data = make_data()
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for step in range(steps):
+        total, tokens = torch.zeros(()), 0
+        for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
+            loss, n = token_loss_sum(model, sample)
+            total, tokens = total + loss, tokens + n
+        loss = total / tokens
+        optimizer.zero_grad()
+        loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, losses
+
+
+def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[int]]]) -> float:
+    """Mean token loss of ``samples`` under ``params``, one process."""
+    model = reference_model()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            loss, n = token_loss_sum(model, sample)
+            total, tokens = total + float(loss), tokens + n
+    return total / tokens

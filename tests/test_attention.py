@@ -19,6 +19,7 @@ import types
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import TINY_DECODER
 from torch.nn.attention.bias import CausalBias
 
 from lightning_skrull.attention import (
@@ -45,16 +46,6 @@ from lightning_skrull.attention.layout import RankLayout
 from lightning_skrull.scheduling.plan import DISTRIBUTED
 
 HEAD_DIM = 8
-TINY_DECODER = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "use_cache": False,
-}
-"""Config of the tiny HF decoders these tests run (GQA: 4 query heads, 2 K/V heads)."""
 
 
 def _reference(

@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from benchmark_scripts import load_benchmark
+from helpers import TINY_DECODER
 
 from lightning_skrull.attention import (
     SkrullAttentionContext,
@@ -138,10 +139,7 @@ def test_sdpa_calls_per_layer_for_64_tiny_sequences(monkeypatch: pytest.MonkeyPa
     transformers = pytest.importorskip("transformers")
     register_skrull_attention()
     layers = 3
-    config = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, use_cache=False,
-    )  # fmt: skip
+    config = transformers.Qwen2Config(**{**TINY_DECODER, "num_hidden_layers": layers})
     torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(config).double().eval()
     lengths = [1 + s % 4 for s in range(64)]

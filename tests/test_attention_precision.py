@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import count_exchanged_bytes
+from helpers import TINY_DECODER, count_exchanged_bytes, tiny_qwen2
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.attention import (
@@ -53,17 +53,6 @@ FP32_TOLERANCE = 1e-5
 # rank, the gather runs without a process group), another local one. No length is HEAD_DIM, so
 # a saved tensor whose last dim is HEAD_DIM is a q/k/v/output row, not a log-sum-exp.
 LENGTHS, IDS, PLACEMENT = [6, 1, 11, 4], [2, 0, 1, 3], [0, DISTRIBUTED, DISTRIBUTED, 0]
-
-TINY_QWEN2 = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 48,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "use_cache": False,
-}
-"""A tiny Qwen2 (GQA 4/2, head dim 8, float32 weights as under Lightning's "bf16-mixed")."""
 
 
 def _record_backends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, tuple[torch.dtype, ...]]]:
@@ -268,7 +257,7 @@ def test_tiny_qwen2_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(dispatch, "compute_dtype", spy)
     torch.manual_seed(0)
-    model = prepare_model(Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)), backend="auto")
+    model = prepare_model(Qwen2ForCausalLM(Qwen2Config(**TINY_DECODER)), backend="auto")
     layout = build_rank_layout(IDS, PLACEMENT, LENGTHS, cp_rank=0, cp_size=1)
     gen = torch.Generator().manual_seed(0)
     tokens = {sid: torch.randint(0, 64, (LENGTHS[sid],), generator=gen) for sid in IDS}
@@ -279,7 +268,7 @@ def test_tiny_qwen2_under_autocast(monkeypatch: pytest.MonkeyPatch) -> None:
         logits = model(
             input_ids=pack(layout, tokens)[None], position_ids=torch.tensor([layout.position_ids])
         ).logits[0]
-    layers = TINY_QWEN2["num_hidden_layers"]
+    layers = TINY_DECODER["num_hidden_layers"]
     assert seen == [(torch.float32, torch.float32, torch.bfloat16)] * layers
     assert calls == [("sdpa", (torch.bfloat16,) * 3)] * layers
     # against plain transformers in float32 on each whole sequence
@@ -298,12 +287,6 @@ CP_IDS = [0, 1, 2, 3, 4]
 CP_PLACEMENT = [DISTRIBUTED, 0, 1, DISTRIBUTED, 1]
 MODES = {"float32": None, "bfloat16": torch.bfloat16}
 """Run name -> autocast dtype (``None``: float32 without autocast)."""
-
-
-def _tiny_qwen2() -> Qwen2ForCausalLM:
-    """The same tiny Qwen2 in every process (seeded), float32 weights."""
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
 
 
 def _tokens() -> dict[int, torch.Tensor]:
@@ -340,7 +323,7 @@ def _run_cp(rank: int, world_size: int) -> dict[str, Any]:
     position_ids = torch.tensor([layout.position_ids])
     results: dict[str, Any] = {}
     for mode, autocast in MODES.items():
-        model = prepare_model(_tiny_qwen2(), backend="auto")
+        model = prepare_model(tiny_qwen2(**TINY_DECODER), backend="auto")
         with count_exchanged_bytes() as log, attention_context(ctx):
             with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=bool(autocast)):
                 logits = model(input_ids=input_ids, position_ids=position_ids).logits[0]
@@ -358,7 +341,7 @@ def _run_cp(rank: int, world_size: int) -> dict[str, Any]:
 
 def _single_process_gradients(autocast: torch.dtype | None) -> dict[str, torch.Tensor]:
     """Plain transformers (sdpa attention) on each whole sequence, the same loss."""
-    model = _tiny_qwen2()
+    model = tiny_qwen2(**TINY_DECODER)
     model.set_attn_implementation("sdpa")
     for t in _tokens().values():
         with torch.autocast("cpu", dtype=autocast or torch.float32, enabled=bool(autocast)):
@@ -391,7 +374,7 @@ def cp_runs() -> dict[str, Any]:
 
 @pytest.mark.multiprocess
 def test_bf16_exchange_is_half_the_float32_bytes(cp_runs: dict[str, Any]) -> None:
-    layers = TINY_QWEN2["num_hidden_layers"]
+    layers = TINY_DECODER["num_hidden_layers"]
     totals = {}
     for mode, want_dtype in (("float32", "torch.float32"), ("bfloat16", "torch.bfloat16")):
         for rank, r in enumerate(cp_runs[mode]["per_rank"]):

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import make_samples, supervised_tokens
 from lightning.fabric.utilities.apply_func import move_data_to_device
-from test_models_reference import make_samples, supervised_tokens
 
 from lightning_skrull.attention import unpack
 from lightning_skrull.data.collate import (

@@ -11,35 +11,10 @@ from pathlib import Path
 
 import datasets
 import pytest
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from helpers import CHAT_VOCAB, CONVERSATION, PLAIN_TEMPLATE, make_tokenizer
 
 from lightning_skrull.data import load_sft_data, tokenize_chat
 
-WORDS = [
-    "<unk>",
-    "<|im_start|>",
-    "<|im_end|>",
-    "system",
-    "user",
-    "assistant",
-    "be",
-    "brief",
-    "hi",
-    "there",
-    "hello",
-    "how",
-    "are",
-    "you",
-    "fine",
-    "thanks",
-]
-ID = {word: i for i, word in enumerate(WORDS)}
-
-PLAIN_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
-)
 GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}"
     "<|im_start|>assistant {% generation %}{{ m['content'] }}<|im_end|>{% endgeneration %} "
@@ -54,13 +29,6 @@ UNSTABLE_TEMPLATE = (
     "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
 
-CONVERSATION = [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "hi there"},
-    {"role": "assistant", "content": "hello"},
-    {"role": "user", "content": "how are you"},
-    {"role": "assistant", "content": "fine thanks"},
-]
 # Independent expectation, written out: (token, supervised?). Assistant content and its
 # end-of-turn token are supervised; role headers, the generation prompt and other turns are not.
 EXPECTED = [
@@ -90,17 +58,8 @@ EXPECTED = [
     ("thanks", True),
     ("<|im_end|>", True),
 ]
-EXPECTED_IDS = [ID[word] for word, _ in EXPECTED]
-EXPECTED_LABELS = [ID[word] if supervised else -100 for word, supervised in EXPECTED]
-
-
-def make_tokenizer(template: str | None) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel(vocab=ID, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = template
-    return tokenizer
+EXPECTED_IDS = [CHAT_VOCAB[word] for word, _ in EXPECTED]
+EXPECTED_LABELS = [CHAT_VOCAB[word] if supervised else -100 for word, supervised in EXPECTED]
 
 
 @pytest.mark.parametrize(

@@ -9,19 +9,23 @@ from pathlib import Path
 import lightning.pytorch as L
 import pytest
 import torch
-from lightning.fabric.utilities.data import _set_sampler_epoch
-from lightning.fabric.utilities.types import _Stateful
-from lightning.pytorch.utilities.data import has_iterable_dataset
-from test_strategy_multiprocess import (
-    CFG,
+from helpers import (
+    CONVERSATION,
     GLOBAL_BATCH,
     LR,
     PARAM_ATOL,
+    PLAIN_TEMPLATE,
+    TINY_QWEN2,
     PlainLM,
+    cpu_trainer,
     make_data,
+    make_tokenizer,
     max_diff,
     reference_training,
 )
+from lightning.fabric.utilities.data import _set_sampler_epoch
+from lightning.fabric.utilities.types import _Stateful
+from lightning.pytorch.utilities.data import has_iterable_dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule, SkrullStrategy
@@ -249,8 +253,6 @@ def test_no_validation_without_val_data() -> None:
 
 
 def test_chat_samples_with_a_tokenizer_path(tmp_path: Path) -> None:
-    from test_data_chat import CONVERSATION, PLAIN_TEMPLATE, make_tokenizer
-
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)
     tokenizer.save_pretrained(tmp_path)
     chats = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:4]}]
@@ -269,7 +271,7 @@ class StudentTeacherLM(PlainLM):
 
     def __init__(self) -> None:
         super().__init__()
-        teacher = Qwen2ForCausalLM(Qwen2Config(**{**CFG, "vocab_size": 32}))
+        teacher = Qwen2ForCausalLM(Qwen2Config(**{**TINY_QWEN2, "vocab_size": 32}))
         self.teacher = teacher.requires_grad_(False)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -280,16 +282,7 @@ def test_fit_finds_the_model_the_strategy_names_among_several(world_of_one: None
     steps = 2
     module = StudentTeacherLM()
     teacher = {k: v.clone() for k, v in module.teacher.state_dict().items()}
-    trainer = L.Trainer(
-        strategy=SkrullStrategy(bucket_size=80, model_attribute="model"),
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=80, model_attribute="model"), max_steps=steps)
     data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
     trainer.fit(module, data)
     assert trainer.global_step == steps

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from test_models_reference import (
+from helpers import (
     ARCHITECTURES,
     make_samples,
     max_grad_diff,

@@ -20,12 +20,19 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from helpers import TINY_QWEN2, count_exchanged_bytes, cpu_trainer, reference_logits
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from helpers import (
+    VOCAB,
+    PlainLM,
+    count_exchanged_bytes,
+    cpu_trainer,
+    reference_logits,
+    reference_model,
+    tiny_qwen2,
+)
+from transformers import Qwen2ForCausalLM
 
 from lightning_skrull.runtime.launch import spawn
 
-CFG = TINY_QWEN2
 LENGTHS = (60, 60, 60, 2, 2)
 """One global batch. At CP=2 with a 32-token bucket the planner gives DP rank 0 two
 micro-batches (one 60-token sequence each, sharded) and DP rank 1 one (a 60-token sequence
@@ -49,7 +56,7 @@ def make_data(num_batches: int, seed: int) -> list[dict[str, list[int]]]:
     out = []
     for _ in range(num_batches):
         for length in LENGTHS:
-            ids = torch.randint(0, CFG["vocab_size"], (length,), generator=g).tolist()
+            ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
             prompt = 5 if length > 10 else 0
             out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
     return out
@@ -60,10 +67,9 @@ class HabitsLM(L.LightningModule):
 
     def __init__(self, gather: bool = False) -> None:
         super().__init__()
-        torch.manual_seed(0)
-        self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
+        self.model = tiny_qwen2()
         self.val_acc = torchmetrics.classification.MulticlassAccuracy(
-            num_classes=CFG["vocab_size"], average="micro", ignore_index=-100
+            num_classes=VOCAB, average="micro", ignore_index=-100
         )
         self.gather = gather
         self.before_backward: list[float] = []
@@ -215,11 +221,6 @@ def _habit_cases(rank: int, world_size: int) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- reference
-def _reference_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CFG, attn_implementation="eager"))
-
-
 def _batch_terms(
     model: Qwen2ForCausalLM, samples: list[dict[str, list[int]]]
 ) -> tuple[torch.Tensor, int, int]:
@@ -240,7 +241,7 @@ def _batch_terms(
 def reference() -> dict[str, Any]:
     """Plain HF training with clipping on the same global batches, one process."""
     data = make_data(STEPS, seed=0)
-    model = _reference_model()
+    model = reference_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     steps = []
     size = len(LENGTHS)
@@ -378,7 +379,7 @@ def test_metric_synced_on_step_is_refused_at_setup(world_of_one: None) -> None:
 
     module = HabitsLM()
     module.step_acc = torchmetrics.classification.MulticlassAccuracy(
-        num_classes=CFG["vocab_size"], dist_sync_on_step=True
+        num_classes=VOCAB, dist_sync_on_step=True
     )
     trainer = cpu_trainer(SkrullStrategy(bucket_size=64, chunked_loss=False), max_steps=1)
     data = SkrullDataModule(train_data=make_data(1, seed=0), global_batch_size=len(LENGTHS))
@@ -389,19 +390,7 @@ def test_metric_synced_on_step_is_refused_at_setup(world_of_one: None) -> None:
 def test_barebones_trainer_runs_without_logging(world_of_one: None) -> None:
     from lightning_skrull import SkrullDataModule, SkrullStrategy
 
-    class Plain(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            torch.manual_seed(0)
-            self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
-
-        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
-            return self.model(**batch).loss
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=LR)
-
-    module = Plain()
+    module = PlainLM()
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,

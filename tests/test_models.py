@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from test_models_reference import (
+from helpers import (
     ARCHITECTURES,
     make_samples,
     max_grad_diff,

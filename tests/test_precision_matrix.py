@@ -15,20 +15,28 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
-from helpers import TINY_QWEN2, cpu_trainer, token_loss_sum
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    LR,
+    BatchRecorder,
+    PlainLM,
+    cpu_trainer,
+    make_data,
+    max_diff,
+    reference_model,
+    token_loss_sum,
+)
 
 from lightning_skrull.runtime.launch import spawn
 
-CFG = TINY_QWEN2
-GLOBAL_BATCH = 8
 STEPS = 2
-BUCKET = 40  # small, so global batches need several micro-batches and long samples are sharded
-LR = 0.5
+# make_data(NUM_SAMPLES): at DP=2 x CP=2 and BUCKET tokens per CP rank, the planner gives the two
+# DP ranks 3 and 3 micro-batches in step 0 and 2 and 3 in step 1.
+NUM_SAMPLES = GLOBAL_BATCH * STEPS
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 STRATEGIES = ("ddp", "zero2")
 
@@ -55,67 +63,22 @@ RATIO = 2.0
 FLOOR = 1e-3
 
 
-def make_data(n: int = GLOBAL_BATCH * STEPS, seed: int = 0) -> list[dict[str, list[int]]]:
-    """Samples of 3..69 tokens; a random prompt prefix of each is not supervised.
-
-    At DP=2 x CP=2 and ``BUCKET`` tokens per CP rank, the planner gives the two DP ranks 3 and 3
-    micro-batches in step 0 and 2 and 3 in step 1.
-    """
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(3, 70, (1,), generator=g))
-        ids = torch.randint(0, CFG["vocab_size"], (length,), generator=g).tolist()
-        prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=g))
-        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return out
-
-
 def _params(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """Every parameter as float64 (exact for bf16 and float32 values)."""
     return {k: v.detach().double().numpy().copy() for k, v in model.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- 4 ranks
-class PlainLM(L.LightningModule):
-    """The plain module of the documentation: its training_step is the HF loss."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
-
-
-class Recorder(L.Callback):
+class Recorder(BatchRecorder):
     """Records the parameters the run starts from and, per step, the micro-batch counts."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.before: dict[str, np.ndarray] = {}
-        self.steps: list[dict[str, int]] = []
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
         # after the strategy and the precision plugin cast the model
         self.before = _params(module.model)
-
-    def on_train_batch_end(
-        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
-    ) -> None:
-        rb = batch.rank_batch
-        self.steps.append(
-            {
-                "dp_rank": rb.dp_rank,
-                "planned": rb.num_planned_micro_batches,
-                "run": len(rb.micro_batches),
-                "max": batch.stats.max_micro_batches,
-                "min": batch.stats.min_micro_batches,
-            }
-        )
 
 
 def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
@@ -130,7 +93,9 @@ def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
         callbacks=[recorder],
     )
     module = PlainLM()
-    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
+    data = SkrullDataModule(
+        train_data=make_data(NUM_SAMPLES), global_batch_size=GLOBAL_BATCH, shuffle=False
+    )
     trainer.fit(module, data)
     return {
         "before": recorder.before,
@@ -146,11 +111,6 @@ def _matrix(rank: int, world_size: int) -> dict[tuple[str, str], dict[str, Any]]
 
 
 # ----------------------------------------------------------------------------- reference
-def _reference_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CFG, attn_implementation="eager"))
-
-
 # The reference of each cell (a kind of reference_training).
 REFERENCES = {
     # float32 model, float32 gradients and SGD
@@ -193,8 +153,8 @@ def reference_training(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.n
 
 
 def _train_reference(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    data = make_data()
-    model = _reference_model()
+    data = make_data(NUM_SAMPLES)
+    model = reference_model()
     if kind in ("bf16", "bf16_fp32_master"):
         model.to(torch.bfloat16)
     elif kind == "bf16_params_fp32_master":
@@ -222,11 +182,6 @@ def _train_reference(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.nda
                 for m, p in zip(master, params, strict=True):
                     p.copy_(m)
     return before, _params(model)
-
-
-def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    assert a.keys() == b.keys()
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
 def update(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> np.ndarray:

@@ -24,6 +24,7 @@ import lightning.pytorch as L
 import pytest
 import torch
 import torch.distributed as dist
+from helpers import TINY_QWEN2, VOCAB, cpu_trainer
 from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
 
 import lightning_skrull.runtime.memory as memory
@@ -41,17 +42,6 @@ from lightning_skrull.runtime.memory import (
 )
 from lightning_skrull.runtime.process_groups import ParallelLayout
 
-VOCAB = 64
-CFG: dict[str, Any] = {
-    "vocab_size": VOCAB,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
-
 
 def make_data(n: int = 12, seed: int = 0, longest: int = 40) -> list[dict[str, list[int]]]:
     g = torch.Generator().manual_seed(seed)
@@ -67,7 +57,9 @@ class TinyLM(L.LightningModule):
     def __init__(self, hf_model: torch.nn.Module | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.model = hf_model if hf_model is not None else Qwen2ForCausalLM(Qwen2Config(**CFG))
+        self.model = (
+            hf_model if hf_model is not None else Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2))
+        )
         self.losses: list[float] = []
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -112,18 +104,8 @@ def fit(
     **trainer_kwargs: Any,
 ) -> tuple[L.Trainer, L.LightningModule]:
     module = module if module is not None else TinyLM()
-    kwargs: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "max_steps": 2,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-        **trainer_kwargs,
-    }
-    trainer = L.Trainer(strategy=strategy, **kwargs)
+    # one process even inside a fake process group of several ranks
+    trainer = cpu_trainer(strategy, **{"devices": 1, "max_steps": 2, **trainer_kwargs})
     trainer.fit(module, data)
     return trainer, module
 
@@ -307,13 +289,13 @@ def test_flash_backend_without_a_kernel_is_refused(monkeypatch: pytest.MonkeyPat
     with pytest.raises(ValueError, match=r"'flash' needs a FlashAttention varlen kernel.*neither"):
         backends.resolve_backend("flash", "cuda")  # what every micro-batch resolves on a GPU
     with pytest.raises(ValueError, match=r"neither is installed.*pip install flash-attn.*'sdpa'"):
-        prepare_model(Qwen2ForCausalLM(Qwen2Config(**CFG)), backend="flash")  # at setup
+        prepare_model(Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)), backend="flash")  # at setup
 
 
 # ----------------------------------------------------------------------------- engine
 def _engine(bucket_size: int = 64) -> tuple[torch.nn.Module, torch.optim.Optimizer, dict]:
     torch.manual_seed(0)
-    model = prepare_model(Qwen2ForCausalLM(Qwen2Config(**CFG)), backend="sdpa")
+    model = prepare_model(Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)), backend="sdpa")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     layout = ParallelLayout(rank=0, world_size=1, dp_size=1, cp_size=1, dp_rank=0, cp_rank=0)
     return model, optimizer, {"layout": layout, "bucket_size": bucket_size, "backend": "sdpa"}
@@ -394,7 +376,7 @@ def test_auto_bucket_refuses_a_device_too_small_for_the_model() -> None:
 
 def test_probe_step_allocates_optimizer_state_and_leaves_the_model_unchanged() -> None:
     torch.manual_seed(0)
-    model = prepare_model(Qwen2ForCausalLM(Qwen2Config(**CFG)), backend="sdpa")
+    model = prepare_model(Qwen2ForCausalLM(Qwen2Config(**TINY_QWEN2)), backend="sdpa")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     probe = ProbeStep(

@@ -35,18 +35,10 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from helpers import PlainLM, cpu_trainer, make_data
 
-CFG: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-}
 NUM_SAMPLES = 21
+LONGEST = 45  # samples of 3..45 tokens
 GLOBAL_BATCH = 8  # 21 samples: batches of 8, 8 and a partial 5
 STEPS_PER_EPOCH = 3
 EPOCHS = 2
@@ -60,25 +52,12 @@ WORLD = 2
 SCRIPT = Path(__file__).resolve()
 
 
-def make_data(n: int = NUM_SAMPLES, seed: int = 0) -> list[dict[str, list[int]]]:
-    """Samples of 3..45 tokens with a random unsupervised prompt."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(3, 46, (1,), generator=g))
-        ids = torch.randint(0, CFG["vocab_size"], (length,), generator=g).tolist()
-        prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=g))
-        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return out
-
-
-class TinyLM(L.LightningModule):
-    """The plain module of the documentation, with an optional injected fault."""
+class TinyLM(PlainLM):
+    """The plain module of the documentation (SGD with momentum), with an optional injected
+    fault."""
 
     def __init__(self, fault_rank: int | None = None) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
+        super().__init__(momentum=0.9)
         self.fault_rank = fault_rank
         self.micro_batch = 0
 
@@ -95,9 +74,6 @@ class TinyLM(L.LightningModule):
             raise RuntimeError(FAULT_MESSAGE)
         self.micro_batch += 1
         return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
 
 
 class Recorder(L.Callback):
@@ -152,18 +128,10 @@ def _write(path: Path, text: str) -> None:
 
 
 def _trainer(strategy: Any, callbacks: list[Any], **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": WORLD,
-        "max_epochs": EPOCHS,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(strategy=strategy, callbacks=callbacks, **defaults)
+    # devices given: the separately launched ranks build their Trainer before a process group
+    return cpu_trainer(
+        strategy, **{"devices": WORLD, "max_epochs": EPOCHS, **kwargs}, callbacks=callbacks
+    )
 
 
 def _params(module: TinyLM) -> dict[str, np.ndarray]:
@@ -198,7 +166,9 @@ def fit_cp2(
         enable_checkpointing=ckpt_dir is not None,
     )
     module = TinyLM()
-    data = SkrullDataModule(make_data(), global_batch_size=GLOBAL_BATCH, seed=3)
+    data = SkrullDataModule(
+        make_data(NUM_SAMPLES, longest=LONGEST), global_batch_size=GLOBAL_BATCH, seed=3
+    )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return module, recorder
 
@@ -222,7 +192,9 @@ def _spawn_cases(rank: int, world_size: int, killed_dir: str, out_dir: str) -> s
         recorder = Recorder()
         trainer = _trainer(SkrullStrategy(cp_size=1, bucket_size=BUCKET_DP), [recorder])
         module = TinyLM()
-        data = SkrullDataModule(make_data(), global_batch_size=GLOBAL_BATCH, shuffle=shuffle)
+        data = SkrullDataModule(
+            make_data(NUM_SAMPLES, longest=LONGEST), global_batch_size=GLOBAL_BATCH, shuffle=shuffle
+        )
         trainer.fit(module, data)
         return module, recorder
 
@@ -248,7 +220,7 @@ def _spawn_cases(rank: int, world_size: int, killed_dir: str, out_dir: str) -> s
         message = _error_of(lambda: trainer.fit(module, dm))
         return f"{message} | steps done: {trainer.global_step}"
 
-    data = make_data()
+    data = make_data(NUM_SAMPLES, longest=LONGEST)
     out["reordered"] = mismatched(1, data[::-1] if rank == 1 else data)
     same_length = [{"input_ids": [(7 * i + j) % 64 for j in range(10)]} for i in range(16)]
     out["same_lengths"] = mismatched(2, same_length[::-1] if rank == 1 else same_length)
@@ -257,7 +229,10 @@ def _spawn_cases(rank: int, world_size: int, killed_dir: str, out_dir: str) -> s
 
     # last: rank 1 raises in the middle of step 1; nothing below should be reached
     trainer = _trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET), [], max_steps=3)
-    trainer.fit(TinyLM(fault_rank=1), SkrullDataModule(make_data(), GLOBAL_BATCH, seed=3))
+    trainer.fit(
+        TinyLM(fault_rank=1),
+        SkrullDataModule(make_data(NUM_SAMPLES, longest=LONGEST), GLOBAL_BATCH, seed=3),
+    )
     return "the injected fault did not stop the run"
 
 
@@ -386,7 +361,7 @@ def _epochs(steps_per_rank: list[list[dict[str, Any]]]) -> dict[int, list[tuple[
 
 
 def assert_every_token_once_per_epoch(steps_per_rank: list[list[dict[str, Any]]]) -> None:
-    data = make_data()
+    data = make_data(NUM_SAMPLES, longest=LONGEST)
     expected = sorted((i, p, t) for i, s in enumerate(data) for p, t in enumerate(s["input_ids"]))
     by_epoch = _epochs(steps_per_rank)
     assert sorted(by_epoch) == list(range(EPOCHS))

@@ -7,20 +7,20 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
-import lightning.pytorch as L
 import pytest
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
-from test_strategy_multiprocess import (
+from helpers import (
     BUCKET,
     GLOBAL_BATCH,
     PARAM_ATOL,
     PlainLM,
+    cpu_trainer,
     make_data,
     max_diff,
     reference_loss,
     reference_training,
 )
+from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_skrull
 from lightning_skrull import (
@@ -30,20 +30,6 @@ from lightning_skrull import (
     SkrullZero2Strategy,
 )
 from lightning_skrull.scheduling import CostModel
-
-
-def _trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(strategy=strategy, **defaults)
 
 
 def _data(**kwargs: Any) -> SkrullDataModule:
@@ -162,13 +148,15 @@ def test_unsupported_accelerator_is_refused() -> None:
 
 
 def test_world_not_divisible_by_cp_size(world_of_one: None) -> None:
-    trainer = _trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET), max_steps=1)
+    trainer = cpu_trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET), max_steps=1)
     with pytest.raises(ValueError, match="not a multiple of cp_size 2"):
         trainer.fit(PlainLM(), _data())
 
 
 def test_accumulate_grad_batches_is_refused(world_of_one: None) -> None:
-    trainer = _trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1, accumulate_grad_batches=2)
+    trainer = cpu_trainer(
+        SkrullStrategy(bucket_size=BUCKET), max_steps=1, accumulate_grad_batches=2
+    )
     with pytest.raises(ValueError, match="global_batch_size"):
         trainer.fit(PlainLM(), _data())
 
@@ -180,7 +168,7 @@ class ManualLM(PlainLM):
 
 
 def test_manual_optimization_is_refused(world_of_one: None) -> None:
-    trainer = _trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
     with pytest.raises(ValueError, match="automatic optimization"):
         trainer.fit(ManualLM(), _data())
 
@@ -189,14 +177,14 @@ def test_batches_not_from_the_data_module_are_refused(world_of_one: None) -> Non
     loader = torch.utils.data.DataLoader(
         [{"input_ids": torch.tensor([1, 2, 3])}], batch_size=None, collate_fn=lambda x: x
     )
-    trainer = _trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
     with pytest.raises(TypeError, match="SkrullDataModule"):
         trainer.fit(PlainLM(), train_dataloaders=loader)
 
 
 def test_too_small_bucket_is_refused_before_training(world_of_one: None) -> None:
     longest = max(len(s["input_ids"]) for s in make_data())
-    trainer = _trainer(SkrullStrategy(bucket_size=longest - 1), max_steps=1)
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=longest - 1), max_steps=1)
     with pytest.raises(ValueError, match=f"has {longest} tokens, more than max_tokens"):
         trainer.fit(PlainLM(), _data())
 
@@ -220,7 +208,7 @@ def test_world_of_one_fit_equals_single_process(
     steps = 3
     model = module_cls()
     # one rank holds whole sequences (up to 69 tokens); 80 tokens make 4-5 micro-batches a step
-    trainer = _trainer(SkrullStrategy(bucket_size=80), max_steps=steps)
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=80), max_steps=steps)
     data = _data(test_data=make_data(5, seed=2))
     trainer.fit(model, data)
     ref, losses = reference_training(steps)

@@ -14,7 +14,6 @@ tokens, then ``torch.optim.SGD``.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import tempfile
@@ -23,110 +22,30 @@ from typing import Any
 import lightning.pytorch as L
 import numpy as np
 import pytest
-import torch
-from transformers import Qwen2Config, Qwen2ForCausalLM
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    PARAM_ATOL,
+    TINY_QWEN2,
+    BatchRecorder,
+    PlainLM,
+    cpu_trainer,
+    make_data,
+    max_diff,
+    reference_loss,
+    reference_training,
+)
 
 from lightning_skrull.runtime.launch import spawn
 
-CFG: dict[str, Any] = {
-    "vocab_size": 64,
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": False,
-}
-GLOBAL_BATCH = 8
-BUCKET = 40  # small, so global batches need several micro-batches and long samples are sharded
-LR = 0.5
 CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the update
-
-# Float32 throughout. The packed, sharded computation sums the same token terms in a different
-# order than the one-sequence-at-a-time reference, and DDP / ZeRO average gradients over ranks:
-# parameters agree to a few float32 ulps after 3 SGD steps of lr 0.5 (measured ~6e-8).
-PARAM_ATOL = 2e-6
 # bf16 autocast rounds every matmul to 8 mantissa bits; the loss of a 64-token vocabulary
 # (about 4.2) is then off by up to a few 1e-2 from float32.
 BF16_LOSS_ATOL = 5e-2
 
 
-def make_data(n: int = 24, seed: int = 0) -> list[dict[str, list[int]]]:
-    """Samples of 3..69 tokens; a random prompt prefix of each is not supervised."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(n):
-        length = int(torch.randint(3, 70, (1,), generator=g))
-        ids = torch.randint(0, CFG["vocab_size"], (length,), generator=g).tolist()
-        prompt = int(torch.randint(0, length // 2 + 1, (1,), generator=g))
-        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return out
-
-
-class PlainLM(L.LightningModule):
-    """The plain module of the documentation: its training_step is the HF loss."""
-
-    def __init__(self, momentum: float = 0.0) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.model = Qwen2ForCausalLM(Qwen2Config(**CFG))
-        self.momentum = momentum
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
-
-
-class BatchRecorder(L.Callback):
-    """Records, per training step, what this rank trained."""
-
-    def __init__(self) -> None:
-        self.steps: list[dict[str, Any]] = []
-
-    def on_train_batch_end(
-        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
-    ) -> None:
-        rb = batch.rank_batch
-        self.steps.append(
-            {
-                "epoch": batch.epoch,
-                "index": batch.index,
-                "dp_rank": rb.dp_rank,
-                "cp_rank": rb.cp_rank,
-                "samples": [i for mb in rb.micro_batches for i in mb.sample_indices],
-                "planned": rb.num_planned_micro_batches,
-                "run": len(rb.micro_batches),
-                "max": batch.stats.max_micro_batches,
-                "min": batch.stats.min_micro_batches,
-            }
-        )
-
-
 def _params(module: L.LightningModule) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in module.model.state_dict().items()}
-
-
-def _trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
-    defaults: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": torch.distributed.get_world_size(),
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "num_sanity_val_steps": 0,
-    }
-    defaults.update(kwargs)
-    return L.Trainer(strategy=strategy, **defaults)
 
 
 def _fit(
@@ -135,7 +54,7 @@ def _fit(
     from lightning_skrull import SkrullDataModule
 
     recorder = BatchRecorder()
-    trainer = _trainer(strategy, max_steps=steps, callbacks=[recorder], **trainer_kwargs)
+    trainer = cpu_trainer(strategy, max_steps=steps, callbacks=[recorder], **trainer_kwargs)
     model = PlainLM()
     data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
     trainer.fit(model, data)
@@ -157,12 +76,12 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     out["ddp_steps"] = recorder.steps
 
     # validation of the trained weights: loss logged by the strategy and torchmetrics perplexity
-    evaluator = SkrullCausalLM(model={"model_type": "qwen2", **CFG})
+    evaluator = SkrullCausalLM(model={"model_type": "qwen2", **TINY_QWEN2})
     evaluator.model.load_state_dict(model.model.state_dict())
     val = SkrullDataModule(
         train_data=make_data(), val_data=make_data(11, seed=1), val_global_batch_size=4
     )
-    metrics = _trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET)).validate(evaluator, val)[0]
+    metrics = cpu_trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET)).validate(evaluator, val)[0]
     out["val_loss"], out["val_ppl"] = metrics["val_loss"], metrics["val_ppl"]
 
     # ZeRO-2 parity (every DP rank padded to the same micro-batch count)
@@ -170,7 +89,7 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     out["zero2"] = _params(model)
     out["zero2_runs"] = [s["run"] for s in recorder.steps]
     # a standalone validate on ZeRO-2 (DeepSpeed's inference engine) gives the same loss
-    zero2_val = _trainer(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET))
+    zero2_val = cpu_trainer(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET))
     out["zero2_val_loss"] = zero2_val.validate(evaluator, val)[0]["val_loss"]
 
     # bf16-mixed: the autocast context covers every micro-batch
@@ -195,7 +114,7 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
                 )
             )
         strategy_class = SkrullZero2Strategy if zero2 else SkrullStrategy
-        trainer = _trainer(
+        trainer = cpu_trainer(
             strategy_class(cp_size=2, bucket_size=BUCKET),
             max_steps=steps,
             callbacks=callbacks,
@@ -239,65 +158,6 @@ def _three_rank_cases(rank: int, world_size: int) -> dict[str, Any]:
     )
     out["zero2"] = _params(model)
     return out
-
-
-# ----------------------------------------------------------------------------- reference
-def _reference_model() -> Qwen2ForCausalLM:
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CFG, attn_implementation="eager"))
-
-
-def _token_loss_sum(
-    model: Qwen2ForCausalLM, sample: dict[str, list[int]]
-) -> tuple[torch.Tensor, int]:
-    ids = torch.tensor(sample["input_ids"])[None]
-    labels = torch.tensor(sample["labels"])
-    target = torch.full_like(labels, -100)
-    target[:-1] = labels[1:]
-    logits = model(ids).logits[0].float()
-    loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
-    return loss, int((target != -100).sum())
-
-
-@functools.cache
-def reference_training(
-    steps: int, clip: float | None = None
-) -> tuple[dict[str, np.ndarray], list[float]]:
-    """Plain HF training on the same global batches (dataset order), one process."""
-    data = make_data()
-    model = _reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        total, tokens = torch.zeros(()), 0
-        for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-            loss, n = _token_loss_sum(model, sample)
-            total, tokens = total + loss, tokens + n
-        loss = total / tokens
-        optimizer.zero_grad()
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, losses
-
-
-def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[int]]]) -> float:
-    """Mean token loss of ``samples`` under ``params``, one process."""
-    model = _reference_model()
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for sample in samples:
-            loss, n = _token_loss_sum(model, sample)
-            total, tokens = total + float(loss), tokens + n
-    return total / tokens
-
-
-def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
-    assert a.keys() == b.keys()
-    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
 
 
 # ----------------------------------------------------------------------------- tests

@@ -29,15 +29,15 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
-from test_strategy_multiprocess import (
+from helpers import (
     GLOBAL_BATCH,
     LR,
     BatchRecorder,
     PlainLM,
-    _reference_model,
-    _token_loss_sum,
-    _trainer,
+    cpu_trainer,
     make_data,
+    reference_model,
+    token_loss_sum,
 )
 
 from lightning_skrull.runtime.launch import spawn
@@ -122,7 +122,7 @@ def _fit_case(
     if grad_accum_dtype is not None:
         config["data_types"] = {"grad_accum_dtype": grad_accum_dtype}
     recorder, master = BatchRecorder(), MasterUpdate()
-    trainer = _trainer(
+    trainer = cpu_trainer(
         SkrullZero2Strategy(bucket_size=bucket_size, config=config),
         max_steps=STEPS,
         precision=precision,
@@ -174,13 +174,13 @@ def reference_updates() -> tuple[np.ndarray, np.ndarray]:
 def _reference_update(data: list[dict[str, list[int]]], dtype: torch.dtype) -> np.ndarray:
     """Plain HF training in ``dtype`` with float32 master weights (SGD on the masters, the
     model's weights copied from them after each step)."""
-    model = _reference_model().to(dtype)
+    model = reference_model().to(dtype)
     master = {k: v.detach().float() for k, v in model.named_parameters()}
     initial = _flat(master)
     for step in range(STEPS):
         total, tokens = torch.zeros(()), 0
         for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-            loss, n = _token_loss_sum(model, sample)
+            loss, n = token_loss_sum(model, sample)
             total, tokens = total + loss, tokens + n
         model.zero_grad()
         (total / tokens).backward()
