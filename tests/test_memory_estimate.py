@@ -9,16 +9,9 @@ import pytest
 from benchmark_scripts import load_benchmark
 
 from lightning_skrull.models.memory_estimate import activation_bytes_per_token
+from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B
 
 MIB = 2**20
-QWEN2_5_0_5B = SimpleNamespace(
-    hidden_size=896,
-    intermediate_size=4864,
-    num_hidden_layers=24,
-    num_attention_heads=14,
-    num_key_value_heads=2,
-    vocab_size=151_936,
-)
 H200_MIB_PER_TOKEN = 3.130
 """``bucket_size="auto"``'s fitted line on an H200 for a Qwen2.5-0.5B-shaped model in bf16 with
 the dense loss (docs/benchmarks.md, GPU check): 3.130 MiB/token + 2.90 GiB."""

@@ -55,7 +55,8 @@ def activation_bytes_per_token(
     Args:
         config: a transformers config with ``hidden_size``, ``intermediate_size``,
             ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (optional,
-            default: MHA), ``head_dim`` (optional) and ``vocab_size``.
+            default: MHA), ``head_dim`` (optional) and ``vocab_size``; or a
+            :class:`~lightning_skrull.scheduling.cost_model.ModelShape` (``num_layers``).
         chunked_loss: the chunked LM head + cross-entropy instead of the dense logits.
         bytes_per_element: bytes of the compute dtype (2: bf16 / fp16, 4: float32).
 
@@ -72,7 +73,8 @@ def activation_bytes_per_token(
     norms = 2 * (4 + b) * h
     attention = b * (2 * q_width + 2 * kv_width)
     mlp = 4 * b * f
-    layers = int(config.num_hidden_layers) * (norms + attention + mlp)
+    num_layers = getattr(config, "num_hidden_layers", None) or config.num_layers
+    layers = int(num_layers) * (norms + attention + mlp)
     vocab = int(config.vocab_size)
     final_norm = (4 + b) * h
     if chunked_loss:
