@@ -12,7 +12,7 @@ slowest rank's median over ``--iters`` runs; the CPU column (the compute thread'
 slowest rank) is the figure to read on a shared machine. Also prints the bytes each rank receives in the
 forward all-gather and sends in the backward reduce-scatter, per attention layer.
 
-Run: ``python benchmarks/attention_cpu.py`` (about a minute on two free cores).
+Run: ``python -m benchmarks.attention_cpu`` (about a minute on two free cores).
 """
 
 from __future__ import annotations

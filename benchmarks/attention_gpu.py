@@ -19,9 +19,9 @@ Every measured repetition uses new lengths (each length plus the repetition's in
 training does; kernels that build a plan per shape pay for it here. Prints one table (ms per
 layer, median of ``--reps``) and writes JSON to ``$OUT/attention_gpu.json`` or ``--json``.
 
-    python benchmarks/attention_gpu.py                 # one NVIDIA GPU
-    python benchmarks/attention_gpu.py --rows flash,sdpa   # only the two shipped backends
-    python benchmarks/attention_gpu.py --device cpu --tiny   # the code paths on CPU
+    python -m benchmarks.attention_gpu                 # one NVIDIA GPU
+    python -m benchmarks.attention_gpu --rows flash,sdpa   # only the two shipped backends
+    python -m benchmarks.attention_gpu --device cpu --tiny   # the code paths on CPU
 """
 
 from __future__ import annotations
@@ -29,16 +29,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import random
-import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import SHARES, default_json, median_seconds, sample_lengths, write_json
-
+from benchmarks.gpu_check import default_json, median_seconds, write_json
+from benchmarks.lengths import dataset, sample_lengths
 from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
 from lightning_skrull.attention import flash as flash_backend
 from lightning_skrull.attention import sdpa as sdpa_backend
@@ -118,10 +116,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sizes = {"Wikipedia": 64, "ChatQA2-Long-SFT": 8}
     batches = {
         name: sample_lengths(
-            name, max(2, n // (8 if args.tiny else 1)), args.bucket, 128 if args.tiny else 1, rng
+            dataset(name),
+            max(2, n // (8 if args.tiny else 1)),
+            args.bucket,
+            rng,
+            scale=128 if args.tiny else 1,
         )
         for name, n in sizes.items()
-        if name in SHARES
     }
     # (label, attention, backend, shipped kernel choice, SDPA kernel, K/V repeated)
     rows: list[tuple[str, Callable[..., torch.Tensor], str, bool, Any, bool]] = []

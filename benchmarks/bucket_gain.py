@@ -14,8 +14,8 @@ one at the larger bucket (above 1: the larger bucket is faster).
 
 Run::
 
-    python benchmarks/bucket_gain.py               # 20 batches per setting, about a minute
-    python benchmarks/bucket_gain.py --batches 3   # a quick look
+    python -m benchmarks.bucket_gain               # 20 batches per setting, about a minute
+    python -m benchmarks.bucket_gain --batches 3   # a quick look
 """
 
 from __future__ import annotations
@@ -24,14 +24,10 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-import simulate_paper as sp
-
+import benchmarks.simulate_paper as sp
+from benchmarks.lengths import DATASETS
 from lightning_skrull.models.memory_estimate import activation_bytes_per_token
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
 
@@ -70,7 +66,7 @@ def gain(batches: int, seed: int) -> list[dict[str, object]]:
     rows: list[dict[str, object]] = []
     for s in sp.settings():
         bigger = dataclasses.replace(s, bucket_size=larger_bucket(s))
-        for dataset in sp.DATASETS:
+        for dataset in DATASETS:
             batches_ = sp.setting_batches(s, dataset, batches, seed)
             for name, constants in (("default", {}), ("H200", measured[s.model])):
                 model = CostModel(shape=s.shape, **constants)

@@ -18,8 +18,8 @@ from the deeper cut. Communication constants need several GPUs and are not measu
 
 Prints one table and writes JSON (``$OUT/cost_probe.json``, ``benchmarks/out/`` or ``--json``)::
 
-    python benchmarks/cost_probe.py                        # one NVIDIA GPU, about 2 minutes
-    python benchmarks/cost_probe.py --device cpu --tiny    # the code paths on CPU, in seconds
+    python -m benchmarks.cost_probe                        # one NVIDIA GPU, about 2 minutes
+    python -m benchmarks.cost_probe --device cpu --tiny    # the code paths on CPU, in seconds
 """
 
 from __future__ import annotations
@@ -27,14 +27,12 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from gpu_check import (
+from benchmarks.gpu_check import (
     QWEN2_5_0_5B,
     TINY,
     default_json,

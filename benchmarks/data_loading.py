@@ -1,6 +1,6 @@
 """Time loading and validating SFT data of growing size; prints a table.
 
-    python benchmarks/data_loading.py [--max-tokens 20000000]
+    python -m benchmarks.data_loading [--max-tokens 20000000]
 
 Samples have long-tailed lengths (most short, a few long) over a 32K vocabulary. For each size
 the table shows the seconds to build an :class:`SFTDataset` from in-memory lists, from a JSON

@@ -34,9 +34,9 @@ Workload (the paper's settings scaled down, see docs/benchmarks.md):
 
 Run::
 
-    python benchmarks/e2e_cpu.py                    # both layouts, ~10 min on 2 cores
-    python benchmarks/e2e_cpu.py --write-docs       # and replace the table in docs/benchmarks.md
-    python benchmarks/e2e_cpu.py --layouts cp2 --batches 2 --calibration 1   # a quick look
+    python -m benchmarks.e2e_cpu                    # both layouts, ~10 min on 2 cores
+    python -m benchmarks.e2e_cpu --write-docs       # and replace the table in docs/benchmarks.md
+    python -m benchmarks.e2e_cpu --layouts cp2 --batches 2 --calibration 1   # a quick look
 
 Absolute numbers depend on the machine and its load: 4 processes on 2 cores share them (each
 process gets at most half a core), so the DP=2 x CP=2 wall times are about twice what 4 free
@@ -64,10 +64,10 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as L
-import simulate_paper  # same directory: the Table 1 length sampler
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
+from benchmarks.lengths import DATASETS, Dataset, sample_lengths
 from lightning_skrull.scheduling import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -97,32 +97,10 @@ MODEL: dict[str, Any] = {
 """The benchmark model (Qwen2 architecture, random weights)."""
 
 
-@dataclass(frozen=True)
-class Dataset:
-    """A length distribution from the paper's Table 1.
-
-    Attributes:
-        name: dataset name.
-        shares: cumulative share of sequences under 1K, 4K, 8K, 32K and 128K tokens.
-        longest: the longest sequence the paper reports, in tokens.
-        long_tailed: whether the paper counts it among the long-tailed sets.
-        per_dp_rank: sequences per DP rank in one global batch.
-    """
-
-    name: str
-    shares: tuple[float, float, float, float, float]
-    longest: int
-    long_tailed: bool
-    per_dp_rank: int
-
-
-DATASETS = (
-    Dataset("Wikipedia", (0.879, 0.993, 0.999, 0.9999, 1.0), 78_000, True, 64),
-    Dataset("LMsysChat1M", (0.871, 0.994, 0.999, 0.9998, 0.9999), 1_643_000, True, 64),
-    # 20x more tokens per sequence than the long-tailed sets: 16 per DP rank keeps a step at
-    # seconds on this machine (64 would make it tens of seconds).
-    Dataset("ChatQA2-Long-SFT", (0.219, 0.315, 0.404, 0.999, 1.0), 99_000, False, 16),
-)
+PER_DP_RANK = {"Wikipedia": 64, "LMsysChat1M": 64, "ChatQA2-Long-SFT": 16}
+"""Sequences per DP rank in one global batch, per dataset. ChatQA2-Long-SFT has 20x more tokens
+per sequence than the long-tailed sets: 16 per DP rank keeps a step at seconds on this machine
+(64 would make it tens of seconds)."""
 
 
 @dataclass(frozen=True)
@@ -143,14 +121,6 @@ LAYOUTS = (
     Layout("cp2", "CP=2 on 2 processes", 1, CP_SIZE),
     Layout("dp2cp2", "DP=2 x CP=2 on 4 processes", 2, CP_SIZE),
 )
-
-
-def sample_lengths(dataset: Dataset, n: int, capacity: int, rng: random.Random) -> list[int]:
-    """``n`` lengths drawn as the planner simulation draws them, all divided by the scale.
-
-    Lengths above ``capacity`` (one CP group's tokens) are cut to it.
-    """
-    return simulate_paper.sample_lengths(dataset, n, capacity, rng, scale=LENGTH_SCALE)
 
 
 # --------------------------------------------------------------------------- work items
@@ -524,7 +494,7 @@ def _worker(rank: int, world_size: int, spec: Spec) -> WorkerResult:
 # --------------------------------------------------------------------------- main process
 def global_batch_size(dataset: Dataset, layout: Layout) -> int:
     """Sequences per optimizer step of ``dataset`` in ``layout``."""
-    return dataset.per_dp_rank * layout.dp_size
+    return PER_DP_RANK[dataset.name] * layout.dp_size
 
 
 def build_spec(layout: Layout, batches: int, calibration: int, rounds: int, seed: int) -> Spec:
@@ -538,7 +508,7 @@ def build_spec(layout: Layout, batches: int, calibration: int, rounds: int, seed
     pools: dict[str, list[list[int]]] = {}
     for ds in DATASETS:
         n = (1 + calibration + batches) * global_batch_size(ds, layout)
-        lengths = sample_lengths(ds, n, capacity, rng)
+        lengths = sample_lengths(ds, n, capacity, rng, scale=LENGTH_SCALE)
         pools[ds.name] = [[rng.randrange(MODEL["vocab_size"]) for _ in range(n)] for n in lengths]
 
     def indices(ds: Dataset, k: int) -> tuple[int, ...]:
@@ -822,7 +792,7 @@ def _constants(c: dict[str, float]) -> str:
 
 def render(blocks: list[tuple[Spec, list[Row], dict]], args: argparse.Namespace) -> str:
     """The markdown section written into docs/benchmarks.md."""
-    cmd = "python benchmarks/e2e_cpu.py" + (" " + " ".join(args.argv) if args.argv else "")
+    cmd = "python -m benchmarks.e2e_cpu" + (" " + " ".join(args.argv) if args.argv else "")
     lines = [
         f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
         f"{os.cpu_count()} CPU cores, 1 thread per process; load average at the start "

@@ -29,14 +29,13 @@ check needs CUDA and reports ``n/a``); the test suite runs it that way. A deadli
 Usage::
 
     bash benchmarks/gpu_check.sh                      # JSON to $OUT/gpu_check.json or benchmarks/out/
-    python benchmarks/gpu_check.py --device cpu --tiny --json /tmp/gpu_check.json
+    python -m benchmarks.gpu_check --device cpu --tiny --json /tmp/gpu_check.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import platform
 import random
@@ -49,6 +48,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from benchmarks.lengths import dataset, sample_lengths
 
 QWEN2_5_0_5B: dict[str, Any] = {
     "vocab_size": 151_936,
@@ -79,12 +80,6 @@ TINY: dict[str, Any] = {
 }
 """A model for running every code path on CPU in seconds."""
 
-# Cumulative shares of sequences under 1K / 4K / 8K / 32K / 128K tokens (the paper's Table 1).
-SHARES = {
-    "Wikipedia": (0.879, 0.993, 0.999, 0.9999, 1.0),
-    "ChatQA2-Long-SFT": (0.219, 0.315, 0.404, 0.999, 1.0),
-}
-EDGES = (1_024, 4_096, 8_192, 32_768, 131_072)
 POLICIES = ("skrull", "static")
 SDPA_RUN = "skrull+sdpa"
 """The throughput run of ``skrull`` with the sdpa backend, when ``auto`` picks flash."""
@@ -122,28 +117,6 @@ def settings(tiny: bool, device: torch.device, bucket: int | None, steps: int) -
         bucket = max(2048, min(26_000, int(26_000 * total / 80e9)) // 128 * 128)
     return Settings(QWEN2_5_0_5B, torch.bfloat16, bucket, {"Wikipedia": 64, "ChatQA2-Long-SFT": 8},
                     steps, 1)  # fmt: skip
-
-
-def sample_lengths(name: str, n: int, cap: int, scale: int, rng: random.Random) -> list[int]:
-    """``n`` lengths with the paper's shares (log-uniform inside a band), divided by ``scale``
-    and cut to ``cap``."""
-    shares = SHARES[name]
-    bands = []
-    low = 64
-    for i, edge in enumerate(EDGES):
-        share = shares[i] - (shares[i - 1] if i else 0.0)
-        bands.append((low, edge, share))
-        low = edge
-    out = []
-    for _ in range(n):
-        u = rng.random()
-        for lo, hi, share in bands:
-            if u < share or (lo, hi, share) == bands[-1]:
-                break
-            u -= share
-        length = int(math.exp(rng.uniform(math.log(lo), math.log(hi)))) // scale
-        out.append(max(2, min(length, cap)))
-    return out
 
 
 def _sync(device: torch.device) -> None:
@@ -291,7 +264,7 @@ def check_throughput(s: Settings, device: torch.device, deadline: float) -> dict
     for name, size in s.batch_sizes.items():
         batches = []
         for _ in range(1 + s.steps):  # the first is a warm-up
-            lengths = sample_lengths(name, size, s.bucket_size, s.scale, rng)
+            lengths = sample_lengths(dataset(name), size, s.bucket_size, rng, scale=s.scale)
             batches.append(
                 [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
             )

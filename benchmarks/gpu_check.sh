@@ -8,7 +8,7 @@
 # and writes JSON to $OUT/gpu_check.json (or benchmarks/out/gpu_check.json, or --json PATH).
 #
 #   bash benchmarks/gpu_check.sh                     # on a GPU machine
-#   bash benchmarks/gpu_check.sh --json /tmp/g.json  # other arguments go to gpu_check.py
+#   bash benchmarks/gpu_check.sh --json /tmp/g.json  # other arguments go to benchmarks.gpu_check
 #   bash benchmarks/gpu_check.sh --device cpu --tiny # every code path on CPU, in seconds
 #
 # The Python interpreter is $PYTHON when set (e.g. PYTHON=/path/to/venv/bin/python: no need to
@@ -52,4 +52,4 @@ EOF
 
 # The Python side stops measuring at --budget-s (360 s by default) and reports what ran; the
 # outer limit only catches a hang.
-exec timeout 470 "$PYTHON" benchmarks/gpu_check.py "$@"
+exec timeout 470 "$PYTHON" -m benchmarks.gpu_check "$@"

@@ -12,8 +12,8 @@ of 512), and the step is timed (the fastest of three). Three ways to run the sam
 
 Run::
 
-    python benchmarks/memory_cpu.py                       # 1K, 2K, 4K, 8K tokens
-    python benchmarks/memory_cpu.py --tokens 1024 2048    # a quick look
+    python -m benchmarks.memory_cpu                       # 1K, 2K, 4K, 8K tokens
+    python -m benchmarks.memory_cpu --tokens 1024 2048    # a quick look
 """
 
 from __future__ import annotations
@@ -24,7 +24,11 @@ import resource
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+"""The repository root: the working directory of the per-measurement processes."""
 
 VOCAB = 151_936
 SEQUENCE = 512
@@ -64,8 +68,8 @@ def _samples(tokens: int) -> list[dict[str, list[int]]]:
 def _step_fn(mode: str, tokens: int) -> Any:
     """A function running one forward + backward of ``tokens`` packed tokens in ``mode``."""
     from lightning_skrull.data.collate import collate_rank
-    from lightning_skrull.runtime.engine import micro_batch_context
     from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import micro_batch_context
     from lightning_skrull.scheduling import plan_global_batch
 
     model = _model()
@@ -123,7 +127,16 @@ def run(
     for tokens in tokens_list:
         for mode in modes:
             out = subprocess.run(
-                [sys.executable, __file__, "--one", mode, str(tokens), str(repeats)],
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.memory_cpu",
+                    "--one",
+                    mode,
+                    str(tokens),
+                    str(repeats),
+                ],
+                cwd=ROOT,
                 check=True,
                 capture_output=True,
                 text=True,

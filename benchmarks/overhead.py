@@ -22,8 +22,8 @@ SwiGLU 64, vocabulary 256, float32, one thread (``torch.set_num_threads(1)``).
 
 Run::
 
-    python benchmarks/overhead.py                 # the table of docs/benchmarks.md, ~5 min
-    python benchmarks/overhead.py --smoke         # 2 layers, one size, a few seconds
+    python -m benchmarks.overhead                 # the table of docs/benchmarks.md, ~5 min
+    python -m benchmarks.overhead --smoke         # 2 layers, one size, a few seconds
 
 Absolute times depend on the machine and its load; the ratios are the figures to compare.
 """

@@ -12,8 +12,8 @@ bookkeeping. The micro-batches themselves (GDS's grouping) are kept.
 
 Run::
 
-    python benchmarks/placement_search.py               # 2 batches per case, 20 kicks
-    python benchmarks/placement_search.py --batches 5 --kicks 50
+    python -m benchmarks.placement_search               # 2 batches per case, 20 kicks
+    python -m benchmarks.placement_search --batches 5 --kicks 50
 """
 
 from __future__ import annotations
@@ -23,24 +23,19 @@ import json
 import random
 import statistics
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from simulate_paper import (  # noqa: E402
-    DATASETS,
+from benchmarks.lengths import dataset
+from benchmarks.simulate_paper import (
     MEASURED,
     measured_constants,
     plan_for,
     setting_batches,
     settings,
 )
-
-from lightning_skrull.scheduling import DISTRIBUTED, CostModel, MicroBatchPlan  # noqa: E402
-from lightning_skrull.scheduling.kv_groups import choose_kv_groups  # noqa: E402
-from lightning_skrull.scheduling.sequence_costs import SequenceCosts  # noqa: E402
-from lightning_skrull.scheduling.simulate import micro_batch_terms  # noqa: E402
+from lightning_skrull.scheduling import DISTRIBUTED, CostModel, MicroBatchPlan
+from lightning_skrull.scheduling.kv_groups import choose_kv_groups
+from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 CASES = (
     ("Qwen2.5-0.5B", "ChatQA2-Long-SFT", "default"),
@@ -139,12 +134,11 @@ def run_case(
 ) -> dict[str, float]:
     """Largest and mean gain of the search over DACP's placement, per micro-batch."""
     s = next(x for x in settings() if x.model == model_name)
-    dataset = next(d for d in DATASETS if d.name == dataset_name)
     extra = measured_constants(json.loads(MEASURED.read_text()))[s.model]
     model = CostModel(shape=s.shape, **(extra if constants == "measured" else {}))
     rng = random.Random(seed)
     gains = []
-    for lengths in setting_batches(s, dataset, batches, seed):
+    for lengths in setting_batches(s, dataset(dataset_name), batches, seed):
         plan = plan_for("skrull", lengths, s, model)
         costs = SequenceCosts(lengths, s.cp_size, model)
         for mbs in plan.micro_batches:

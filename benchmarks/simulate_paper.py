@@ -12,9 +12,9 @@ A last table varies the K/V all-gather bandwidth (CP groups that span nodes).
 
 Run::
 
-    python benchmarks/simulate_paper.py            # prints the tables, writes docs/
-    python benchmarks/simulate_paper.py --batches 5 --no-write
-    python benchmarks/simulate_paper.py --ablation   # each step beyond the paper off alone
+    python -m benchmarks.simulate_paper            # prints the tables, writes docs/
+    python -m benchmarks.simulate_paper --batches 5 --no-write
+    python -m benchmarks.simulate_paper --ablation   # each step beyond the paper off alone
 
 It writes ``docs/simulate_paper.md`` (the tables and the command) and
 ``docs/img/simulate_paper.png`` (a chart; needs matplotlib).
@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks.lengths import DATASETS, SHORTEST, Dataset, sample_lengths
 from lightning_skrull.scheduling import (
     POLICIES,
     CostModel,
@@ -51,31 +52,6 @@ DEEPSPEED = "deepspeed"
 """Label of the paper's DeepSpeed baseline: static CP, one sequence per micro-batch."""
 CEILING = "ceiling"
 """Key of the speedups a plan at the lower bound on every batch would have (no plan does better)."""
-
-
-@dataclass(frozen=True)
-class Dataset:
-    """A length distribution rebuilt from the paper's Table 1.
-
-    Attributes:
-        name: dataset name.
-        shares: cumulative share of sequences under 1K, 4K, 8K, 32K and 128K tokens.
-        longest: the longest sequence the paper reports.
-    """
-
-    name: str
-    shares: tuple[float, float, float, float, float]
-    longest: int
-
-
-DATASETS = (
-    Dataset("Wikipedia", (0.879, 0.993, 0.999, 0.9999, 1.0), 78_000),
-    Dataset("LMsysChat1M", (0.871, 0.994, 0.999, 0.9998, 0.9999), 1_643_000),
-    Dataset("ChatQA2-Long-SFT", (0.219, 0.315, 0.404, 0.999, 1.0), 99_000),
-)
-EDGES = (1_024, 4_096, 8_192, 32_768, 131_072)
-SHORTEST = 64
-"""Shortest sample drawn (the paper gives no lower edge for the first band)."""
 
 PAPER_SPEEDUP = {  # Skrull over DeepSpeed, paper's Table / summary
     ("Qwen2.5-0.5B", "Wikipedia"): 7.54,
@@ -112,38 +88,6 @@ def settings() -> list[Setting]:
             "Qwen2.5-7B", QWEN2_5_7B, dp_size=2, cp_size=16, per_dp_rank=40, bucket_size=13_000
         ),
     ]
-
-
-def sample_lengths(
-    dataset: Dataset, n: int, capacity: int, rng: random.Random, *, scale: int = 1
-) -> list[int]:
-    """Draw ``n`` lengths: a band by its published share, then log-uniform inside the band.
-
-    Every drawn length is divided by ``scale`` (the CPU benchmark runs the distributions scaled
-    down); ``dataset`` needs only ``shares`` and ``longest``.
-
-    Lengths above ``capacity`` (one CP group's tokens) are cut to it: the paper does not say how
-    it handled them, and the planner refuses them rather than dropping them silently.
-    """
-    lows = (SHORTEST, *EDGES[:-1])
-    highs = tuple(min(e, dataset.longest) for e in EDGES)
-    shares = [dataset.shares[0]] + [
-        dataset.shares[i] - dataset.shares[i - 1] for i in range(1, len(EDGES))
-    ]
-    tail = 1.0 - dataset.shares[-1]
-    bands = list(zip(lows, highs, shares, strict=True))
-    if tail > 0:
-        bands.append((EDGES[-1], dataset.longest, tail))
-    out = []
-    for _ in range(n):
-        u = rng.random()
-        for lo, hi, share in bands:
-            if u < share or (lo, hi, share) == bands[-1]:
-                break
-            u -= share
-        length = int(math.exp(rng.uniform(math.log(lo), math.log(max(hi, lo + 1))))) // scale
-        out.append(max(1, min(length, capacity)))
-    return out
 
 
 def plan_for(policy: str, lengths: list[int], s: Setting, model: CostModel) -> GlobalBatchPlan:
@@ -789,7 +733,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(report)
     if not args.no_write:
-        command = "python benchmarks/simulate_paper.py"
+        command = "python -m benchmarks.simulate_paper"
         if args.batches != 20 or args.seed != 0:
             command += f" --batches {args.batches} --seed {args.seed}"
         md = (

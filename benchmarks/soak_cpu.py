@@ -10,7 +10,7 @@ Prints the table, then the growth of each rank from the first reading after ``--
 to the last and over the second half of the run, and exits non-zero when a rank grew by more
 than ``--max-growth-mib``.
 
-Run: ``python benchmarks/soak_cpu.py`` (two processes, 600 steps: about four minutes on two
+Run: ``python -m benchmarks.soak_cpu`` (two processes, 600 steps: about four minutes on two
 cores).
 """
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from benchmark_scripts import load_benchmark
 from helpers import TINY_DECODER
 
+from benchmarks import overhead
 from lightning_skrull.attention import (
     SkrullAttentionContext,
     attention_context,
@@ -181,6 +181,6 @@ def test_sdpa_attention_groups_by_default() -> None:
 
 def test_overhead_benchmark_smoke(world_of_one: None) -> None:
     # benchmarks/overhead.py runs (2 layers, one size): each variant trains and is timed.
-    (row,) = load_benchmark("overhead").main(["--smoke"])
+    (row,) = overhead.main(["--smoke"])
     assert row["sequences"] == 4 and row["length"] == 4
     assert all(row[key] > 0 for key in ("plain", "before", "after"))

@@ -17,7 +17,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from benchmark_scripts import load_benchmark
+
+from benchmarks import attention_gpu, cost_probe, gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
@@ -36,7 +37,6 @@ def _run_wrapper(*args: str, path: str | None = None) -> subprocess.CompletedPro
 
 
 def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
-    gpu_check = load_benchmark("gpu_check")
     out = tmp_path / "gpu_check.json"
     status = gpu_check.main(["--device", "cpu", "--tiny", "--steps", "1", "--json", str(out)])
     report = json.loads(out.read_text())
@@ -65,7 +65,6 @@ def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
 
 
 def test_summary_flags_a_mismatch() -> None:
-    gpu_check = load_benchmark("gpu_check")
     report = {
         "device_name": "test",
         "backends": {
@@ -122,7 +121,7 @@ def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:
     # time or the reason its SDPA kernel refused ("n/a"), and the table has a line per row.
     out = tmp_path / "attention_gpu.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "attention_gpu.py"), "--device", "cpu",
+        [sys.executable, "-m", "benchmarks.attention_gpu", "--device", "cpu",
          "--tiny", "--reps", "1", "--json", str(out)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )  # fmt: skip
@@ -139,7 +138,6 @@ def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path) -> None:
 
 
 def test_attention_benchmark_runs_only_the_rows_asked_for(tmp_path: Path) -> None:
-    attention_gpu = load_benchmark("attention_gpu")
     out = tmp_path / "attention_gpu.json"
     argv = ["--device", "cpu", "--tiny", "--reps", "1", "--rows", "sdpa,flash", "--json", str(out)]
     assert attention_gpu.main(argv) == 0
@@ -151,12 +149,7 @@ def test_cost_probe_tiny_cpu_run_fits_every_model(tmp_path: Path, capsys) -> Non
     # benchmarks/cost_probe.py on a tiny model: every micro-batch timed through the package's
     # path and the plain model, the constants fitted at two depths and extrapolated.
     out = tmp_path / "cost_probe.json"
-    assert (
-        load_benchmark("cost_probe").main(
-            ["--device", "cpu", "--tiny", "--reps", "1", "--json", str(out)]
-        )
-        == 0
-    )
+    assert cost_probe.main(["--device", "cpu", "--tiny", "--reps", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["models"]) == {"Qwen2.5-0.5B", "Qwen2.5-7B"}
     for m in report["models"].values():
@@ -175,15 +168,14 @@ def test_cost_probe_tiny_cpu_run_fits_every_model(tmp_path: Path, capsys) -> Non
 
 
 def test_cost_probe_extrapolates_the_fixed_cost_linearly_in_depth() -> None:
-    probe = load_benchmark("cost_probe")
     fits = [
         {"layers": 4, "achieved_flops": 5e14, "micro_batch_overhead_s": 0.009},
         {"layers": 2, "achieved_flops": 4e14, "micro_batch_overhead_s": 0.005},
     ]
-    full = probe.extrapolate("m", 28, fits)
+    full = cost_probe.extrapolate("m", 28, fits)
     assert full["overhead_per_layer_s"] == pytest.approx(0.002)
     assert full["micro_batch_overhead_s"] == pytest.approx(0.009 + 24 * 0.002)
     assert full["achieved_flops"] == 5e14  # from the deeper cut
-    whole = probe.extrapolate("m", 24, [{"layers": 24, "achieved_flops": 3e14,
+    whole = cost_probe.extrapolate("m", 24, [{"layers": 24, "achieved_flops": 3e14,
                                          "micro_batch_overhead_s": 0.05}])  # fmt: skip
     assert whole["micro_batch_overhead_s"] == 0.05 and whole["overhead_per_layer_s"] is None

@@ -6,8 +6,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from benchmark_scripts import load_benchmark
 
+from benchmarks import memory_cpu
 from lightning_skrull.models.memory_estimate import activation_bytes_per_token
 from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B
 
@@ -29,7 +29,6 @@ def test_estimate_explains_the_h200_line() -> None:
 
 
 def test_estimate_matches_cpu_steps_measured_here() -> None:
-    memory_cpu = load_benchmark("memory_cpu")
     rows = memory_cpu.run([512, 1024], modes=("hf", "skrull_chunked"), repeats=1)
     config = SimpleNamespace(
         hidden_size=64,

@@ -5,13 +5,10 @@ from __future__ import annotations
 
 import random
 
-from benchmark_scripts import load_benchmark
-
+from benchmarks import placement_search as search_mod
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
 from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
-
-search_mod = load_benchmark("placement_search")
 
 
 def test_search_from_all_sharded_reaches_dacp() -> None:

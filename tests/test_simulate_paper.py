@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import json
 
-from benchmark_scripts import load_benchmark
-
-sim = load_benchmark("simulate_paper")
+from benchmarks import simulate_paper as sim
 
 
 def test_ceiling_bounds_every_policy_and_marks_unreachable_targets() -> None:
