@@ -24,39 +24,17 @@ import argparse
 import dataclasses
 import json
 import statistics
-from types import SimpleNamespace
 
 import benchmarks.simulate_paper as sp
 from benchmarks.lengths import DATASETS
 from lightning_skrull.models.memory_estimate import activation_bytes_per_token
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
 
-HF_CONFIGS = {
-    "Qwen2.5-0.5B": SimpleNamespace(
-        hidden_size=896,
-        intermediate_size=4864,
-        num_hidden_layers=24,
-        num_attention_heads=14,
-        num_key_value_heads=2,
-        vocab_size=151_936,
-    ),
-    "Qwen2.5-7B": SimpleNamespace(
-        hidden_size=3584,
-        intermediate_size=18944,
-        num_hidden_layers=28,
-        num_attention_heads=28,
-        num_key_value_heads=4,
-        vocab_size=152_064,
-    ),
-}
-"""The published shapes of the two models (nothing is downloaded)."""
-
 
 def larger_bucket(setting: sp.Setting) -> int:
     """The paper's bucket scaled by the dense over the chunked activation bytes per token."""
-    config = HF_CONFIGS[setting.model]
-    dense = activation_bytes_per_token(config, chunked_loss=False).total
-    chunked = activation_bytes_per_token(config, chunked_loss=True).total
+    dense = activation_bytes_per_token(setting.shape, chunked_loss=False).total
+    chunked = activation_bytes_per_token(setting.shape, chunked_loss=True).total
     return int(setting.bucket_size * dense / chunked)
 
 
