@@ -16,10 +16,8 @@ from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import GlobalBatchPlan
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 
-# Step 4 is judged on the split it chose: step 6 would move a sequence after it.
-OPTIONS = PlannerOptions(gds_rebalance=False)
-ESTIMATED = PlannerOptions(gds_rebalance=False, plan_both_max_sequences=0)  # the estimate decides
-WITHOUT_STEP_4 = PlannerOptions(gds_rebalance=False, gds_gather=False)  # the LPT split
+ESTIMATED = PlannerOptions(plan_both_max_sequences=0)  # the estimate decides
+WITHOUT_STEP_4 = PlannerOptions(gds_gather=False)  # the LPT split
 
 MODEL_7B = CostModel(shape=QWEN2_5_7B)
 # Found by a random search over small 7B batches: the gathered split plans 10% faster.
@@ -80,7 +78,7 @@ def test_plan_gds_takes_the_gathered_split_when_it_is_estimated_faster() -> None
 def test_the_gathered_split_beats_the_balanced_one_on_this_batch() -> None:
     lengths = GATHER_WINS
     kwargs = dict(dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
-    gathered = simulate(plan_global_batch(lengths, **kwargs, options=OPTIONS), lengths, MODEL_7B)
+    gathered = simulate(plan_global_batch(lengths, **kwargs), lengths, MODEL_7B)
     balanced_plan = plan_global_batch(lengths, **kwargs, options=WITHOUT_STEP_4)
     balanced = simulate(balanced_plan, lengths, MODEL_7B)
     assert gathered < 0.92 * balanced  # 0.896 when found; margin for float changes only
@@ -103,7 +101,7 @@ def test_plan_gds_falls_back_when_the_gathered_split_needs_more_micro_batches() 
 
 def test_plan_gds_skips_the_gathered_split_above_the_size_limit() -> None:
     lengths = GATHER_WINS
-    options = PlannerOptions(gds_rebalance=False, gather_max_sequences=len(lengths) - 1)
+    options = PlannerOptions(gather_max_sequences=len(lengths) - 1)
     kw = dict(dp_size=2, cp_size=4, bucket_size=8192, cost_model=MODEL_7B)
     plan = plan_global_batch(lengths, **kw, options=options)
     costs = SequenceCosts(lengths, 4, MODEL_7B)
@@ -143,7 +141,7 @@ def test_small_batches_keep_the_faster_of_both_planned_splits(seed: int) -> None
         raise AssertionError("no draw with a gathered split to weigh")
     assert bins is not None
     kwargs = dict(dp_size=dp, cp_size=cp, bucket_size=bucket, cost_model=model)
-    plan = plan_global_batch(lengths, **kwargs, options=OPTIONS)
+    plan = plan_global_batch(lengths, **kwargs)
     gathered = simulate(_plan_of(bins, lengths, cp, bucket, model), lengths, model)
     balanced_plan = plan_global_batch(lengths, **kwargs, options=WITHOUT_STEP_4)
     balanced = simulate(balanced_plan, lengths, model)

@@ -23,9 +23,7 @@ FAST = CostModel(shape=QWEN2_5_7B)
 # Found by a random search over small batches: steps 1-4 shard everything but one row.
 LENGTHS = [926, 858, 842, 687, 328]
 
-# Step 5 is judged rank by rank on the DP split steps 1-4 made: step 6 would move sequences.
-OPTIONS = PlannerOptions(gds_rebalance=False)
-WITHOUT_STEP_5 = PlannerOptions(gds_rebalance=False, gds_rows=False)
+WITHOUT_STEP_5 = PlannerOptions(gds_rows=False)
 
 
 def _without_step_5(**kw):
@@ -48,7 +46,7 @@ def test_deal_rows_by_hand() -> None:
 
 def test_rows_keep_a_row_whole_where_steps_1_to_4_shard_it() -> None:
     kw = dict(lengths=LENGTHS, dp_size=1, cp_size=4, bucket_size=1000)
-    plan = plan_global_batch(**kw, cost_model=SLOW, options=OPTIONS)
+    plan = plan_global_batch(**kw, cost_model=SLOW)
     # The four longest stay whole, one per CP rank; the shortest is sharded on its own.
     (first, second) = plan.micro_batches[0]
     assert sorted(first.sequence_ids) == [0, 1, 2, 3]
@@ -71,23 +69,15 @@ def test_rows_are_not_tried_where_communication_is_fast_or_memory_loose(monkeypa
 
     monkeypatch.setattr(gds, "deal_rows", refuse)
     # Fast links: the communication is a small share of the micro-batches.
-    plan_global_batch(
-        LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=FAST, options=OPTIONS
-    )
+    plan_global_batch(LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=FAST)
     # Slow links, but no micro-batch is half full (3641 of 4 x 2000 tokens).
-    plan_global_batch(
-        LENGTHS, dp_size=1, cp_size=4, bucket_size=2000, cost_model=SLOW, options=OPTIONS
-    )
+    plan_global_batch(LENGTHS, dp_size=1, cp_size=4, bucket_size=2000, cost_model=SLOW)
     # One CP rank: nothing is sharded.
-    plan_global_batch(
-        LENGTHS, dp_size=1, cp_size=1, bucket_size=4000, cost_model=SLOW, options=OPTIONS
-    )
+    plan_global_batch(LENGTHS, dp_size=1, cp_size=1, bucket_size=4000, cost_model=SLOW)
     monkeypatch.undo()
     with pytest.raises(AssertionError, match="tried"):
         monkeypatch.setattr(gds, "deal_rows", refuse)
-        plan_global_batch(
-            LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=SLOW, options=OPTIONS
-        )
+        plan_global_batch(LENGTHS, dp_size=1, cp_size=4, bucket_size=1000, cost_model=SLOW)
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -97,7 +87,7 @@ def test_each_dp_rank_keeps_the_faster_of_its_deal_and_the_rows(seed: int) -> No
     lengths = [rng.choice([rng.randint(50, 1000), rng.randint(500, 1000)]) for _ in range(n)]
     cp, bucket = 4, 1000
     kw = dict(lengths=lengths, dp_size=2, cp_size=cp, bucket_size=bucket, cost_model=SLOW)
-    plan = plan_global_batch(**kw, options=OPTIONS)
+    plan = plan_global_batch(**kw)
     before = _without_step_5(**kw)
     costs = SequenceCosts(lengths, cp, SLOW)
     after_s = dp_rank_seconds(plan, lengths, SLOW)
@@ -112,7 +102,7 @@ def test_each_dp_rank_keeps_the_faster_of_its_deal_and_the_rows(seed: int) -> No
         # more, each placed by DACP, and faster.
         assert after_s[rank] < before_s[rank]
         groups = [list(mb.sequence_ids) for mb in mbs]
-        assert len(old) <= len(groups) <= len(old) + OPTIONS.rows_extra_micro_batches
+        assert len(old) <= len(groups) <= len(old) + PlannerOptions().rows_extra_micro_batches
         assert groups == deal_rows(mine, len(groups), lengths, cp, bucket)
         for mb in mbs:
             assert mb.placement == place_micro_batch(mb.sequence_ids, costs, bucket)
@@ -126,6 +116,6 @@ def test_the_rows_win_on_some_random_batches() -> None:
         n = rng.randint(8, 24)
         lengths = [rng.choice([rng.randint(50, 1000), rng.randint(500, 1000)]) for _ in range(n)]
         kw = dict(lengths=lengths, dp_size=2, cp_size=4, bucket_size=1000, cost_model=SLOW)
-        plan = plan_global_batch(**kw, options=OPTIONS)
+        plan = plan_global_batch(**kw)
         wins += plan.micro_batches != _without_step_5(**kw).micro_batches
     assert wins >= 4

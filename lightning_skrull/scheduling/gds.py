@@ -42,15 +42,6 @@
    model's time of the rank's micro-batches (K/V groups included) is lower, so it never makes a
    rank slower.
 
-6. Up to ``PlannerOptions.plan_both_max_sequences`` sequences, the DP ranks are evened out once more by
-   the cost model's time of their planned micro-batches (:func:`rebalance_dp`). Steps 1 and 4
-   balance an estimate made before placement, and the K/V exchange, the tile waste of sharded
-   sequences and the whole sequences' balance over CP ranks all land after it: on the paper's
-   Qwen2.5-7B short-sequence settings the DP ranks of a plan ended about 2% apart. One sequence
-   of the slowest DP rank moves to the fastest: its micro-batch and one of the fastest rank's are
-   placed again, and the move is kept only when the slower of the two ranks is then faster than
-   the slowest was.
-
 The printed loop of the paper never exits on success; this one stops at the first ``m`` that
 works. It always terminates: with one sequence per micro-batch every sequence fits, since none
 is longer than ``cp_size * bucket_size`` (checked before planning).
@@ -299,70 +290,6 @@ def rows_if_faster(
     return plans
 
 
-def rebalance_dp(
-    ranks: Sequence[Sequence[MicroBatchPlan]],
-    costs: SequenceCosts,
-    bucket_size: int,
-    place: Placer,
-    options: PlannerOptions = DEFAULT_OPTIONS,
-) -> list[list[MicroBatchPlan]]:
-    """GDS step 6 (module docstring) on micro-batches with their K/V groups chosen: move one
-    sequence from the slowest DP rank to the fastest where that makes the slower of the two
-    faster than the slowest was; ``ranks`` unchanged otherwise.
-
-    The sequence moved is the one whose whole-rank cost spread over the CP group
-    (``costs.local(sid) / cp_size``) is nearest half the two ranks' gap: the share that would
-    even them if the CP ranks took it evenly (lowest id on ties). Its micro-batch is placed again
-    without it, and the fastest rank's micro-batch with the fewest tokens (a new one on a rank
-    with none) is placed again with it; nothing moves when that one would not fit.
-    """
-    lengths, n = costs.lengths, costs.cp_size
-    out = [list(r) for r in ranks]
-    totals = [sum(_micro_batch_seconds(mb, costs) for mb in r) for r in out]
-    slow = max(range(len(out)), key=totals.__getitem__)  # ties -> lowest rank
-    fast = min(range(len(out)), key=totals.__getitem__)
-    if totals[fast] >= totals[slow]:
-        return out
-    half = (totals[slow] - totals[fast]) / 2 * n
-    k, moved = min(
-        ((k, sid) for k, mb in enumerate(out[slow]) for sid in mb.sequence_ids),
-        key=lambda item: (abs(costs.local(item[1]) - half), item[1]),
-    )
-    left = [sid for sid in out[slow][k].sequence_ids if sid != moved]
-    left_plan = _placed(left, costs, bucket_size, place, options) if left else None
-    j = min(
-        range(len(out[fast])),
-        key=lambda i: (sum(map(lengths.__getitem__, out[fast][i].sequence_ids)), i),
-        default=len(out[fast]),
-    )
-    joined_ids = out[fast][j].sequence_ids if j < len(out[fast]) else ()
-    joined = _placed([moved, *joined_ids], costs, bucket_size, place, options)
-    if joined is None or (left and left_plan is None):
-        return out
-    slow_s = totals[slow] - _micro_batch_seconds(out[slow][k], costs)
-    slow_s += _micro_batch_seconds(left_plan, costs) if left_plan is not None else 0.0
-    fast_s = totals[fast] + _micro_batch_seconds(joined, costs)
-    fast_s -= _micro_batch_seconds(out[fast][j], costs) if joined_ids else 0.0
-    if max(slow_s, fast_s) >= totals[slow]:
-        return out
-    out[fast][j : j + 1] = [joined]
-    out[slow][k : k + 1] = [] if left_plan is None else [left_plan]
-    return out
-
-
-def _placed(
-    ids: Sequence[int],
-    costs: SequenceCosts,
-    bucket_size: int,
-    place: Placer,
-    options: PlannerOptions,
-) -> MicroBatchPlan | None:
-    """The micro-batch of ``ids`` (ascending by length) placed, with its K/V groups chosen;
-    ``None`` when it is over the CP group's tokens or ``place`` refuses it."""
-    plans = _place_all([ascending(ids, costs.lengths)], costs, bucket_size, place)
-    return None if plans is None else with_kv_groups(plans[0], costs, options)
-
-
 def with_kv_groups(
     mb: MicroBatchPlan, costs: SequenceCosts, options: PlannerOptions
 ) -> MicroBatchPlan:
@@ -385,19 +312,15 @@ def plan_gds(
 ) -> list[list[MicroBatchPlan]]:
     """GDS over all ``n`` sequences of the global batch with the given CP placement: the
     balanced DP split, or the gathered one where step 4 weighs it and it wins; then step 5 on
-    every DP rank, the K/V groups of every micro-batch, and step 6 up to
-    ``PlannerOptions.plan_both_max_sequences`` sequences."""
+    every DP rank, and the K/V groups of every micro-batch."""
     ranks = _split_and_deal(n, dp_size, costs, bucket_size, place, options)
-    ranks = [
+    return [
         [
             with_kv_groups(mb, costs, options)
             for mb in rows_if_faster(r, costs, bucket_size, place, options)
         ]
         for r in ranks
     ]
-    if options.gds_rebalance and dp_size > 1 and n <= options.plan_both_max_sequences:
-        ranks = rebalance_dp(ranks, costs, bucket_size, place, options)
-    return ranks
 
 
 def _split_and_deal(

@@ -51,7 +51,7 @@ class PlannerOptions:
 
     plan_both_max_sequences: int = 128
     """Up to this many sequences step 4 plans both DP splits and keeps the faster (above, a
-    quick estimate picks one), and step 6 runs."""
+    quick estimate picks one)."""
 
     gds_rows: bool = True
     """GDS step 5: also deal each DP rank's micro-batches in rows and keep the faster."""
@@ -65,9 +65,6 @@ class PlannerOptions:
 
     rows_extra_micro_batches: int = 2
     """Step 5 tries up to this many micro-batches more than steps 2-4 used."""
-
-    gds_rebalance: bool = True
-    """GDS step 6: move one sequence from the slowest DP rank to the fastest after placement."""
 
     kv_groups: bool = True
     """Cut each micro-batch's K/V exchange into groups where that is faster."""
