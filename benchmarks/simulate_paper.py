@@ -641,17 +641,16 @@ READING = """
   both DP ranks, a few long sequences left no CP rank room for the medium ones to stay whole.
   GDS now also weighs a split that gathers the sequences sharded anyway on few DP ranks
   (docs/scheduling.md), planned beside the balanced one up to 128 sequences, which took the
-  7B ratios from 1.12 and 1.11 to 1.06 and 1.05; moving one sequence from the slowest DP rank
-  to the fastest after placement (GDS step 6) took them to 1.05 and 1.04 (1.047 and 1.040
-  against the bound that also charges the collectives' latency);
+  7B ratios from 1.12 and 1.11 to 1.06 and 1.05 (1.055 and 1.049 against the bound that also
+  charges the collectives' latency);
   `benchmarks/placement_search.py` found little left in the placements themselves
   (docs/benchmarks.md).
 - Against packed `static`, skrull gains what sharding short sequences costs: communication
   and attention tiles. On Qwen2.5-7B's short-sequence sets the matmuls dominate so much that
-  those costs are small at the default 100 GB/s: skrull is 1.25x and 1.22x faster than
+  those costs are small at the default 100 GB/s: skrull is 1.24x and 1.22x faster than
   `static` there (1.17x before GDS weighed the gathered split), and a plan at the lower bound
   would be 1.31x and 1.27x. A CP group of 16 spans two nodes, though; over the inter-node
-  network (the communication table) skrull's gain grows to 1.40-1.47x, which a construction
+  network (the communication table) skrull's gain grows to 1.39-1.46x, which a construction
   added to DACP for slow communication makes possible (the greedy alone stayed at 1.14x at
   25 GB/s). The baselines
   keep one K/V exchange per micro-batch, as the systems they stand for do; cut into groups
