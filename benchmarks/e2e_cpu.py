@@ -341,10 +341,13 @@ def _collate_one(items: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor
     return items[0]
 
 
-def _trainer(strategy: Any, steps: int, callback: L.Callback, **kwargs: Any) -> L.Trainer:
+def cpu_trainer(strategy: Any, steps: int, callback: L.Callback, **kwargs: Any) -> L.Trainer:
+    """A quiet CPU Trainer of ``steps`` steps without validation, over this process group's
+    ranks (one process without one), with ``callback``."""
+    dist = torch.distributed
     return L.Trainer(
         accelerator="cpu",
-        devices=torch.distributed.get_world_size(),
+        devices=dist.get_world_size() if dist.is_initialized() else 1,
         strategy=strategy,
         max_steps=steps,
         logger=False,
@@ -368,7 +371,7 @@ def _run_skrull(spec: Spec, steps: Sequence[Step], cost_model: Any) -> list[Reco
         attention_backend="sdpa",
         cost_model=cost_model,
     )
-    trainer = _trainer(strategy, len(steps), timer)
+    trainer = cpu_trainer(strategy, len(steps), timer)
     trainer.fit(_SFT(), datamodule=_InterleavedPolicies(steps, spec.pools))
     for record, step in zip(timer.records, steps, strict=True):
         record.step = step
@@ -382,7 +385,7 @@ def _run_ddp(spec: Spec, dataset: str, batches: list[tuple[int, ...]]) -> list[R
     per_rank = len(batches[0]) // world
     rows = [spec.pools[dataset][i] for batch in batches for i in batch]
     timer = _StepTimer(every=per_rank)
-    trainer = _trainer(DDPStrategy(), len(batches), timer, accumulate_grad_batches=per_rank)
+    trainer = cpu_trainer(DDPStrategy(), len(batches), timer, accumulate_grad_batches=per_rank)
     loader = DataLoader(_Samples(rows), batch_size=1, shuffle=False, collate_fn=_collate_one)
     trainer.fit(_SFT(), train_dataloaders=loader)
     return timer.records

@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
 
+from benchmarks.e2e_cpu import cpu_trainer
 from lightning_skrull import SkrullDataModule, SkrullStrategy
 from lightning_skrull.attention import sdpa as sdpa_backend
 
@@ -125,28 +126,12 @@ def packed_batch(samples: Sequence[dict[str, list[int]]]) -> dict[str, torch.Ten
     }
 
 
-def _trainer(strategy: Any, steps: int, timer: _StepTimer) -> L.Trainer:
-    return L.Trainer(
-        accelerator="cpu",
-        devices=1,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[timer],
-    )
-
-
 def time_plain(samples: list[dict[str, list[int]]], layers: int, steps: int) -> list[float]:
     """Step seconds of plain Lightning + HF (sdpa) on the packed samples."""
     batch = packed_batch(samples)
     loader = DataLoader([batch] * steps, batch_size=None)
     timer = _StepTimer()
-    _trainer("auto", steps, timer).fit(_LM(layers, "sdpa"), loader)
+    cpu_trainer("auto", steps, timer).fit(_LM(layers, "sdpa"), loader)
     return timer.seconds
 
 
@@ -163,7 +148,7 @@ def time_skrull(
     saved = sdpa_backend.LOCAL_GROUP_MASK_ELEMENTS
     sdpa_backend.LOCAL_GROUP_MASK_ELEMENTS = group_mask_elements
     try:
-        _trainer(strategy, steps, timer).fit(_LM(layers), data)
+        cpu_trainer(strategy, steps, timer).fit(_LM(layers), data)
     finally:
         sdpa_backend.LOCAL_GROUP_MASK_ELEMENTS = saved
         if dist.is_initialized():  # the strategy's one-rank process group

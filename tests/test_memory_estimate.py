@@ -3,9 +3,8 @@ Qwen2.5-0.5B (bf16), and the peak-RSS slope of CPU steps measured here (float32)
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
+from transformers import Qwen2Config
 
 from benchmarks import memory_cpu
 from lightning_skrull.models.memory_estimate import activation_bytes_per_token
@@ -30,14 +29,7 @@ def test_estimate_explains_the_h200_line() -> None:
 
 def test_estimate_matches_cpu_steps_measured_here() -> None:
     rows = memory_cpu.run([512, 1024], modes=("hf", "skrull_chunked"), repeats=1)
-    config = SimpleNamespace(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=memory_cpu.VOCAB,
-    )
+    config = Qwen2Config(**memory_cpu.CONFIG)
 
     def slope(mode: str) -> float:
         growth = {r["tokens"]: r["growth_mib"] for r in rows if r["mode"] == mode}
