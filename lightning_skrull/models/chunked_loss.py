@@ -20,14 +20,25 @@ shifted ``labels``), ``-100`` ignored, the sum divided by ``num_items_in_batch``
 supervised tokens here. The head's matmuls run in the autocast dtype when autocast is on (as
 ``lm_head`` would under it), else in the weight's dtype; the head's gradient accumulates over the
 chunks in float32 and is rounded once.
+
+On CUDA a fused kernel does the same work in fewer, larger kernels: Liger Kernel's
+``liger_fused_linear_cross_entropy`` or Apple's Cut Cross-Entropy (``cut_cross_entropy``), both
+optional (``pip install "lightning-skrull[fused]"``). ``kernel="auto"`` (the default) uses one
+when its package is installed and the hidden states are on CUDA, else the chunked path above;
+:func:`resolve_loss_kernel` says which. Every kernel is given the same thing (hidden states and
+head in the compute dtype, the shifted targets, ``-100`` ignored) and returns the summed token
+loss, which is then normalised here exactly as above.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import inspect
+import sys
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any, Literal, cast, get_args
 
 import torch
 import torch.nn.functional as F
@@ -43,6 +54,111 @@ CHUNKED_LOSS_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
 """Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``
 (no logit scaling or soft-capping), so routing it through :func:`linear_cross_entropy` changes
 nothing but memory."""
+
+
+LossKernel = Literal["auto", "chunked", "liger", "cce"]
+"""How :func:`linear_cross_entropy` computes the loss: ``"auto"`` (a fused CUDA kernel when one
+is installed and the inputs are on CUDA, else ``"chunked"``), ``"chunked"`` (pure PyTorch, any
+device), ``"liger"`` (Liger Kernel) or ``"cce"`` (Cut Cross-Entropy)."""
+
+LOSS_KERNELS: tuple[str, ...] = get_args(LossKernel)
+
+FUSED_KERNEL_MODULES = {"liger": "liger_kernel", "cce": "cut_cross_entropy"}
+"""The importable module of each fused kernel (PyPI: ``liger-kernel``, ``cut-cross-entropy``)."""
+
+_PIP_NAMES = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
+
+
+def installed_fused_kernels() -> tuple[str, ...]:
+    """The fused kernels whose package is importable here, in :func:`resolve_loss_kernel`'s
+    order of preference."""
+    return tuple(name for name, module in FUSED_KERNEL_MODULES.items() if _importable(module))
+
+
+def _importable(module: str) -> bool:
+    if module in sys.modules:
+        return sys.modules[module] is not None
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def check_loss_kernel(kernel: str, installed: tuple[str, ...] | None = None) -> None:
+    """Refuse an unknown kernel name, or a fused kernel whose package is not installed.
+
+    Raises:
+        ValueError: the message names the kernel and how to fix it.
+    """
+    if kernel not in LOSS_KERNELS:
+        raise ValueError(f"loss kernel {kernel!r} is unknown; choose one of {LOSS_KERNELS}.")
+    installed = installed_fused_kernels() if installed is None else installed
+    if kernel in FUSED_KERNEL_MODULES and kernel not in installed:
+        raise ValueError(
+            f"loss kernel {kernel!r} needs the {_PIP_NAMES[kernel]} package, which is not "
+            f'installed; pip install {_PIP_NAMES[kernel]} (or "lightning-skrull[fused]"), or use '
+            'kernel="auto" / "chunked".'
+        )
+
+
+def resolve_loss_kernel(
+    kernel: str,
+    device_type: str,
+    compute_dtype: torch.dtype,
+    installed: tuple[str, ...] | None = None,
+) -> Literal["chunked", "liger", "cce"]:
+    """The kernel that computes the loss for inputs on ``device_type`` in ``compute_dtype``.
+
+    ``"auto"`` picks Liger Kernel when installed, else Cut Cross-Entropy when installed and the
+    compute dtype is 16-bit (its kernels take 16-bit inputs), else the chunked path; on a device
+    other than CUDA always the chunked path. An explicitly named fused kernel is used as asked.
+
+    Raises:
+        ValueError: unknown or uninstalled kernel (:func:`check_loss_kernel`), or a fused
+            kernel asked for inputs that are not on CUDA.
+    """
+    installed = installed_fused_kernels() if installed is None else installed
+    check_loss_kernel(kernel, installed)
+    if kernel == "auto":
+        if device_type != "cuda":
+            return "chunked"
+        if "liger" in installed:
+            return "liger"
+        if "cce" in installed and compute_dtype in (torch.float16, torch.bfloat16):
+            return "cce"
+        return "chunked"
+    if kernel in FUSED_KERNEL_MODULES and device_type != "cuda":
+        raise ValueError(
+            f"loss kernel {kernel!r} runs on CUDA only, but the hidden states are on "
+            f'{device_type!r}; use kernel="auto" or "chunked" there.'
+        )
+    return cast(Literal["chunked", "liger", "cce"], kernel)
+
+
+def _fused_summed_loss(
+    kernel: Literal["liger", "cce"],
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    target: Tensor,
+) -> Tensor:
+    """The summed token loss of a fused kernel (inputs already in the compute dtype)."""
+    if kernel == "liger":
+        functional = importlib.import_module("liger_kernel.transformers.functional")
+        loss = functional.liger_fused_linear_cross_entropy(
+            hidden, weight, target, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    else:
+        cce = importlib.import_module("cut_cross_entropy")
+        if bias is None:
+            loss = cce.linear_cross_entropy(
+                hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+        else:
+            loss = cce.linear_cross_entropy(
+                hidden, weight, target, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum"
+            )
+    return cast(Tensor, loss).float()
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
@@ -126,6 +242,7 @@ def linear_cross_entropy(
     bias: Tensor | None = None,
     num_items_in_batch: Tensor | float | None = None,
     chunk_tokens: int | None = None,
+    kernel: str = "chunked",
 ) -> Tensor:
     """Causal-LM loss of ``hidden`` under the head ``weight`` without materialising the logits.
 
@@ -137,13 +254,17 @@ def linear_cross_entropy(
         bias: the head's bias, ``[V]``, if it has one.
         num_items_in_batch: divide the summed loss by this (transformers' meaning); ``None``
             divides by the supervised tokens here (their mean).
-        chunk_tokens: tokens per chunk (default :func:`default_chunk_tokens`).
+        chunk_tokens: tokens per chunk of the chunked path (default
+            :func:`default_chunk_tokens`).
+        kernel: ``"chunked"`` (default), ``"auto"``, ``"liger"`` or ``"cce"``; see
+            :data:`LossKernel` and :func:`resolve_loss_kernel`.
 
     Returns:
         The 0-dim float32 loss, with gradients to ``hidden``, ``weight`` and ``bias``.
 
     Raises:
-        ValueError: shapes that do not match, or ``chunk_tokens < 1``.
+        ValueError: shapes that do not match, ``chunk_tokens < 1``, or a kernel that cannot run
+            here (:func:`resolve_loss_kernel`).
     """
     if hidden.shape[-1] != weight.shape[1] or hidden.shape[:-1] != target.shape:
         raise ValueError(
@@ -161,13 +282,23 @@ def linear_cross_entropy(
         compute_dtype = weight.dtype
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_target = target.reshape(-1).to(hidden.device)
+    chosen = resolve_loss_kernel(kernel, device_type, compute_dtype)
     need_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (hidden, weight, bias)
     )
     with torch.autocast(device_type, enabled=False):
-        total = _LinearCrossEntropy.apply(
-            flat_hidden, weight, bias, flat_target, chunk, compute_dtype, need_grad
-        )
+        if chosen == "chunked":
+            total = _LinearCrossEntropy.apply(
+                flat_hidden, weight, bias, flat_target, chunk, compute_dtype, need_grad
+            )
+        else:
+            total = _fused_summed_loss(
+                chosen,
+                flat_hidden.to(compute_dtype),
+                weight.to(compute_dtype),
+                None if bias is None else bias.to(compute_dtype),
+                flat_target,
+            )
     if num_items_in_batch is None:
         return total / (flat_target != IGNORE_INDEX).sum()
     if isinstance(num_items_in_batch, Tensor):
@@ -207,6 +338,7 @@ def _chunked_forward(
         bias=head.bias,
         num_items_in_batch=extra.get("num_items_in_batch"),
         chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
+        kernel=getattr(model, "_skrull_loss_kernel", "chunked"),
     )
     return CausalLMOutputWithPast(
         loss=loss,
@@ -247,18 +379,25 @@ def check_chunked_loss_supported(model: nn.Module) -> None:
         )
 
 
-def use_chunked_loss(model: nn.Module, *, chunk_tokens: int | None = None) -> None:
+def use_chunked_loss(
+    model: nn.Module, *, chunk_tokens: int | None = None, kernel: str = "auto"
+) -> None:
     """Route ``model``'s forward through :func:`linear_cross_entropy` when given ``labels``.
 
     The instance's ``forward`` is replaced (the class is untouched); with ``labels`` the output's
     ``loss`` is transformers' causal-LM loss and ``logits`` is ``None``; without labels the
-    original forward runs and returns the logits. Calling it again only updates ``chunk_tokens``.
+    original forward runs and returns the logits. Calling it again only updates
+    ``chunk_tokens`` and ``kernel``. ``kernel`` is :data:`LossKernel` (default ``"auto"``: a fused
+    CUDA kernel when installed and the model runs on CUDA, else the chunked path).
 
     Raises:
-        ValueError: unsupported model (see :func:`check_chunked_loss_supported`).
+        ValueError: unsupported model (see :func:`check_chunked_loss_supported`), or a kernel
+            that is unknown or not installed (:func:`check_loss_kernel`).
     """
     check_chunked_loss_supported(model)
+    check_loss_kernel(kernel)
     model._skrull_chunk_tokens = chunk_tokens  # type: ignore[assignment]
+    model._skrull_loss_kernel = kernel  # type: ignore[assignment]
     if uses_chunked_loss(model):
         return
     original = type(model).forward.__get__(model)
@@ -280,10 +419,16 @@ def use_dense_loss(model: nn.Module) -> None:
 
 __all__ = [
     "CHUNKED_LOSS_MODEL_TYPES",
+    "FUSED_KERNEL_MODULES",
     "IGNORE_INDEX",
+    "LOSS_KERNELS",
+    "LossKernel",
     "check_chunked_loss_supported",
+    "check_loss_kernel",
     "default_chunk_tokens",
+    "installed_fused_kernels",
     "linear_cross_entropy",
+    "resolve_loss_kernel",
     "use_chunked_loss",
     "use_dense_loss",
     "uses_chunked_loss",

@@ -31,6 +31,7 @@ from lightning_skrull.attention.backends import (
 from lightning_skrull.attention.dispatch import register_skrull_attention
 from lightning_skrull.models.chunked_loss import (
     check_chunked_loss_supported,
+    check_loss_kernel,
     use_chunked_loss,
     use_dense_loss,
 )
@@ -201,6 +202,7 @@ def prepare_model(
     max_sequence_length: int | None = None,
     chunked_loss: bool = False,
     chunk_tokens: int | None = None,
+    loss_kernel: str = "auto",
 ) -> nn.Module:
     """Check a Hugging Face decoder and switch it to the Skrull attention, in place.
 
@@ -224,6 +226,10 @@ def prepare_model(
             ``True``). The Skrull strategies turn it on by default.
         chunk_tokens: tokens per chunk of the chunked loss (default: 128 MiB of float32
             logits per chunk).
+        loss_kernel: what computes the chunked loss: ``"auto"`` (a fused CUDA kernel, Liger
+            Kernel or Cut Cross-Entropy, when installed and the model runs on CUDA; else the
+            pure-PyTorch chunks), ``"chunked"``, ``"liger"`` or ``"cce"``
+            (:data:`~lightning_skrull.models.chunked_loss.LossKernel`).
 
     Returns:
         The same model object.
@@ -240,13 +246,14 @@ def prepare_model(
     check_model(model, max_sequence_length=max_sequence_length)
     if chunked_loss:
         check_chunked_loss_supported(model)
+        check_loss_kernel(loss_kernel)
     register_skrull_attention()
     hf_model = cast("PreTrainedModel", model)  # check_model refused anything else
     hf_model.set_attn_implementation(ATTENTION_NAME)
     _check_attention_selected(model)
     _run_without_cache(hf_model)
     if chunked_loss:
-        use_chunked_loss(hf_model, chunk_tokens=chunk_tokens)
+        use_chunked_loss(hf_model, chunk_tokens=chunk_tokens, kernel=loss_kernel)
     else:
         use_dense_loss(hf_model)
     return model
