@@ -103,9 +103,7 @@ def with_unknowns(model: CostModel, values: Sequence[float]) -> CostModel:
     )
 
 
-def _features(
-    plan: GlobalBatchPlan, lengths: Sequence[int], model: CostModel
-) -> tuple[float, ...]:
+def _features(plan: GlobalBatchPlan, lengths: Sequence[int], model: CostModel) -> tuple[float, ...]:
     """Feature row of one sample under ``model``: the terms of its slowest DP rank."""
     costs = SequenceCosts(lengths, plan.cp_size, model)
     best: tuple[float, tuple[float, ...]] = (-1.0, (0.0,) * len(FEATURES))
