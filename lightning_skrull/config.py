@@ -15,6 +15,10 @@ from lightning_skrull.attention.backends import ATTENTION_BACKENDS, AttentionBac
 from lightning_skrull.scheduling import POLICIES, Policy
 from lightning_skrull.scheduling.cost_model import CostModel
 
+Calibration = Literal["online", "off"]
+"""Whether the strategy refits the planner's cost model to measured micro-batch times."""
+CALIBRATIONS: tuple[Calibration, ...] = ("online", "off")
+
 AUTO_BUCKET = "auto"
 """``bucket_size="auto"``: measure the budget from peak memory at setup (CUDA only)."""
 
@@ -52,6 +56,13 @@ class SkrullConfig:
     cost_model: CostModel | None = None
     """Cost model the planner balances with. ``None``: built at setup from the HF model's
     config with :meth:`CostModel.from_hf_config` and the default hardware constants."""
+
+    calibration: Calibration = "online"
+    """``"online"``: every rank times its micro-batches' forward + backward, the ranks share
+    the timings every few steps (one all-gather after the optimizer step) and refit the cost
+    model's constants (:class:`~lightning_skrull.scheduling.OnlineCalibrator`); the refitted
+    model plans from two global batches later on, is logged (``skrull/calibration/*``), saved
+    in checkpoints and returned by ``strategy.cost_model``. ``"off"``: the given model, unchanged."""
 
     model_attribute: str | None = None
     """Dotted name of the Hugging Face model inside the LightningModule (``"model"``); needed
@@ -97,6 +108,10 @@ class SkrullConfig:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is unknown; choose one of "
                 f"{ATTENTION_BACKENDS}."
+            )
+        if self.calibration not in CALIBRATIONS:
+            raise ValueError(
+                f"calibration={self.calibration!r} is unknown; choose one of {CALIBRATIONS}."
             )
         if self.cost_model is not None:
             if not isinstance(self.cost_model, CostModel):

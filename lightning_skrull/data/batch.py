@@ -9,6 +9,7 @@ side depends on that protocol, not on a strategy class.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ from lightning_skrull.scheduling import (
     DISTRIBUTED,
     CostModel,
     GlobalBatchPlan,
+    ModelShape,
     Policy,
     dp_rank_seconds,
     plan_global_batch,
@@ -154,20 +156,40 @@ class SkrullBatch:
         stats: the plan's statistics (the same on every rank).
         epoch: the epoch the global batch belongs to.
         index: the global batch's index inside its epoch.
+        lengths: the global batch's sequence lengths (what the plan was made from).
+        planned_with: the cost model the plan was made with.
     """
 
-    __slots__ = ("epoch", "index", "rank_batch", "stats")
+    __slots__ = ("epoch", "index", "lengths", "planned_with", "rank_batch", "stats")
 
-    def __init__(self, rank_batch: RankBatch, stats: PlanStats, epoch: int, index: int) -> None:
+    def __init__(
+        self,
+        rank_batch: RankBatch,
+        stats: PlanStats,
+        epoch: int,
+        index: int,
+        *,
+        lengths: Sequence[int] = (),
+        planned_with: CostModel | None = None,
+    ) -> None:
         self.rank_batch = rank_batch
         self.stats = stats
         self.epoch = epoch
         self.index = index
+        self.lengths = tuple(lengths)
+        self.planned_with = planned_with
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SkrullBatch:
         """A copy with every tensor on ``device`` (Lightning calls it to move the batch)."""
         moved = self.rank_batch.to(device, non_blocking=non_blocking)
-        return SkrullBatch(moved, self.stats, self.epoch, self.index)
+        return SkrullBatch(
+            moved,
+            self.stats,
+            self.epoch,
+            self.index,
+            lengths=self.lengths,
+            planned_with=self.planned_with,
+        )
 
     def __repr__(self) -> str:
         return (
@@ -233,7 +255,20 @@ class RankPlanner:
             min_micro_batches=max(minimum, 1),
         )
         stats = plan_stats(plan, lengths, rank_batch.num_supervised_tokens, self.cost_model)
-        return SkrullBatch(rank_batch=rank_batch, stats=stats, epoch=epoch, index=index)
+        return SkrullBatch(
+            rank_batch=rank_batch,
+            stats=stats,
+            epoch=epoch,
+            index=index,
+            lengths=lengths,
+            planned_with=self.cost_model,
+        )
+
+    def with_cost_model(self, cost_model: CostModel) -> RankPlanner:
+        """This planner with another cost model (itself when it already has it)."""
+        if cost_model == self.cost_model:
+            return self
+        return dataclasses.replace(self, cost_model=cost_model)
 
     @classmethod
     def for_strategy(cls, strategy: SkrullTrainingStrategy, *, bucket_size: int) -> RankPlanner:
@@ -248,3 +283,66 @@ class RankPlanner:
             cost_model=strategy.cost_model,
             equal_micro_batches=strategy.requires_equal_micro_batches,
         )
+
+
+class CostModelSchedule:
+    """Which cost model plans which training global batch.
+
+    Online calibration adopts a refitted model during a step; it takes effect from a later
+    global batch, the same on every rank, so every rank plans every batch alike. A position is
+    ``(epoch, index)``, compared in that order; the model of a batch is the last one adopted
+    from a position at or before it.
+
+    Args:
+        cost_model: the model of every batch until another is adopted.
+    """
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self._entries: list[tuple[tuple[int, int], CostModel]] = [((-1, -1), cost_model)]
+
+    @property
+    def latest(self) -> CostModel:
+        """The most recently adopted model."""
+        return self._entries[-1][1]
+
+    def model_for(self, epoch: int, index: int) -> CostModel:
+        """The model that plans global batch ``index`` of ``epoch``."""
+        position = (epoch, index)
+        for start, model in reversed(self._entries):
+            if start <= position:
+                return model
+        return self._entries[0][1]
+
+    def adopt(self, cost_model: CostModel, epoch: int, index: int) -> None:
+        """Plan with ``cost_model`` from global batch ``index`` of ``epoch`` on.
+
+        Raises:
+            ValueError: the position is before the last adoption's.
+        """
+        position = (epoch, index)
+        if position < self._entries[-1][0]:
+            raise ValueError(
+                f"a cost model adopted from batch {position} cannot precede the last one, "
+                f"adopted from {self._entries[-1][0]}; adopt in step order."
+            )
+        self._entries.append((position, cost_model))
+        del self._entries[:-8]  # older entries plan batches long trained
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The entries as plain data (positions and every constant)."""
+        return [
+            {"epoch": e, "index": i, "cost_model": dataclasses.asdict(m)}
+            for (e, i), m in self._entries
+        ]
+
+    def load_state_dict(self, state: Sequence[Mapping[str, Any]]) -> None:
+        """Restore entries saved by :meth:`state_dict`."""
+        entries = []
+        for entry in state:
+            constants = dict(entry["cost_model"])
+            shape = ModelShape(**constants.pop("shape"))
+            model = CostModel(shape=shape, **constants)
+            entries.append(((int(entry["epoch"]), int(entry["index"])), model))
+        if not entries:
+            raise ValueError("a saved cost-model schedule needs at least one entry.")
+        self._entries = entries

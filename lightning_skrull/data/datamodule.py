@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_in
 
 from lightning_skrull.config import DataConfig
 from lightning_skrull.data.batch import (
+    CostModelSchedule,
     RankPlanner,
     SkrullBatch,
     SkrullTrainingStrategy,
@@ -50,19 +51,38 @@ class GlobalBatchStream(IterableDataset):
     With DataLoader workers, worker ``w`` of ``n`` builds global batches ``w, w+n, ...`` (counted
     from the resume position); the DataLoader takes them round-robin, so the order is kept.
 
+    With a cost-model ``schedule`` (online calibration), each batch is planned with the model
+    the schedule gives its position. Workers hold a copy of the schedule taken when the epoch's
+    iteration started; :class:`SkrullDataLoader` plans again, in the main process, any batch
+    planned with another model than the live schedule's.
+
     Args:
         dataset: the samples.
         sampler: the global-batch sampler (position and epoch live there).
         planner: this rank's planner.
+        schedule: which cost model plans which batch (``None``: always the planner's).
     """
 
     def __init__(
-        self, dataset: SFTDataset | SampleView, sampler: GlobalBatchSampler, planner: RankPlanner
+        self,
+        dataset: SFTDataset | SampleView,
+        sampler: GlobalBatchSampler,
+        planner: RankPlanner,
+        schedule: CostModelSchedule | None = None,
     ) -> None:
         super().__init__()
         self.dataset = dataset
         self.sampler = sampler
         self.planner = planner
+        self.schedule = schedule
+
+    def build(self, indices: Sequence[int], epoch: int, index: int) -> SkrullBatch:
+        """This rank's batch of the global batch ``indices`` at position ``(epoch, index)``."""
+        planner = self.planner
+        if self.schedule is not None:
+            planner = planner.with_cost_model(self.schedule.model_for(epoch, index))
+        samples = [self.dataset[i] for i in indices]
+        return planner(samples, indices, epoch, index)
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -74,8 +94,7 @@ class GlobalBatchStream(IterableDataset):
             if worker is not None and k % worker.num_workers != worker.id:
                 continue
             index = self.sampler.batches_yielded - 1  # the sampler counts before it yields
-            samples = [self.dataset[i] for i in indices]
-            yield self.planner(samples, indices, epoch, index)
+            yield self.build(indices, epoch, index)
 
 
 class _EpochForwarder(Sampler[None]):
@@ -139,7 +158,14 @@ class SkrullDataLoader(DataLoader):
     # A generator over DataLoader's own iterator, not a ``_BaseDataLoaderIter`` as the stub's
     # return type says; Lightning only iterates it.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        stream: GlobalBatchStream = self.dataset  # type: ignore[assignment]
+        schedule = stream.schedule
         for batch in super().__iter__():
+            if schedule is not None:
+                model = schedule.model_for(batch.epoch, batch.index)
+                if batch.planned_with != model:  # a worker planned it with an older model
+                    indices = batch.rank_batch.sample_indices
+                    batch = stream.build(indices, batch.epoch, batch.index)
             self._handed_out = (batch.epoch, batch.index + 1)
             yield batch
 
@@ -421,6 +447,9 @@ class SkrullDataModule(pl.LightningDataModule):
         bucket = self._resolve_bucket_size(strategy)
         self._validate(dataset, strategy, bucket)
         planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
-        stream = GlobalBatchStream(dataset, sampler, planner)
+        schedule = None
+        if hook == "train_dataloader":
+            schedule = getattr(strategy, "cost_model_schedule", None)
+        stream = GlobalBatchStream(dataset, sampler, planner, schedule)
         trainer = self.trainer if hook == "train_dataloader" else None
         return SkrullDataLoader(stream, num_workers=self.config.num_workers, trainer=trainer)

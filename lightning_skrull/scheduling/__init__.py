@@ -3,9 +3,11 @@
 ``plan_global_batch`` turns the sequence lengths of one global batch into a
 :class:`GlobalBatchPlan`: micro-batches per DP rank (GDS) and, inside each, which sequences are
 kept whole on one CP rank and which are sharded over the CP group (DACP). ``simulate`` and
-``lower_bound`` judge a plan with a :class:`CostModel`.
+``lower_bound`` judge a plan with a :class:`CostModel`; :class:`OnlineCalibrator` refits the
+model's constants to measured micro-batch times.
 """
 
+from lightning_skrull.scheduling.calibration import OnlineCalibrator
 from lightning_skrull.scheduling.cost_model import CostModel, ModelShape
 from lightning_skrull.scheduling.fit import FitSample, fit_cost_model
 from lightning_skrull.scheduling.options import PlannerOptions
@@ -29,6 +31,7 @@ __all__ = [
     "GlobalBatchPlan",
     "MicroBatchPlan",
     "ModelShape",
+    "OnlineCalibrator",
     "PlannerOptions",
     "Policy",
     "dp_rank_seconds",

@@ -12,11 +12,15 @@ The model is deliberately simple and explicit, so that every number can be check
   forward and their gradients reduce-scattered in the backward: one collective per layer and
   direction, each ``comm_latency_s`` plus bytes over ``comm_bandwidth``.
 * **Overhead.** A fixed ``micro_batch_overhead_s`` per micro-batch (launches, accumulation
-  bookkeeping, data movement that does not scale with tokens).
+  bookkeeping, data movement that does not scale with tokens), and a fixed
+  ``per_sequence_seconds`` for every sequence a CP rank holds (a local sequence, or its chunks
+  of a distributed one): the attention calls, views and autograd nodes a sequence costs beyond
+  its arithmetic.
 
 The time of CP rank ``j`` in a micro-batch is::
 
-    overhead + linear(all tokens on j) + max(comm, local_attention(j)) + distributed_attention
+    overhead + linear(all tokens on j) + per_sequence * (sequences on j)
+             + max(comm, local_attention(j)) + distributed_attention
 
 The attention of the local sequences overlaps the K/V communication (the paper's Eq. 2): the
 projections run before the all-gather can start and the MLP after the attention ends.
@@ -267,6 +271,10 @@ class CostModel:
         achieved_flops: FLOP/s one GPU achieves on this model's training kernels. Default: 40%
             of an H100 SXM's dense bf16 peak (989 TFLOP/s).
         micro_batch_overhead_s: fixed seconds per micro-batch, independent of its tokens.
+        per_sequence_seconds: fixed seconds of each sequence a CP rank holds in a micro-batch
+            (every local sequence on it, and every distributed sequence, whose chunks each rank
+            holds), beyond its arithmetic. Default 0.0 (not measured yet); online calibration
+            (:class:`~lightning_skrull.scheduling.OnlineCalibrator`) fits it.
         comm_latency_s: fixed seconds of one collective (one per layer and direction).
         comm_bandwidth: bytes per second one rank receives in a CP all-gather. Default: an
             NVLink-class intra-node figure (100 GB/s achieved).
@@ -279,6 +287,7 @@ class CostModel:
     shape: ModelShape = QWEN2_5_0_5B
     achieved_flops: float = 0.4 * 989e12
     micro_batch_overhead_s: float = 2e-3
+    per_sequence_seconds: float = 0.0
     comm_latency_s: float = 20e-6
     comm_bandwidth: float = 100e9
     bytes_per_element: int = 2
@@ -298,7 +307,7 @@ class CostModel:
                 raise ValueError(
                     f"CostModel.{name}={value!r} is invalid; give a finite number > 0."
                 )
-        for name in ("micro_batch_overhead_s", "comm_latency_s"):
+        for name in ("micro_batch_overhead_s", "per_sequence_seconds", "comm_latency_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise ValueError(
@@ -388,14 +397,18 @@ class CostModel:
         return self._seconds(tiles * t * t * self.shape.attention_flops_per_pair() / cp_size)
 
     def local_seconds(self, length: int) -> float:
-        """Training seconds of a sequence kept whole on one rank (no communication)."""
-        return self.linear_seconds(length) + self.local_attention_seconds(length)
+        """Training seconds of a sequence kept whole on one rank (no communication), its fixed
+        per-sequence cost included."""
+        arithmetic = self.linear_seconds(length) + self.local_attention_seconds(length)
+        return arithmetic + self.per_sequence_seconds
 
     def distributed_seconds(self, length: int, cp_size: int) -> float:
-        """Training compute seconds of a distributed sequence on each CP rank."""
-        return self.linear_seconds(length / cp_size) + self.distributed_attention_seconds(
+        """Training compute seconds of a distributed sequence on each CP rank, its fixed
+        per-sequence cost included."""
+        arithmetic = self.linear_seconds(length / cp_size) + self.distributed_attention_seconds(
             length, cp_size
         )
+        return arithmetic + self.per_sequence_seconds
 
     def comm_bytes(self, distributed_tokens: int, cp_size: int) -> float:
         """Bytes one rank receives per micro-batch for distributed sequences of that many tokens.
@@ -428,16 +441,17 @@ class CostModel:
         linear = [0.0] * cp_size
         attn = [0.0] * cp_size
         dist: list[int] = []
+        per_sequence = self.per_sequence_seconds
         for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
             s = lengths[sid]
             if where == DISTRIBUTED:
                 dist.append(s)
             else:
-                linear[where] += self.linear_seconds(s)
+                linear[where] += self.linear_seconds(s) + per_sequence
                 attn[where] += self.local_attention_seconds(s)
         dist_tokens = sum(dist)
         dist_attn = [self.distributed_attention_seconds(s, cp_size) for s in dist]
-        dist_linear = self.linear_seconds(dist_tokens / cp_size)
+        dist_linear = self.linear_seconds(dist_tokens / cp_size) + per_sequence * len(dist)
         ranges = mb.kv_group_ranges()
         if len(ranges) > 1:
             span, _ = kv_pipeline_span(

@@ -31,7 +31,7 @@ import numpy as np
 from lightning_skrull.scheduling.cost_model import CostModel
 from lightning_skrull.scheduling.plan import GlobalBatchPlan
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
-from lightning_skrull.scheduling.simulate import micro_batch_terms
+from lightning_skrull.scheduling.simulate import MicroBatchTerms, micro_batch_terms
 
 
 @dataclass(frozen=True)
@@ -52,25 +52,71 @@ class FitSample:
 
 _NAMES = ("achieved_flops", "micro_batch_overhead_s", "comm_latency_s", "comm_bandwidth")
 
+FEATURES = (
+    "achieved_flops",
+    "micro_batch_overhead_s",
+    "comm_latency_s",
+    "comm_bandwidth",
+    "per_sequence_seconds",
+)
+"""The constants of a feature row, in order; the unknowns are ``1 / achieved_flops``,
+``micro_batch_overhead_s``, ``comm_latency_s``, ``1 / comm_bandwidth`` and
+``per_sequence_seconds`` (each row's time is the dot product of the two)."""
 
-def _features(
-    plan: GlobalBatchPlan, lengths: Sequence[int], model: CostModel
-) -> tuple[float, float, float, float]:
+
+def micro_batch_features(
+    terms: MicroBatchTerms, model: CostModel, cp_size: int
+) -> tuple[float, float, float, float, float]:
+    """Feature row of one micro-batch's terms (see :data:`FEATURES`): its compute FLOPs
+    (training, the slowest rank's critical path), 1 (its overhead), its exposed collectives,
+    its exposed bytes and the sequences its slowest rank holds."""
+    return (
+        terms.compute_seconds * model.achieved_flops,
+        1.0,
+        float(terms.exposed_collectives),
+        model.comm_bytes(terms.exposed_tokens, cp_size),
+        float(terms.sequences),
+    )
+
+
+def unknowns(model: CostModel) -> list[float]:
+    """The values of the unknowns of :data:`FEATURES` under ``model``."""
+    return [
+        1.0 / model.achieved_flops,
+        model.micro_batch_overhead_s,
+        model.comm_latency_s,
+        1.0 / model.comm_bandwidth,
+        model.per_sequence_seconds,
+    ]
+
+
+def with_unknowns(model: CostModel, values: Sequence[float]) -> CostModel:
+    """``model`` with the unknowns of :data:`FEATURES` set to ``values`` (a non-positive
+    reciprocal keeps its constant)."""
+    flops, overhead, latency, inverse_bandwidth, per_sequence = values
+    return model.with_constants(
+        achieved_flops=1.0 / flops if flops > 0 else model.achieved_flops,
+        micro_batch_overhead_s=overhead,
+        comm_latency_s=latency,
+        comm_bandwidth=1.0 / inverse_bandwidth if inverse_bandwidth > 0 else model.comm_bandwidth,
+        per_sequence_seconds=per_sequence,
+    )
+
+
+def _features(plan: GlobalBatchPlan, lengths: Sequence[int], model: CostModel) -> tuple[float, ...]:
     """Feature row of one sample under ``model``: the terms of its slowest DP rank."""
     costs = SequenceCosts(lengths, plan.cp_size, model)
-    flops_per_second = model.achieved_flops
-    best: tuple[float, tuple[float, float, float, float]] = (-1.0, (0.0, 0.0, 0.0, 0.0))
+    best: tuple[float, tuple[float, ...]] = (-1.0, (0.0,) * len(FEATURES))
     for mbs in plan.micro_batches:
-        seconds, flops, count, coll, nbytes = 0.0, 0.0, 0.0, 0.0, 0.0
+        seconds = 0.0
+        row = [0.0] * len(FEATURES)
         for mb in mbs:
             terms = micro_batch_terms(mb, costs, model)
             seconds += terms.seconds
-            flops += terms.compute_seconds * flops_per_second
-            count += 1.0
-            coll += terms.exposed_collectives
-            nbytes += model.comm_bytes(terms.exposed_tokens, plan.cp_size)
+            for k, value in enumerate(micro_batch_features(terms, model, plan.cp_size)):
+                row[k] += value
         if seconds > best[0]:
-            best = (seconds, (flops, count, coll, nbytes))
+            best = (seconds, tuple(row))
     return best[1]
 
 
@@ -90,6 +136,7 @@ def fit_cost_model(
     samples: Iterable[FitSample | tuple[GlobalBatchPlan, Sequence[int], float]],
     *,
     max_rounds: int = 10,
+    fit_per_sequence: bool = False,
 ) -> CostModel:
     """Least-squares fit of the hardware constants of ``model`` to measured iteration times.
 
@@ -98,6 +145,8 @@ def fit_cost_model(
             ``train_flops_factor`` are kept, and so is any constant the samples do not identify.
         samples: measured steps, as :class:`FitSample` or ``(plan, lengths, seconds)``.
         max_rounds: alternations between assigning binding terms and solving.
+        fit_per_sequence: also fit ``per_sequence_seconds`` (from the sequences the slowest
+            ranks hold); by default it keeps its value.
 
     Returns:
         A new :class:`CostModel` with the fitted constants.
@@ -115,25 +164,16 @@ def fit_cost_model(
         if not seconds > 0:
             raise ValueError(f"measured seconds={seconds} is invalid; give wall times > 0.")
     y = np.array([s for _, _, s in data], dtype=np.float64)
+    used = len(FEATURES) if fit_per_sequence else len(_NAMES)
     current = model
     for _ in range(max_rounds):
         x = np.array([_features(p, lengths, current) for p, lengths, _ in data], dtype=np.float64)
-        values = [
-            1.0 / current.achieved_flops,
-            current.micro_batch_overhead_s,
-            current.comm_latency_s,
-            1.0 / current.comm_bandwidth,
-        ]
-        solved = _solve(x, y, values)
-        updated = current.with_constants(
-            achieved_flops=1.0 / solved[0] if solved[0] > 0 else current.achieved_flops,
-            micro_batch_overhead_s=solved[1],
-            comm_latency_s=solved[2],
-            comm_bandwidth=1.0 / solved[3] if solved[3] > 0 else current.comm_bandwidth,
-        )
+        values = unknowns(current)
+        solved = _solve(x[:, :used], y - x[:, used:] @ np.array(values[used:]), values[:used])
+        updated = with_unknowns(current, solved + values[used:])
         if all(
             np.isclose(getattr(updated, n), getattr(current, n), rtol=1e-9, atol=0.0)
-            for n in _NAMES
+            for n in FEATURES
         ):
             return updated
         current = updated

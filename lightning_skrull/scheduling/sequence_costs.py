@@ -55,7 +55,13 @@ class SequenceCosts:
         # Local attention of a whole sequence: nb * (nb + 1) / 2 blocks, nb = ceil(s / tile).
         blocks = [(s + t - 1) // t for s in lengths]
         self._attn = [per_block * (nb * (nb + 1) // 2) for nb in blocks]
-        self._linear = [s * lin for s in lengths]
+        # Each sequence a rank holds also pays the fixed per-sequence cost, counted with its
+        # linear work: like the matmuls, it is never hidden behind communication.
+        per_sequence = cost_model.per_sequence_seconds
+        self.per_sequence = per_sequence
+        """Fixed seconds of each sequence a CP rank holds (included in :meth:`linear`, :meth:`local`
+        and :meth:`distributed`)."""
+        self._linear = [s * lin + per_sequence for s in lengths]
         self._local = [s + a for s, a in zip(self._linear, self._attn, strict=True)]
         self._dist: list[float | None] = [None] * len(lengths)
         self._dist_attn: list[float | None] = [None] * len(lengths)
@@ -65,7 +71,8 @@ class SequenceCosts:
         self._dist_linear = lin / cp_size
 
     def linear(self, sid: int) -> float:
-        """Seconds of the sequence's non-attention matmuls (all ranks together)."""
+        """Seconds of the sequence's non-attention matmuls (all ranks together), plus its fixed
+        per-sequence cost."""
         return self._linear[sid]
 
     def local_attention(self, sid: int) -> float:
@@ -101,7 +108,7 @@ class SequenceCosts:
             s = self.lengths[sid]
             tiles = zigzag_tiles(s, self.cp_size, self.cost_model.tile_size)
             attention = self._dist_attn[sid] = tiles * self._dist_block
-            value = self._dist[sid] = s * self._dist_linear + attention
+            value = self._dist[sid] = s * self._dist_linear + attention + self.per_sequence
         return value
 
     def distributed_attention(self, sid: int) -> float:
@@ -118,7 +125,8 @@ class SequenceCosts:
         tiles = zigzag_tiles_many(self.lengths, self.cp_size, self.cost_model.tile_size)
         lin, block = self._dist_linear, self._dist_block
         attention = [t * block for t in tiles]
-        self._dist = [s * lin + a for s, a in zip(self.lengths, attention, strict=True)]
+        p = self.per_sequence
+        self._dist = [s * lin + a + p for s, a in zip(self.lengths, attention, strict=True)]
         self._dist_attn = list(attention)
 
     def distributed_lower_bound(self, sid: int) -> float:
@@ -134,7 +142,8 @@ class SequenceCosts:
         pairs = s * (s + 1) / 2
         if s >= m:  # every chunk is non-empty
             pairs = max(pairs, t * (s * (m + 1) / 2 - m))
-        return (s * self._linear_per_token + pairs * self._seconds_per_pair) / self.cp_size
+        arithmetic = (s * self._linear_per_token + pairs * self._seconds_per_pair) / self.cp_size
+        return arithmetic + self.per_sequence
 
     def shard(self, sid: int) -> int:
         """Tokens the sequence takes on every CP rank when distributed (the ceiling)."""

@@ -30,11 +30,14 @@ class MicroBatchTerms:
     Attributes:
         seconds: estimated seconds of the micro-batch.
         compute_seconds: compute on the slowest rank's critical path (local linear, distributed
-            compute, and whatever attention the communication does not replace on that path).
+            compute, and whatever attention the communication does not replace on that path),
+            without the fixed per-sequence cost.
         exposed_collectives: collectives on the critical path (each pays ``comm_latency_s``).
         exposed_tokens: whole tokens of the distributed sequences whose exchange lies on the
             critical path (its bytes over the bandwidth count).
         distributed_tokens: whole tokens of the distributed sequences.
+        sequences: sequences the slowest rank holds (its local ones and every distributed one),
+            each paying ``per_sequence_seconds``.
     """
 
     seconds: float
@@ -42,15 +45,22 @@ class MicroBatchTerms:
     exposed_collectives: int
     exposed_tokens: int
     distributed_tokens: int
+    sequences: int = 0
 
 
 def micro_batch_terms(
     mb: MicroBatchPlan, costs: SequenceCosts, cost_model: CostModel
 ) -> MicroBatchTerms:
-    """Estimated time of a micro-batch, split into its terms on the slowest CP rank."""
+    """Estimated time of a micro-batch, split into its terms on the slowest CP rank.
+
+    Communication counts as exposed when it is at least the attention that could hide it
+    (ties included, so that a micro-batch with nothing to hide it behind exposes it even when
+    the model thinks it free: a fit can then see what it really costs).
+    """
     n = costs.cp_size
     linear = [0.0] * n
     attn = [0.0] * n
+    count = [0] * n
     dist: list[int] = []
     dist_compute = 0.0
     for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
@@ -60,10 +70,12 @@ def micro_batch_terms(
         else:
             linear[where] += costs.linear(sid)
             attn[where] += costs.local_attention(sid)
+            count[where] += 1
     lengths = costs.lengths
     dist_tokens = sum(lengths[sid] for sid in dist)
     ranges = mb.kv_group_ranges()
     collectives = cost_model.num_collectives(n)
+    fixed = costs.per_sequence
     if len(ranges) > 1:
         tokens = [sum(lengths[sid] for sid in dist[a:b]) for a, b in ranges]
         att = [sum(costs.distributed_attention(sid) for sid in dist[a:b]) for a, b in ranges]
@@ -72,22 +84,24 @@ def micro_batch_terms(
         times = [lin + max(a + total, span) for lin, a in zip(linear, attn, strict=True)]
         j = max(range(n), key=times.__getitem__)
         seconds = cost_model.micro_batch_overhead_s + times[j] + (dist_compute - total)
-        if span > attn[j] + total:  # the pipeline's longest path: groups 0..g sent, g.. computed
-            compute = linear[j] + dist_compute - total + sum(att[g:])
+        held = count[j] + len(dist)
+        if span >= attn[j] + total:  # the pipeline's longest path: groups 0..g sent, g.. computed
+            compute = linear[j] + dist_compute - total + sum(att[g:]) - fixed * held
             return MicroBatchTerms(
-                seconds, compute, collectives * (g + 1), sum(tokens[: g + 1]), dist_tokens
+                seconds, compute, collectives * (g + 1), sum(tokens[: g + 1]), dist_tokens, held
             )
-        compute = linear[j] + dist_compute + attn[j]
-        return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens)
+        compute = linear[j] + dist_compute + attn[j] - fixed * held
+        return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens, held)
     comm = costs.comm(dist_tokens)
     times = [lin + max(comm, a) for lin, a in zip(linear, attn, strict=True)]
     j = max(range(n), key=times.__getitem__)
-    exposed = comm > attn[j]
-    compute = linear[j] + dist_compute + (0.0 if exposed else attn[j])
+    exposed = bool(dist) and n > 1 and comm >= attn[j]
+    held = count[j] + len(dist)
+    compute = linear[j] + dist_compute + (0.0 if exposed else attn[j]) - fixed * held
     seconds = cost_model.micro_batch_overhead_s + times[j] + dist_compute
     if exposed:
-        return MicroBatchTerms(seconds, compute, collectives, dist_tokens, dist_tokens)
-    return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens)
+        return MicroBatchTerms(seconds, compute, collectives, dist_tokens, dist_tokens, held)
+    return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens, held)
 
 
 def dp_rank_seconds(

@@ -53,6 +53,7 @@ from lightning_skrull.runtime.memory import (
 )
 from lightning_skrull.runtime.process_groups import ParallelLayout, build_process_groups
 from lightning_skrull.scheduling import CostModel
+from lightning_skrull.strategies.calibration import CHECKPOINT_KEY, StepCalibration
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 
 if TYPE_CHECKING:
@@ -117,6 +118,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._hf_model: torch.nn.Module | None = None
         self._loss_hook: RemovableHandle | None = None
         self._in_micro_batches = False
+        self._calibration: StepCalibration | None = None
+        self._calibration_state: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -161,7 +164,8 @@ class SkrullStrategyMixin(ParallelStrategy):
 
     @property
     def cost_model(self) -> CostModel:
-        """The planner's cost model (the config's, or one built from the HF model's config).
+        """The planner's cost model (the config's, or one built from the HF model's config);
+        with ``calibration="online"``, the most recently refitted one.
 
         Raises:
             RuntimeError: before ``setup`` found the model.
@@ -171,7 +175,14 @@ class SkrullStrategyMixin(ParallelStrategy):
                 f"{type(self).__name__}.cost_model is known only after setup found the Hugging "
                 "Face model; pass SkrullStrategy(cost_model=...) to fix it earlier."
             )
+        if self._calibration is not None:
+            return self._calibration.latest
         return self._skrull_cost_model
+
+    @property
+    def cost_model_schedule(self) -> Any:
+        """Which cost model plans which training batch (``None`` with ``calibration="off"``)."""
+        return None if self._calibration is None else self._calibration.schedule
 
     @property
     def _attached_module(self) -> pl.LightningModule:
@@ -424,6 +435,10 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._close_last_context()
         self._stashed_grads = []
         rank_batch, stats = self._as_rank_batch(args[0], "training_step")
+        timer = None
+        if self._calibration is not None:
+            self._calibration.begin_step(args[0])
+            timer = self._calibration.timer
         self._check_plan(rank_batch)
         rest = args[1:]
         micro_batches = rank_batch.micro_batches
@@ -445,10 +460,14 @@ class SkrullStrategyMixin(ParallelStrategy):
                 for i in range(earlier_count):
                     mb = micro_batches[i]
                     logs.start_micro_batch(_supervised_tokens(mb))
+                    if timer is not None:
+                        timer.start()
                     with self._earlier_micro_batch_sync_context(), self._micro_batch_context(mb):
                         output = self._call_module_step("training_step", mb, rest, kwargs)
                         loss = self._required_loss(output, i)
                         self._earlier_micro_batch_backward(loss)
+                    if timer is not None:
+                        timer.stop()
                     earlier.append(loss.detach())
                     outputs.append(recursive_detach(output))
                 if earlier:
@@ -459,6 +478,8 @@ class SkrullStrategyMixin(ParallelStrategy):
                 self._last_context = ExitStack()
                 self._last_context.enter_context(self._micro_batch_context(micro_batches[-1]))
                 logs.start_micro_batch(_supervised_tokens(micro_batches[-1]))
+                if timer is not None:  # its end: the last gradient hook of Lightning's backward
+                    timer.start()
                 output = self._call_module_step("training_step", micro_batches[-1], rest, kwargs)
                 last = self._required_loss(output, last_index)
         finally:
@@ -586,6 +607,13 @@ class SkrullStrategyMixin(ParallelStrategy):
         super().setup(trainer)
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
+        if self._skrull_config.calibration == "online" and trainer.state.fn == "fit":
+            self._calibration = StepCalibration(
+                self.cost_model, self.parallel_layout, self.root_device
+            )
+            self._calibration.attach(self._attached_module)
+            if self._calibration_state is not None:
+                self._calibration.load_state_dict(self._calibration_state)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -627,7 +655,28 @@ class SkrullStrategyMixin(ParallelStrategy):
     ) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._log_throughput()
+        if self._calibration is not None:
+            self._calibration.end_step()  # outside the micro-batches: may all-gather
+            self._log_values(self._calibration.take_metrics())
         return output
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if self._calibration is not None:
+            checkpoint[CHECKPOINT_KEY] = self._calibration.state_dict()
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None and self._skrull_config.calibration == "online":
+            self._calibration_state = state  # applied at setup (or now, when set up already)
+            if self._calibration is not None:
+                self._calibration.load_state_dict(state)
+        return checkpoint
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -637,6 +686,8 @@ class SkrullStrategyMixin(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
+        if self._calibration is not None:
+            self._calibration.detach()
         self._close_last_context()
         self._stashed_grads = []
         super().teardown()
@@ -688,6 +739,15 @@ class SkrullStrategyMixin(ParallelStrategy):
             "skrull/micro_batches_min": float(stats.min_micro_batches),
             "skrull/micro_batches_rank": float(rank_batch.num_planned_micro_batches),
         }
+        for key, value in values.items():
+            module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def _log_values(self, values: dict[str, float]) -> None:
+        module = self.lightning_module
+        if not values or not self._skrull_config.log_stats or module is None:
+            return
+        if module._trainer is None or module._trainer.barebones:
+            return
         for key, value in values.items():
             module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
 

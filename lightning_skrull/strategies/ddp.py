@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
-from lightning_skrull.config import SkrullConfig
+from lightning_skrull.config import Calibration, SkrullConfig
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -55,6 +55,9 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             ``"round_robin"``).
         attention_backend: ``"auto"``, ``"sdpa"`` or ``"flash"``.
         cost_model: the planner's cost model (default: from the HF model's config).
+        calibration: ``"online"`` (default): refit the cost model to measured micro-batch times
+            while training (see :class:`~lightning_skrull.config.SkrullConfig`); ``"off"``: keep
+            it as given.
         model_attribute: dotted name of the HF model in the LightningModule, when it holds
             several.
         verify_plans: check every step that all ranks planned the same global batch.
@@ -83,6 +86,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         *,
         attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
+        calibration: Calibration = "online",
         model_attribute: str | None = None,
         verify_plans: bool = True,
         log_stats: bool = True,
@@ -103,6 +107,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             policy=policy,
             attention_backend=attention_backend,
             cost_model=cost_model,
+            calibration=calibration,
             model_attribute=model_attribute,
             verify_plans=verify_plans,
             log_stats=log_stats,

@@ -46,7 +46,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
-from lightning_skrull.config import SkrullConfig
+from lightning_skrull.config import Calibration, SkrullConfig
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -122,8 +122,11 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO-2 with Skrull scheduling; runs on CUDA (NCCL) and on CPU (gloo).
 
     Args:
-        cp_size, bucket_size, policy, attention_backend, cost_model, model_attribute,
-            verify_plans, log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
+        cp_size, bucket_size, policy, attention_backend, cost_model, calibration,
+            model_attribute, verify_plans, log_stats, chunked_loss: as for
+            :class:`~lightning_skrull.SkrullStrategy`. Under ZeRO-2 every DP rank runs the same
+            number of micro-batches and the gradient reduction runs inside each backward, so
+            a micro-batch's timed span can include waiting for other DP ranks there.
         config: a DeepSpeed config (dict or JSON path) to start from; its
             ``zero_optimization.stage`` must be 1 or 2 if given.
         accelerator, parallel_devices, cluster_environment, precision_plugin,
@@ -146,6 +149,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         *,
         attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
+        calibration: Calibration = "online",
         model_attribute: str | None = None,
         verify_plans: bool = True,
         log_stats: bool = True,
@@ -165,6 +169,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             policy=policy,
             attention_backend=attention_backend,
             cost_model=cost_model,
+            calibration=calibration,
             model_attribute=model_attribute,
             verify_plans=verify_plans,
             log_stats=log_stats,
