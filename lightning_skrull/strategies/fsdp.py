@@ -120,6 +120,13 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
     return norm
 
 
+def _cast_unsharded_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s floating-point parameters that are not sharded yet to ``dtype``."""
+    for p in module.parameters():
+        if not isinstance(p, DTensor) and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
 class FSDPPrecision(Precision):
     """Lightning's precision plugin for FSDP2: the dtype work is FSDP2's.
 
@@ -128,6 +135,11 @@ class FSDPPrecision(Precision):
       reduce_dtype=float32)``: the sharded parameters, their gradients and the optimizer stay
       float32; each all-gather casts to bf16, forward and backward run in bf16 (no autocast),
       gradients are reduced in float32.
+
+    Under both, parameters loaded in another dtype (``from_pretrained(...,
+    torch_dtype=torch.bfloat16)``) are cast to float32 one FSDP unit at a time as it is sharded,
+    so a rank never holds more than the loaded model and one float32 layer; the float32 shards
+    are the master weights.
     - ``"bf16-true"``: the module is cast to bf16 before it is sharded; parameters, gradients,
       reductions and the optimizer step are bf16.
 
@@ -149,6 +161,11 @@ class FSDPPrecision(Precision):
             return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         return MixedPrecisionPolicy()
 
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the sharded parameters (what the optimizer steps)."""
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
     @override
     def convert_module(self, module: nn.Module) -> nn.Module:
         if self.precision == "bf16-true":
@@ -169,9 +186,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     trainable parameter of the LightningModule must belong to its Hugging Face model.
 
     Args:
-        cp_size, bucket_size, policy, attention_backend, cost_model, model_attribute,
-            verify_plans, log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`
-            (``bucket_size="auto"`` measures with the sharded parameters).
+        cp_size, policy, attention_backend, cost_model, model_attribute, verify_plans,
+            log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
+        bucket_size: as for :class:`~lightning_skrull.SkrullStrategy`; ``"auto"`` (CUDA)
+            measures its probe steps on the sharded model.
         shard: ``"cp"``: parameters, gradients and optimizer states sharded over the CP group
             and replicated across DP ranks (HSDP; one DP all-reduce per step; DP ranks run
             their own micro-batch counts). ``"world"``: sharded over every rank (1/world of the
@@ -342,12 +360,14 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         policy = precision.mixed_precision_policy
         mesh: DeviceMesh = self.device_mesh
         for layer in decoder_layers(hf_model):
+            _cast_unsharded_parameters(layer, precision.master_dtype)
             fully_shard(
                 layer,
                 mesh=mesh,
                 mp_policy=policy,
                 reshard_after_forward=self._reshard_after_forward,
             )
+        _cast_unsharded_parameters(hf_model, precision.master_dtype)
         fully_shard(hf_model, mesh=mesh, mp_policy=policy)
         self._sharded_model = hf_model
 
