@@ -38,6 +38,7 @@ from helpers import (
     cpu_trainer,
     make_data,
     max_diff,
+    reference_loss,
     reference_model,
     reference_training,
     token_loss_sum,
@@ -137,8 +138,33 @@ def _fit(
     return module, trainer, recorder
 
 
+def _probe_change(strategy: Any, module: PlainLM) -> float:
+    """Run a probe step of ``bucket_size="auto"`` (CUDA peak memory aside) on the sharded model
+    and return how far it moved the parameters."""
+    from lightning_skrull.runtime.memory import ProbeStep
+
+    layout = strategy.parallel_layout
+    before = _full_params(module.model)
+    probe = ProbeStep(
+        module.model,
+        strategy.optimizers[0],
+        cp_rank=layout.cp_rank,
+        cp_size=layout.cp_size,
+        cp_group=layout.cp_group,
+        backend="sdpa",
+        device=strategy.root_device,
+        vocab_size=64,
+    )
+    probe(32)
+    probe.restore()
+    assert all(p.grad is None for p in module.model.parameters())
+    return max_diff(_full_params(module.model), before)
+
+
 def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_skrull import SkrullDataModule
 
     out: dict[str, Any] = {}
     for shard in ("cp", "world"):
@@ -157,6 +183,12 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         }
         if shard == "cp":
             strategy.save_pretrained(os.path.join(tmp, "pretrained"))
+            out["probe_change"] = _probe_change(strategy, module)
+        # validation by the same Trainer (its strategy is set up again on the sharded model)
+        val = SkrullDataModule(
+            train_data=make_data(), val_data=make_data(11, seed=1), val_global_batch_size=4
+        )
+        out[shard]["val_loss"] = trainer.validate(module, val, verbose=False)[0]["val_loss"]
 
     module, _, _ = _fit(STEPS, activation_checkpointing=True, gradient_clip_val=CLIP)
     out["clip"] = _full_params(module.model)
@@ -211,6 +243,26 @@ def test_fsdp_dp2_cp2_equals_single_process(runs: list[dict[str, Any]], shard: s
         assert max_diff(out[shard]["params"], ref) < PARAM_ATOL
         # the logged loss is the exact global loss of the last step
         assert out[shard]["loss"] == pytest.approx(losses[-1], abs=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("shard", ["cp", "world"])
+def test_validation_loss_equals_single_process(runs: list[dict[str, Any]], shard: str) -> None:
+    expected = reference_loss(
+        {k: v.astype(np.float32) for k, v in runs[0][shard]["params"].items()},
+        make_data(11, seed=1),
+    )
+    for out in runs:
+        # float32 sums over 11 samples in another order: 1e-5 relative, as for DDP
+        assert out[shard]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_auto_bucket_probe_runs_on_the_sharded_model(runs: list[dict[str, Any]]) -> None:
+    # bucket_size="auto" probes after sharding: a probe step (forward, backward, optimizer step
+    # at learning rate 0) runs through FSDP2 on every rank and leaves the weights as they were
+    for out in runs:
+        assert out["probe_change"] == 0.0
 
 
 @pytest.mark.multiprocess
