@@ -192,6 +192,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     module, _, _ = _fit(STEPS, activation_checkpointing=True, gradient_clip_val=CLIP)
     out["clip"] = _full_params(module.model)
+    out["checkpointing"] = module.model.is_gradient_checkpointing
 
     # resume: 4 steps straight against a run resumed from the sharded checkpoint after step 2
     # (mid-epoch: the loader position and the momentum buffers must both come back)
@@ -318,6 +319,7 @@ def test_gradient_clipping_on_dtensors_with_activation_checkpointing(
     # clipping changes the update by far more than the tolerance, so the bound tests the norm
     assert max_diff(unclipped, ref) > 100 * PARAM_ATOL
     for out in runs:
+        assert out["checkpointing"]
         assert max_diff(out["clip"], ref) < PARAM_ATOL
 
 
