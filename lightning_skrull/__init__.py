@@ -1,7 +1,8 @@
 """lightning-skrull: Skrull data scheduling (DACP + GDS) for long-context SFT in Lightning.
 
 Importing the package registers the strategy names ``"skrull"``, ``"skrull_spawn"``,
-``"skrull_cp2"``, ``"skrull_cp4"``, ``"skrull_cp8"`` and ``"skrull_zero2"`` with Lightning's
+``"skrull_cp2"``, ``"skrull_cp4"``, ``"skrull_cp8"``, ``"skrull_zero2"``, ``"skrull_fsdp"`` and
+``"skrull_fsdp_world"`` with Lightning's
 strategy registry, so ``Trainer(strategy="skrull")`` works after ``import lightning_skrull``.
 """
 
@@ -14,6 +15,7 @@ from lightning_skrull.data.datamodule import SkrullDataModule
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
 from lightning_skrull.strategies.ddp import SkrullStrategy
 from lightning_skrull.strategies.deepspeed import SkrullZero2Strategy
+from lightning_skrull.strategies.fsdp import SkrullFSDPStrategy
 
 __version__ = "0.1.0"
 
@@ -24,6 +26,7 @@ __all__ = [
     "SkrullBatch",
     "SkrullConfig",
     "SkrullDataModule",
+    "SkrullFSDPStrategy",
     "SkrullStrategy",
     "SkrullZero2Strategy",
     "__version__",
@@ -37,7 +40,7 @@ def register_strategies() -> None:
     """Register the Skrull strategy names with Lightning (done once, at import)."""
     from lightning.pytorch.strategies import StrategyRegistry
 
-    for cls in (SkrullStrategy, SkrullZero2Strategy):
+    for cls in (SkrullStrategy, SkrullZero2Strategy, SkrullFSDPStrategy):
         if getattr(cls, "strategy_name", None) not in StrategyRegistry:
             cls.register_strategies(StrategyRegistry)
 

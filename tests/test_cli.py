@@ -49,7 +49,7 @@ def parse(args: list[str]) -> Any:
 
 def test_shipped_recipes_exist() -> None:
     names = {p.name for p in CONFIGS}
-    assert {"tiny_cpu.yaml", "qwen2.5-0.5b.yaml", "qwen2.5-7b.yaml"} <= names
+    assert {"tiny_cpu.yaml", "qwen2.5-0.5b.yaml", "qwen2.5-7b.yaml", "qwen2.5-32b.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
@@ -60,6 +60,7 @@ def test_every_shipped_recipe_parses(path: Path, subcommand: str) -> None:
     assert strategy.class_path in (
         "lightning_skrull.SkrullStrategy",
         "lightning_skrull.SkrullZero2Strategy",
+        "lightning_skrull.SkrullFSDPStrategy",
     )
     world = config.trainer.devices * config.trainer.num_nodes
     assert world % strategy.init_args.cp_size == 0  # CP groups tile the world

@@ -35,6 +35,7 @@ FIX = "run `python tests/test_configuration_docs.py --write` and commit docs/con
 CLASSES: dict[str, type] = {
     "SkrullStrategy": lightning_skrull.SkrullStrategy,
     "SkrullZero2Strategy": lightning_skrull.SkrullZero2Strategy,
+    "SkrullFSDPStrategy": lightning_skrull.SkrullFSDPStrategy,
     "SkrullDataModule": lightning_skrull.SkrullDataModule,
     "PlanPictureCallback": PlanPictureCallback,
 }

@@ -1,0 +1,445 @@
+"""``SkrullFSDPStrategy``: Skrull scheduling on FSDP2, parameters sharded inside the CP group.
+
+The ranks of one CP group run in lockstep: every micro-batch's forward and backward is joined by
+the whole group. So the parameters are sharded over the CP group and replicated across DP ranks:
+FSDP2 (``torch.distributed.fsdp.fully_shard``) on a 2-D ``(dp, cp)`` device mesh, i.e. HSDP.
+
+- ``shard="cp"``: each forward all-gathers a layer's parameters inside the CP group and each
+  backward reduce-scatters its gradient there. The all-reduce across DP ranks runs once per
+  step, in the last micro-batch's backward: the earlier micro-batches run with
+  ``set_requires_all_reduce(False)``, so FSDP2 keeps their reduce-scattered gradient shards in
+  its own buffer and adds them to the last one's before the all-reduce. DP ranks may run
+  different numbers of micro-batches, as under DDP.
+- ``shard="world"``: the parameters are sharded over every rank (a 1-D mesh). Every backward
+  reduce-scatters over the world, so every DP rank runs the same number of micro-batches per
+  step: the data module pads the ranks with fewer with empty micro-batches, as for ZeRO-2.
+
+Two FSDP2 switches are deliberately left at their defaults: ``set_requires_gradient_sync(False)``
+would skip the reduce-scatter as well and keep a full-size unsharded gradient between
+micro-batches (the memory this strategy exists to save), and
+``set_reshard_after_backward(False)`` would keep the unsharded parameters between
+micro-batches (the same). ``set_is_last_backward`` stays ``True``: every backward waits for its
+reduce-scatters.
+
+The strategy takes over the part of Lightning's ``ModelParallelStrategy.setup`` that asks the
+LightningModule for ``configure_model``: it applies ``fully_shard`` itself, to each decoder layer
+of the Hugging Face model and to the model as the root, so the LightningModule stays plain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast, get_args
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.init import _materialize_distributed_module
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_skrull.attention.backends import AttentionBackend
+from lightning_skrull.config import SkrullConfig
+from lightning_skrull.scheduling import Policy
+from lightning_skrull.strategies.base import SkrullStrategyMixin
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+    from lightning_skrull.scheduling.cost_model import CostModel
+
+ShardAxis = Literal["cp", "world"]
+"""What the parameters are sharded over: the CP group (HSDP) or the whole world."""
+
+SHARD_AXES: tuple[str, ...] = get_args(ShardAxis)
+
+FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+"""Lightning ``precision`` values the strategy runs (tested on CPU processes)."""
+
+MESH_AXES = {"cp": ("dp", "cp"), "world": ("world",)}
+"""Names of the device-mesh axes per ``shard``."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a Hugging Face model, the units ``fully_shard`` wraps.
+
+    They are the modules whose class is named in the model's ``_no_split_modules`` (transformers'
+    own list of the blocks that must stay whole: ``Qwen2DecoderLayer``, ``LlamaDecoderLayer``).
+
+    Raises:
+        ValueError: the model names no such class, or none of its modules is one.
+    """
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:
+        raise ValueError(
+            f"{type(model).__name__} has no decoder layers to shard: its _no_split_modules is "
+            f"{sorted(names)!r} and no submodule has one of those classes. SkrullFSDPStrategy "
+            "shards Hugging Face decoders (Qwen2/3, Llama, Mistral); use SkrullStrategy or "
+            "SkrullZero2Strategy for other models."
+        )
+    return layers
+
+
+def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
+    """Clip the gradients of (possibly DTensor) parameters to a total 2-norm of ``max_norm``.
+
+    The norm of a sharded gradient is the norm over its full tensor: the squares of the local
+    shards are summed and all-reduced over the mesh axes the gradient is sharded on (a replicated
+    axis contributes once). Returns the total norm before clipping, as a plain tensor.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    local = [g for g in grads if not isinstance(g, DTensor)]
+    sharded = [g for g in grads if isinstance(g, DTensor)]
+    total = torch.zeros((), dtype=torch.float32, device=grads[0].device)
+    for g in local:
+        total = total + g.float().pow(2).sum()
+    if sharded:
+        # a sum of squares over DTensors is a partial DTensor: one all-reduce for all of them
+        squares: Any = sum(g.float().pow(2).sum() for g in sharded)
+        total = total + squares.full_tensor()
+    norm = total.sqrt()
+    coefficient = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for g in grads:
+        target = g.to_local() if isinstance(g, DTensor) else g
+        target.mul_(coefficient.to(target.dtype))
+    return norm
+
+
+def _cast_unsharded_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s floating-point parameters that are not sharded yet to ``dtype``."""
+    for p in module.parameters():
+        if not isinstance(p, DTensor) and p.is_floating_point() and p.dtype != dtype:
+            p.data = p.data.to(dtype)
+
+
+class FSDPPrecision(Precision):
+    """Lightning's precision plugin for FSDP2: the dtype work is FSDP2's.
+
+    - ``"32-true"``: float32 throughout.
+    - ``"bf16-mixed"``: FSDP2's ``MixedPrecisionPolicy(param_dtype=bfloat16,
+      reduce_dtype=float32)``: the sharded parameters, their gradients and the optimizer stay
+      float32; each all-gather casts to bf16, forward and backward run in bf16 (no autocast),
+      gradients are reduced in float32.
+
+    Under both, parameters loaded in another dtype (``from_pretrained(...,
+    torch_dtype=torch.bfloat16)``) are cast to float32 one FSDP unit at a time as it is sharded,
+    so a rank never holds more than the loaded model and one float32 layer; the float32 shards
+    are the master weights.
+    - ``"bf16-true"``: the module is cast to bf16 before it is sharded; parameters, gradients,
+      reductions and the optimizer step are bf16.
+
+    Gradient clipping by norm works on the DTensor gradients (:func:`clip_grad_norm_`).
+    """
+
+    def __init__(self, precision: str) -> None:
+        if precision not in FSDP_PRECISIONS:
+            raise ValueError(
+                f"SkrullFSDPStrategy runs precision {FSDP_PRECISIONS}, got {precision!r}; fp16 "
+                "needs a sharded gradient scaler, which is not supported. Use 'bf16-mixed'."
+            )
+        self.precision = precision  # type: ignore[assignment]
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The ``MixedPrecisionPolicy`` given to ``fully_shard``."""
+        if self.precision == "bf16-mixed":
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the sharded parameters (what the optimizer steps)."""
+        return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
+
+    @override
+    def convert_module(self, module: nn.Module) -> nn.Module:
+        if self.precision == "bf16-true":
+            return module.to(torch.bfloat16)
+        return module
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        parameters = [p for group in optimizer.param_groups for p in group["params"]]
+        clip_grad_norm_(parameters, float(clip_val))
+
+
+class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
+    """FSDP2 with Skrull scheduling: parameters sharded over the CP group (or the world).
+
+    Use it with :class:`~lightning_skrull.SkrullDataModule`; the LightningModule stays plain
+    (``training_step`` returns ``self.model(**batch).loss``, no ``configure_model``). Every
+    trainable parameter of the LightningModule must belong to its Hugging Face model.
+
+    Args:
+        cp_size, policy, attention_backend, cost_model, model_attribute, verify_plans,
+            log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
+        bucket_size: as for :class:`~lightning_skrull.SkrullStrategy`; ``"auto"`` (CUDA)
+            measures its probe steps on the sharded model.
+        shard: ``"cp"``: parameters, gradients and optimizer states sharded over the CP group
+            and replicated across DP ranks (HSDP; one DP all-reduce per step; DP ranks run
+            their own micro-batch counts). ``"world"``: sharded over every rank (1/world of the
+            model per rank; every DP rank runs the same micro-batch count).
+        activation_checkpointing: recompute each decoder layer's activations in backward
+            (transformers' gradient checkpointing, non-reentrant).
+        reshard_after_forward: free each layer's gathered parameters after its forward and
+            gather them again in backward (``False``: keep them until backward, more memory,
+            one all-gather less per layer and micro-batch).
+        save_distributed_checkpoint: ``True``: checkpoints are folders of per-rank shards written
+            with ``torch.distributed.checkpoint``; ``False``: one file of full weights, gathered
+            on rank 0.
+        process_group_backend, timeout: as for Lightning's ``ModelParallelStrategy``.
+
+    Raises:
+        ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``.
+    """
+
+    strategy_name = "skrull_fsdp"
+
+    def __init__(
+        self,
+        cp_size: int = 1,
+        bucket_size: int | Literal["auto"] | None = None,
+        policy: Policy = "skrull",
+        *,
+        shard: ShardAxis = "cp",
+        activation_checkpointing: bool = False,
+        reshard_after_forward: bool = True,
+        attention_backend: AttentionBackend = "auto",
+        cost_model: CostModel | None = None,
+        model_attribute: str | None = None,
+        verify_plans: bool = True,
+        log_stats: bool = True,
+        chunked_loss: bool = True,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        config = SkrullConfig(
+            cp_size=cp_size,
+            bucket_size=bucket_size,
+            policy=policy,
+            attention_backend=attention_backend,
+            cost_model=cost_model,
+            model_attribute=model_attribute,
+            verify_plans=verify_plans,
+            log_stats=log_stats,
+            chunked_loss=chunked_loss,
+        )
+        if shard not in SHARD_AXES:
+            raise ValueError(
+                f"shard={shard!r} is not one of {SHARD_AXES}: 'cp' shards the parameters over "
+                "the CP group (replicated across DP ranks), 'world' over every rank."
+            )
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._init_skrull(config)
+        self._shard: ShardAxis = shard
+        self._activation_checkpointing = activation_checkpointing
+        self._reshard_after_forward = reshard_after_forward
+        self._sharded_model: nn.Module | None = None
+        # ZeRO-2 style padding: a reduce-scatter over the world in every backward
+        self.requires_equal_micro_batches = shard == "world"
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def shard(self) -> ShardAxis:
+        """What the parameters are sharded over (``"cp"`` or ``"world"``)."""
+        return self._shard
+
+    @property
+    def shard_size(self) -> int:
+        """Ranks one parameter is sharded over (``cp_size``, or the world size)."""
+        layout = self.parallel_layout
+        return layout.cp_size if self._shard == "cp" else layout.world_size
+
+    @property
+    def sharded_model(self) -> FSDPModule:
+        """The Hugging Face model, sharded (an ``FSDPModule``).
+
+        Raises:
+            RuntimeError: before ``setup`` sharded it.
+        """
+        if self._sharded_model is None:
+            raise RuntimeError(
+                "SkrullFSDPStrategy.sharded_model exists only after the Trainer's setup sharded "
+                "the model (trainer.fit / validate / test)."
+            )
+        return cast(FSDPModule, self._sharded_model)
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.dp_size, "rank": self.dp_rank}
+
+    # ------------------------------------------------------------------ set-up
+    @override
+    def setup_environment(self) -> None:
+        # ModelParallelStrategy's mesh has Lightning's (data_parallel, tensor_parallel) axes;
+        # this one has (dp, cp), CP innermost, the same groups as the parallel layout
+        self._setup_distributed()
+        self._build_parallel_layout()
+        layout = self.parallel_layout
+        device_type = self.root_device.type
+        if self._shard == "cp":
+            shape: tuple[int, ...] = (layout.dp_size, layout.cp_size)
+        else:
+            shape = (layout.world_size,)
+        self._device_mesh = init_device_mesh(
+            device_type, shape, mesh_dim_names=MESH_AXES[self._shard]
+        )
+        module = self.lightning_module
+        if module is not None:
+            module._device_mesh = self._device_mesh
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        # ModelParallelStrategy.setup without its configure_model requirement: the strategy
+        # shards the Hugging Face model itself
+        assert self.model is not None
+        assert self.accelerator is not None
+        self._check_trainer(trainer)
+        self.precision_plugin = self._fsdp_precision(self.precision_plugin)
+        self._prepare_hf_model()
+        self.accelerator.setup(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self._shard_model()
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+        if self._skrull_config.bucket_size == "auto":
+            self._measure_bucket_size()
+
+    @staticmethod
+    def _fsdp_precision(plugin: Precision) -> FSDPPrecision:
+        if isinstance(plugin, FSDPPrecision):
+            return plugin
+        return FSDPPrecision(str(getattr(plugin, "precision", "32-true")))
+
+    def _shard_model(self) -> None:
+        module = self._attached_module
+        hf_model = self._hf_model
+        assert hf_model is not None
+        if isinstance(hf_model, FSDPModule):
+            if hf_model is self._sharded_model:
+                return  # set up again by the same Trainer (validate after fit)
+            raise RuntimeError(
+                f"the LightningModule's {type(hf_model).__name__} is already sharded by another "
+                "Trainer's strategy; build a new LightningModule (or load its weights into one) "
+                "for each SkrullFSDPStrategy."
+            )
+        self._refuse_parameters_outside(module, hf_model)
+        if self._activation_checkpointing:
+            cast(Any, hf_model).gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
+        precision = self.precision_plugin
+        assert isinstance(precision, FSDPPrecision)
+        policy = precision.mixed_precision_policy
+        mesh: DeviceMesh = self.device_mesh
+        for layer in decoder_layers(hf_model):
+            _cast_unsharded_parameters(layer, precision.master_dtype)
+            fully_shard(
+                layer,
+                mesh=mesh,
+                mp_policy=policy,
+                reshard_after_forward=self._reshard_after_forward,
+            )
+        _cast_unsharded_parameters(hf_model, precision.master_dtype)
+        fully_shard(hf_model, mesh=mesh, mp_policy=policy)
+        self._sharded_model = hf_model
+
+    @staticmethod
+    def _refuse_parameters_outside(module: nn.Module, hf_model: nn.Module) -> None:
+        inside = {id(p) for p in hf_model.parameters()}
+        outside = [
+            n for n, p in module.named_parameters() if p.requires_grad and id(p) not in inside
+        ]
+        if outside:
+            raise ValueError(
+                f"SkrullFSDPStrategy shards the Hugging Face model only, but the LightningModule "
+                f"has trainable parameters outside it: {outside[:5]}; their gradients would "
+                "never be reduced across ranks. Move them into the model, freeze them "
+                "(requires_grad=False), or use SkrullStrategy (DDP)."
+            )
+
+    # ------------------------------------------------------------------ micro-batches
+    @override
+    def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
+        if self._shard != "cp":
+            # a 1-D mesh has no all-reduce to hold back: every backward reduce-scatters
+            return nullcontext()
+        return self._without_all_reduce()
+
+    @contextmanager
+    def _without_all_reduce(self) -> Iterator[None]:
+        model = self.sharded_model
+        model.set_requires_all_reduce(False)
+        try:
+            yield
+        finally:
+            model.set_requires_all_reduce(True)
+
+    # ------------------------------------------------------------------ full weights
+    def full_state_dict(self) -> dict[str, Tensor]:
+        """The Hugging Face model's full (unsharded) weights on CPU, on global rank 0.
+
+        A collective: every rank must call it; ranks other than 0 get an empty dict.
+        """
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        state = get_model_state_dict(cast(nn.Module, self.sharded_model), options=options)
+        return cast(dict[str, Tensor], state)
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write the trained model in Hugging Face format, loadable by ``from_pretrained``.
+
+        A collective: call it on every rank (e.g. after ``trainer.fit``); global rank 0 gathers
+        the full weights and writes ``config.json`` and the safetensors files into
+        ``directory``.
+        """
+        state = self.full_state_dict()
+        if self.global_rank == 0:
+            model = cast(Any, self.sharded_model)
+            model.save_pretrained(str(directory), state_dict=state)
+            # fully_shard swapped the class for an FSDP subclass; record the model's own class
+            original = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
+            model.config.architectures = [original.__name__]
+            model.config.save_pretrained(str(directory))
+        self.barrier()
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "skrull_fsdp",
+            cls,
+            description="Skrull scheduling on FSDP2, parameters sharded over the CP group (HSDP)",
+        )
+        strategy_registry.register(
+            "skrull_fsdp_world",
+            cls,
+            description="Skrull scheduling on FSDP2, parameters sharded over every rank",
+            shard="world",
+        )
