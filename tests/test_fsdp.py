@@ -19,6 +19,7 @@ tokens, then ``torch.optim.SGD`` (tests/helpers.py).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import tempfile
 from collections.abc import Iterator
@@ -121,7 +122,9 @@ def _fit(
     from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
 
     strategy_kwargs = {
-        k: kwargs.pop(k) for k in ("shard", "activation_checkpointing") if k in kwargs
+        k: kwargs.pop(k)
+        for k in ("shard", "activation_checkpointing", "cost_model", "calibration")
+        if k in kwargs
     }
     recorder = Recorder()
     trainer = cpu_trainer(
@@ -213,6 +216,16 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["resumed"], out["resumed_steps"] = _full_params(resumed.model), resumed_rec.steps
     out["ckpt_is_dir"] = os.path.isdir(os.path.join(ckpt_dir, "step=2.ckpt"))
 
+    # online calibration under FSDP (only earlier micro-batches are timed), from a model that
+    # thinks communication free: 3 steps give the first refit
+    from lightning_skrull.scheduling import CostModel
+
+    wrong = CostModel(comm_latency_s=0.0, comm_bandwidth=1e30)
+    _, trainer, recorder = _fit(3, cost_model=wrong, calibration="online")
+    out["calibrated"] = dataclasses.asdict(trainer.strategy.cost_model)
+    out["calibrated_steps"] = recorder.steps
+    out["calibration_metrics"] = sorted(k for k in trainer.callback_metrics if "calibr" in k)
+
     module, _, recorder = _fit(STEPS, precision="bf16-mixed")
     out["bf16"] = {
         "before": recorder.before,
@@ -233,6 +246,25 @@ def runs() -> list[dict[str, Any]]:
         results[0]["pretrained"] = pretrained
         results[0]["pretrained_class"] = type(loaded).__name__
     return results
+
+
+# ----------------------------------------------------------------------------- calibration
+@pytest.mark.multiprocess
+def test_online_calibration_refits_the_same_model_on_every_rank(
+    runs: list[dict[str, Any]],
+) -> None:
+    from lightning_skrull.scheduling import CostModel
+
+    start = dataclasses.asdict(CostModel(comm_latency_s=0.0, comm_bandwidth=1e30))
+    steps = runs[0]["calibrated_steps"]
+    assert any(s["planned"] != t["planned"] for s, t in zip(steps, runs[2]["calibrated_steps"]))
+    models = [r["calibrated"] for r in runs]
+    assert all(m == models[0] for m in models), "ranks ended with different calibrated models"
+    # timed earlier micro-batches alone still show a CPU thousands of times slower than the
+    # start's H100 FLOP/s: the first refit halves it (the per-refit bound)
+    assert models[0] != start
+    assert models[0]["achieved_flops"] <= start["achieved_flops"] / 2 * (1 + 1e-9)
+    assert "skrull/calibration/prediction_error" in runs[0]["calibration_metrics"]
 
 
 # ----------------------------------------------------------------------------- float32

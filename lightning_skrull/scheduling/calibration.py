@@ -26,8 +26,10 @@ The fit is built for measurements taken while training:
 * **Bounded.** One refit moves a constant by at most ``max_ratio`` either way; a constant at 0
   may grow to at most the value at which its term alone explains a typical micro-batch.
 * **Adopted when better.** The refitted model replaces the current one only when its median
-  relative error on the observed rows is lower by ``min_improvement`` (and by a tenth of the
-  current error), so measurement noise does not make the plans churn.
+  log error (``|log(predicted / measured)|``) on the observed rows is lower by
+  ``min_improvement`` (and by a tenth of the current one), so measurement noise does not make the
+  plans churn. The log error, unlike the relative one, keeps improving with each bounded step of
+  a model that predicts far too little (an H100's FLOP/s on a CPU).
 * **The same on every rank.** Fitted constants are rounded to 9 significant digits, so ranks that
   fit the same rows agree even where their BLAS differs in the last bits.
 * **No warm-up.** Any number of rows refits what they identify; the window keeps the newest
@@ -91,8 +93,9 @@ class OnlineCalibrator:
         window: newest micro-batch rows kept for the fit (whole steps; the newest step is
             always kept).
         max_ratio: the most one refit multiplies or divides a constant by (> 1).
-        min_improvement: the least drop of the median relative prediction error for a refitted
-            model to be adopted (0 adopts every refit).
+        min_improvement: the least drop of the median log prediction error
+            (``|log(predicted / measured)|``) for a refitted model to be adopted (0 adopts every
+            refit).
         identifiable: least share of a column's norm the earlier columns must leave unexplained
             for its constant to be fitted.
         max_rounds: alternations of term assignment and solving per refit.
@@ -242,15 +245,16 @@ class OnlineCalibrator:
             if updated == candidate:
                 break
             candidate = updated
-        old = _median_error(self._design(start), y, unknowns(start))
-        new = _median_error(self._design(candidate), y, unknowns(candidate))
+        x_old, x_new = self._design(start), self._design(candidate)
+        old = _median_log_error(x_old, y, unknowns(start))
+        new = _median_log_error(x_new, y, unknowns(candidate))
         needed = max(self._min_improvement, 0.1 * old) if self._min_improvement > 0 else 0.0
         if candidate != start and old - new > needed:
             self._model = candidate
             self._adopted += 1
-            self._error = new
+            self._error = _median_error(x_new, y, unknowns(candidate))
         else:
-            self._error = old
+            self._error = _median_error(x_old, y, unknowns(start))
         return self._model
 
     # ------------------------------------------------------------------ internals
@@ -294,6 +298,14 @@ class OnlineCalibrator:
 def _median_error(x: np.ndarray, y: np.ndarray, values: Sequence[float]) -> float:
     predicted = x @ np.asarray(values, dtype=np.float64)
     return float(np.median(np.abs(predicted - y) / y))
+
+
+def _median_log_error(x: np.ndarray, y: np.ndarray, values: Sequence[float]) -> float:
+    """Median ``|log(predicted / measured)|``: how many e-folds the model is off. Unlike the
+    relative error, which saturates at 1 for a model that predicts far too little, it keeps
+    rewarding a bounded step towards the data however far off the model starts."""
+    predicted = np.maximum(x @ np.asarray(values, dtype=np.float64), 1e-12)
+    return float(np.median(np.abs(np.log(predicted / y))))
 
 
 def _identified(a: np.ndarray, candidates: Sequence[int], tol: float) -> list[int]:

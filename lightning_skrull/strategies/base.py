@@ -98,6 +98,10 @@ class SkrullStrategyMixin(ParallelStrategy):
     _skrull_config: SkrullConfig
     _skrull_layout: ParallelLayout | None
     _skrull_cost_model: CostModel | None
+    _time_last_micro_batch = True
+    """Time the last micro-batch for online calibration (its end is the last gradient hook of
+    Lightning's backward); a strategy whose hooks cannot mark that end without the DP gradient
+    sync leaves it out (its earlier micro-batches are still timed)."""
     _stashed_grads: list[tuple[torch.nn.Parameter, Tensor]]
     _step_start: float | None
     _step_tokens: int
@@ -478,8 +482,8 @@ class SkrullStrategyMixin(ParallelStrategy):
                 self._last_context = ExitStack()
                 self._last_context.enter_context(self._micro_batch_context(micro_batches[-1]))
                 logs.start_micro_batch(_supervised_tokens(micro_batches[-1]))
-                if timer is not None:  # its end: the last gradient hook of Lightning's backward
-                    timer.start()
+                if timer is not None and self._time_last_micro_batch:
+                    timer.start()  # its end: the last gradient hook of Lightning's backward
                 output = self._call_module_step("training_step", micro_batches[-1], rest, kwargs)
                 last = self._required_loss(output, last_index)
         finally:
@@ -607,6 +611,11 @@ class SkrullStrategyMixin(ParallelStrategy):
         super().setup(trainer)
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
+        self._setup_calibration(trainer)
+
+    def _setup_calibration(self, trainer: pl.Trainer) -> None:
+        """Start online calibration when fitting with ``calibration="online"`` (last in setup,
+        after the model and the bucket are final); apply a state restored from a checkpoint."""
         if self._skrull_config.calibration == "online" and trainer.state.fn == "fit":
             self._calibration = StepCalibration(
                 self.cost_model, self.parallel_layout, self.root_device

@@ -51,7 +51,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
-from lightning_skrull.config import SkrullConfig
+from lightning_skrull.config import Calibration, SkrullConfig
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -186,8 +186,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     trainable parameter of the LightningModule must belong to its Hugging Face model.
 
     Args:
-        cp_size, policy, attention_backend, cost_model, model_attribute, verify_plans,
-            log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
+        cp_size, policy, attention_backend, cost_model, calibration, model_attribute,
+            verify_plans, log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
         bucket_size: as for :class:`~lightning_skrull.SkrullStrategy`; ``"auto"`` (CUDA)
             measures its probe steps on the sharded model.
         shard: ``"cp"``: parameters, gradients and optimizer states sharded over the CP group
@@ -209,6 +209,11 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     """
 
     strategy_name = "skrull_fsdp"
+    # FSDP2 sets the sharded parameters' gradients itself after its reduce-scatter (no
+    # gradient-accumulation hook fires), so the last micro-batch's backward cannot be told apart
+    # from the DP all-reduce and the optimizer step: online calibration times only the earlier
+    # micro-batches (each ends when its backward, reduce-scatter included, returns)
+    _time_last_micro_batch = False
 
     def __init__(
         self,
@@ -221,6 +226,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         reshard_after_forward: bool = True,
         attention_backend: AttentionBackend = "auto",
         cost_model: CostModel | None = None,
+        calibration: Calibration = "online",
         model_attribute: str | None = None,
         verify_plans: bool = True,
         log_stats: bool = True,
@@ -235,6 +241,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             policy=policy,
             attention_backend=attention_backend,
             cost_model=cost_model,
+            calibration=calibration,
             model_attribute=model_attribute,
             verify_plans=verify_plans,
             log_stats=log_stats,
@@ -331,6 +338,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             _optimizers_to_device(self.optimizers, self.root_device)
         if self._skrull_config.bucket_size == "auto":
             self._measure_bucket_size()
+        self._setup_calibration(trainer)
 
     @staticmethod
     def _fsdp_precision(plugin: Precision) -> FSDPPrecision:
