@@ -81,6 +81,12 @@ class SkrullConfig:
     the ``[tokens, vocab]`` logits (the model's output then has ``logits=None`` when it is given
     labels). ``False``: transformers' dense head and loss, with logits."""
 
+    loss_kernel: str = "auto"
+    """What computes the chunked loss: ``"auto"`` (on CUDA a fused kernel, Liger Kernel or Cut
+    Cross-Entropy, when its package is installed; else the pure-PyTorch chunks), ``"chunked"``,
+    ``"liger"`` or ``"cce"``. A named fused kernel that is not installed is refused when the
+    strategy is built."""
+
     def __post_init__(self) -> None:
         if not _is_int(self.cp_size) or self.cp_size < 1:
             raise ValueError(
@@ -118,6 +124,8 @@ class SkrullConfig:
                 raise TypeError(
                     f"cost_model must be a CostModel or None, got {type(self.cost_model).__name__}."
                 )
+        if not isinstance(self.loss_kernel, str):
+            raise TypeError(f"loss_kernel must be a str, got {type(self.loss_kernel).__name__}.")
         for name in ("verify_plans", "log_stats", "chunked_loss"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")

@@ -166,3 +166,16 @@ def test_real_fused_kernel_on_cuda_is_as_close_as_the_chunked_path(kernel: str) 
     assert abs(float(fused) - float(ref)) <= 2 * abs(float(chunked) - float(ref)) + 2**-8 * float(
         ref
     )
+
+
+def test_the_strategies_refuse_a_kernel_that_cannot_run_when_built() -> None:
+    from lightning_skrull import SkrullStrategy
+
+    with pytest.raises(ValueError, match=r"'fast'.*is unknown"):
+        SkrullStrategy(loss_kernel="fast")
+    missing = [k for k in ("liger", "cce") if k not in installed_fused_kernels()]
+    if missing:
+        with pytest.raises(ValueError, match="pip install"):
+            SkrullStrategy(loss_kernel=missing[0])
+    # with the dense loss the kernel is never used, so it is not checked
+    assert SkrullStrategy(chunked_loss=False, loss_kernel="liger").skrull_config.loss_kernel

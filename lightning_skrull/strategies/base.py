@@ -40,6 +40,7 @@ from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
 from lightning_skrull.data.batch import PlanStats, SkrullBatch
 from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.models.chunked_loss import check_loss_kernel
 from lightning_skrull.models.patching import find_hf_model, prepare_model
 from lightning_skrull.runtime.engine import check_same_plan, micro_batch_context
 from lightning_skrull.runtime.memory import (
@@ -111,6 +112,8 @@ class SkrullStrategyMixin(ParallelStrategy):
     reduces gradients in every backward, so it does; DDP syncs only the last)."""
 
     def _init_skrull(self, config: SkrullConfig) -> None:
+        if config.chunked_loss:
+            check_loss_kernel(config.loss_kernel)
         self._skrull_config = config
         self._skrull_layout = None
         self._skrull_cost_model = None
@@ -259,6 +262,7 @@ class SkrullStrategyMixin(ParallelStrategy):
             backend=config.attention_backend,
             max_sequence_length=longest,
             chunked_loss=config.chunked_loss,
+            loss_kernel=config.loss_kernel,
         )
         if self._skrull_config.cost_model is not None:
             self._skrull_cost_model = self._skrull_config.cost_model

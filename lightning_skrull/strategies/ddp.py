@@ -65,6 +65,9 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         chunked_loss: compute the loss with the chunked LM head + cross-entropy, never holding
             the ``[tokens, vocab]`` logits (``logits`` is then ``None`` in the model's output
             when it is given labels); ``False`` for transformers' dense head, with logits.
+        loss_kernel: what computes the chunked loss: ``"auto"`` (a fused CUDA kernel, Liger
+            Kernel or Cut Cross-Entropy, when installed and on CUDA; else pure-PyTorch chunks),
+            ``"chunked"``, ``"liger"`` or ``"cce"``; a fused kernel not installed is refused here.
         accelerator, parallel_devices, cluster_environment, checkpoint_io, precision_plugin,
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to ``DistributedDataParallel``. The per-forward buffer sync
@@ -91,6 +94,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         verify_plans: bool = True,
         log_stats: bool = True,
         chunked_loss: bool = True,
+        loss_kernel: str = "auto",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -112,6 +116,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             verify_plans=verify_plans,
             log_stats=log_stats,
             chunked_loss=chunked_loss,
+            loss_kernel=loss_kernel,
         )
         for key in ("broadcast_buffers", "forward_sync_buffers"):
             if ddp_kwargs.pop(key, None):

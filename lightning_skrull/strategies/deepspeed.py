@@ -123,7 +123,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
 
     Args:
         cp_size, bucket_size, policy, attention_backend, cost_model, calibration,
-            model_attribute, verify_plans, log_stats, chunked_loss: as for
+            model_attribute, verify_plans, log_stats, chunked_loss, loss_kernel: as for
             :class:`~lightning_skrull.SkrullStrategy`. Under ZeRO-2 every DP rank runs the same
             number of micro-batches and the gradient reduction runs inside each backward, so
             a micro-batch's timed span can include waiting for other DP ranks there.
@@ -154,6 +154,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         verify_plans: bool = True,
         log_stats: bool = True,
         chunked_loss: bool = True,
+        loss_kernel: str = "auto",
         config: str | Path | dict[str, Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -174,6 +175,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             verify_plans=verify_plans,
             log_stats=log_stats,
             chunked_loss=chunked_loss,
+            loss_kernel=loss_kernel,
         )
         if bucket_size == "auto":
             raise ValueError(

@@ -187,7 +187,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
 
     Args:
         cp_size, policy, attention_backend, cost_model, calibration, model_attribute,
-            verify_plans, log_stats, chunked_loss: as for :class:`~lightning_skrull.SkrullStrategy`.
+            verify_plans, log_stats, chunked_loss, loss_kernel: as for :class:`~lightning_skrull.SkrullStrategy`.
         bucket_size: as for :class:`~lightning_skrull.SkrullStrategy`; ``"auto"`` (CUDA)
             measures its probe steps on the sharded model.
         shard: ``"cp"``: parameters, gradients and optimizer states sharded over the CP group
@@ -231,6 +231,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         verify_plans: bool = True,
         log_stats: bool = True,
         chunked_loss: bool = True,
+        loss_kernel: str = "auto",
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -246,6 +247,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             verify_plans=verify_plans,
             log_stats=log_stats,
             chunked_loss=chunked_loss,
+            loss_kernel=loss_kernel,
         )
         if shard not in SHARD_AXES:
             raise ValueError(
