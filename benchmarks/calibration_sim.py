@@ -14,6 +14,7 @@ import argparse
 import math
 import random
 import time
+from dataclasses import dataclass
 
 from benchmarks.lengths import dataset, sample_lengths
 from lightning_skrull.scheduling import (
@@ -23,7 +24,7 @@ from lightning_skrull.scheduling import (
     plan_global_batch,
     simulate,
 )
-from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN2_5_7B
+from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN2_5_7B, ModelShape
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
@@ -51,13 +52,45 @@ def measure(plan, lengths, truth: CostModel, rng: random.Random, noise: float):
     ]
 
 
-def closed_loop(start, truth, setting, name, steps, noise, seed):
-    dp, cp, bucket = setting
+@dataclass(frozen=True)
+class Layout:
+    """A model on a DP x CP layout, as the closed loop and the held-out batches use it."""
+
+    shape: ModelShape
+    dp_size: int
+    cp_size: int
+    bucket_size: int
+    per_dp_rank: int = 64
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """One machine and dataset: the ratio to the true machine's lower bound of plans from each
+    model, the calibrated model's prediction error and its refits."""
+
+    machine: str
+    dataset: str
+    default: float
+    calibrated: float
+    true: float
+    error: float
+    adopted: int
+    refits: int
+
+
+PAPER_SMALL = Layout(QWEN2_5_0_5B, 4, 8, 26_000)
+"""Qwen2.5-0.5B on DP4 x CP8, bucket 26,000: the paper's first setting."""
+
+
+def closed_loop(start, truth, layout: Layout, name, steps, noise, seed) -> OnlineCalibrator:
+    """Calibrate ``start`` against ``truth`` for ``steps`` global batches of ``name``, refitting
+    every 3 steps as the strategy does."""
+    dp, cp, bucket = layout.dp_size, layout.cp_size, layout.bucket_size
     calibrator = OnlineCalibrator(start)
     rng = random.Random(seed)
     model = start
     for k in range(steps):
-        lengths = sample_lengths(dataset(name), dp * 64, cp * bucket, rng)
+        lengths = sample_lengths(dataset(name), dp * layout.per_dp_rank, cp * bucket, rng)
         plan = plan_global_batch(
             lengths, dp_size=dp, cp_size=cp, bucket_size=bucket, cost_model=model
         )
@@ -67,8 +100,9 @@ def closed_loop(start, truth, setting, name, steps, noise, seed):
     return calibrator
 
 
-def ratio(model, truth, setting, batches):
-    dp, cp, bucket = setting
+def ratio(model, truth, layout: Layout, batches) -> float:
+    """Summed simulated time on ``truth`` of ``model``'s plans over the summed lower bound."""
+    dp, cp, bucket = layout.dp_size, layout.cp_size, layout.bucket_size
     spent = bound = 0.0
     for lengths in batches:
         plan = plan_global_batch(
@@ -79,32 +113,67 @@ def ratio(model, truth, setting, batches):
     return spent / bound
 
 
+def compare(
+    layout: Layout,
+    machines: dict[str, dict[str, float]],
+    datasets: tuple[str, ...],
+    steps: int,
+    held: int,
+    seed: int,
+    noise: float = 0.03,
+) -> list[Comparison]:
+    """Per machine and dataset: default constants, calibrated ones and the true ones, each
+    planning ``held`` held-out batches judged on the true machine."""
+    start = CostModel(shape=layout.shape)
+    cp, bucket = layout.cp_size, layout.bucket_size
+    out = []
+    for machine, constants in machines.items():
+        truth = start.with_constants(**constants)
+        for name in datasets:
+            rng = random.Random(f"{seed}-held-{name}")
+            size = layout.dp_size * layout.per_dp_rank
+            batches = [sample_lengths(dataset(name), size, cp * bucket, rng) for _ in range(held)]
+            calibrator = closed_loop(start, truth, layout, name, steps, noise, seed)
+            out.append(
+                Comparison(
+                    machine,
+                    name,
+                    ratio(start, truth, layout, batches),
+                    ratio(calibrator.cost_model, truth, layout, batches),
+                    ratio(truth, truth, layout, batches),
+                    calibrator.prediction_error or 0.0,
+                    calibrator.adopted,
+                    calibrator.refits,
+                )
+            )
+    return out
+
+
+def comparison_lines(rows: list[Comparison], model: str = "") -> list[str]:
+    """The Markdown table of :func:`compare`'s rows (a model column when ``model`` is given)."""
+    first = "| model " if model else ""
+    lines = [
+        f"{first}| machine | data | default constants | calibrated | true constants | "
+        "prediction error | adopted refits |",
+        ("| --- " if model else "") + "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        lines.append(
+            (f"| {model} " if model else "")
+            + f"| {r.machine} | {r.dataset} | {r.default:.3f} | {r.calibrated:.3f} | "
+            f"{r.true:.3f} | {100 * r.error:.1f}% | {r.adopted}/{r.refits} |"
+        )
+    return lines
+
+
 def table(steps: int, held: int, seed: int) -> str:
     lines = [
         f"Qwen2.5-0.5B, DP4 x CP8, bucket 26,000; {steps} calibration steps (3% noise, refit "
         f"every 3), {held} held-out batches; ratio to the true machine's lower bound.",
         "",
-        "| machine | data | default constants | calibrated | true constants | "
-        "prediction error | adopted refits |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
     ]
-    setting = (4, 8, 26_000)
-    start = CostModel(shape=QWEN2_5_0_5B)
-    for machine, constants in MACHINES.items():
-        truth = start.with_constants(**constants)
-        for name in ("Wikipedia", "ChatQA2-Long-SFT"):
-            rng = random.Random(f"{seed}-held-{name}")
-            batches = [sample_lengths(dataset(name), 256, 8 * 26_000, rng) for _ in range(held)]
-            calibrator = closed_loop(start, truth, setting, name, steps, 0.03, seed)
-            a = ratio(start, truth, setting, batches)
-            b = ratio(calibrator.cost_model, truth, setting, batches)
-            c = ratio(truth, truth, setting, batches)
-            error = calibrator.prediction_error or 0.0
-            lines.append(
-                f"| {machine} | {name} | {a:.3f} | {b:.3f} | {c:.3f} | {100 * error:.1f}% | "
-                f"{calibrator.adopted}/{calibrator.refits} |"
-            )
-    return "\n".join(lines)
+    rows = compare(PAPER_SMALL, MACHINES, ("Wikipedia", "ChatQA2-Long-SFT"), steps, held, seed)
+    return "\n".join(lines + comparison_lines(rows))
 
 
 def refit_cost(steps: int, seed: int) -> str:

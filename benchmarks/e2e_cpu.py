@@ -74,6 +74,10 @@ ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "benchmarks.md"
 CHART = ROOT / "docs" / "img" / "e2e_cpu.png"
 BEGIN, END = "<!-- e2e_cpu:begin -->", "<!-- e2e_cpu:end -->"
+ONLINE_BEGIN, ONLINE_END = "<!-- e2e_calibration:begin -->", "<!-- e2e_calibration:end -->"
+CALIBRATED_FROM = 4
+"""First global batch of a run that a refitted model can plan: the first refit follows step 3
+(batch 2) and takes effect two batches later (strategies/calibration.py)."""
 
 DDP = "ddp (no CP)"
 LENGTH_SCALE = 16
@@ -146,6 +150,7 @@ class Spec:
     measure: dict[str, list[list[Step]]]  # dataset -> rounds -> steps
     ddp: dict[str, list[list[tuple[int, ...]]]]  # dataset -> rounds -> global batches
     tile_size: int
+    online: dict[str, list[Step]] = field(default_factory=dict)  # dataset -> steps (skrull)
 
 
 @dataclass
@@ -163,6 +168,20 @@ class Record:
 
 
 @dataclass
+class OnlineRun:
+    """One Trainer of the calibration comparison: a wrong initial model, ``online`` or ``off``."""
+
+    dataset: str
+    start: str  # name of the wrong initial model
+    calibration: str
+    records: list[Record]
+    final: dict[str, float] = field(default_factory=dict)  # constants at the end
+    effect: list[int] = field(default_factory=list)  # first batch of each adopted model
+    errors: dict[str, float | None] = field(default_factory=dict)  # model -> median rel. error
+    rows: int = 0  # micro-batches the errors are measured on
+
+
+@dataclass
 class WorkerResult:
     """Everything one rank returns."""
 
@@ -172,6 +191,7 @@ class WorkerResult:
     ddp_records: dict[str, list[Record]] = field(default_factory=dict)
     ddp_skipped: dict[str, str] = field(default_factory=dict)
     wall: dict[str, float] = field(default_factory=dict)
+    online: list[OnlineRun] = field(default_factory=list)
 
 
 # --------------------------------------------------------------------------- memory
@@ -274,11 +294,18 @@ class _SFT(L.LightningModule):
 class _StepStream(IterableDataset):
     """This rank's SkrullBatch of every step, each planned with the step's policy."""
 
-    def __init__(self, steps: Sequence[Step], pool: dict[str, list[list[int]]], planners: Any):
+    def __init__(
+        self,
+        steps: Sequence[Step],
+        pool: dict[str, list[list[int]]],
+        planners: Any,
+        schedule: Any = None,
+    ) -> None:
         super().__init__()
         self.steps = steps
         self.pool = pool
         self.planners = planners
+        self.schedule = schedule  # online calibration: the model of each batch position
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -287,7 +314,10 @@ class _StepStream(IterableDataset):
         for k, step in enumerate(self.steps):
             ids = self.pool[step.dataset]
             samples = [{"input_ids": ids[i]} for i in step.indices]
-            yield self.planners[step.policy](samples, list(step.indices), 0, k)
+            planner = self.planners[step.policy]
+            if self.schedule is not None:
+                planner = planner.with_cost_model(self.schedule.model_for(0, k))
+            yield planner(samples, list(step.indices), 0, k)
 
 
 class _InterleavedPolicies(L.LightningDataModule):
@@ -314,7 +344,8 @@ class _InterleavedPolicies(L.LightningDataModule):
             )
             for policy in POLICIES
         }
-        stream = _StepStream(self.steps, self.pool, planners)
+        schedule = strategy.cost_model_schedule  # None unless calibration="online"
+        stream = _StepStream(self.steps, self.pool, planners, schedule)
         return DataLoader(stream, batch_size=None, collate_fn=_identity)
 
 
@@ -361,7 +392,12 @@ def cpu_trainer(strategy: Any, steps: int, callback: L.Callback, **kwargs: Any) 
     )
 
 
-def _run_skrull(spec: Spec, steps: Sequence[Step], cost_model: Any) -> list[Record]:
+def _run_skrull(
+    spec: Spec, steps: Sequence[Step], cost_model: Any, calibration: str = "off"
+) -> tuple[list[Record], Any]:
+    """Train ``steps``; the records of every step, and the strategy's online calibration
+    (``None`` with ``calibration="off"``, which the policy comparison uses: every policy plans
+    with the same fixed model)."""
     from lightning_skrull import SkrullStrategy
 
     timer = _StepTimer()
@@ -370,12 +406,14 @@ def _run_skrull(spec: Spec, steps: Sequence[Step], cost_model: Any) -> list[Reco
         bucket_size=BUCKET,
         attention_backend="sdpa",
         cost_model=cost_model,
+        calibration=calibration,
     )
     trainer = cpu_trainer(strategy, len(steps), timer)
     trainer.fit(_SFT(), datamodule=_InterleavedPolicies(steps, spec.pools))
     for record, step in zip(timer.records, steps, strict=True):
         record.step = step
-    return timer.records
+    # the strategy's calibration state (its calibrator holds every timed micro-batch)
+    return timer.records, strategy._calibration
 
 
 def _run_ddp(spec: Spec, dataset: str, batches: list[tuple[int, ...]]) -> list[Record]:
@@ -465,7 +503,7 @@ def _worker(rank: int, world_size: int, spec: Spec) -> WorkerResult:
     result = WorkerResult(rank=rank)
     start = time.perf_counter()
     default = default_cost_model(spec.tile_size)
-    records = _run_skrull(spec, spec.warmup + spec.calibration, default)
+    records, _ = _run_skrull(spec, spec.warmup + spec.calibration, default)
     result.records["calibration"] = records[len(spec.warmup) :]
     result.wall["calibration"] = time.perf_counter() - start
     # The model is fitted to the busiest rank's CPU time (see busiest_cpu): gather every rank's.
@@ -487,11 +525,62 @@ def _worker(rank: int, world_size: int, spec: Spec) -> WorkerResult:
         if ddp_rounds is None:
             result.ddp_skipped[dataset] = "does not fit"
         for r, steps in enumerate(rounds):
-            result.records[dataset] += _run_skrull(spec, steps, model)[1:]  # first: warm-up
+            result.records[dataset] += _run_skrull(spec, steps, model)[0][1:]  # first: warm-up
             if ddp_rounds is not None:
                 result.ddp_records[dataset] += _run_ddp(spec, dataset, ddp_rounds[r])[1:]
         result.wall[dataset] = time.perf_counter() - t
+    t = time.perf_counter()
+    for dataset, steps in spec.online.items():
+        for k, (name, start) in enumerate(wrong_models(model).items()):
+            modes = ("off", "online") if k % 2 == 0 else ("online", "off")
+            for mode in modes:  # the order alternates, so a drift in load hits both alike
+                result.online.append(_online_run(spec, dataset, steps, name, start, mode))
+    result.wall["online"] = time.perf_counter() - t
     return result
+
+
+def wrong_models(fitted: Any) -> dict[str, Any]:
+    """Deliberately wrong starting models, derived from the model fitted to this machine."""
+    free = {"comm_latency_s": 0.0, "comm_bandwidth": 1e30}
+    return {
+        "free communication": fitted.with_constants(**free),
+        "free communication, 100x FLOP/s": fitted.with_constants(
+            **free, achieved_flops=100 * fitted.achieved_flops
+        ),
+    }
+
+
+def _online_run(
+    spec: Spec, dataset: str, steps: list[Step], name: str, start: Any, mode: str
+) -> OnlineRun:
+    """Train ``steps`` from ``start`` with calibration ``mode``; with ``"online"``, the
+    calibrated model's prediction error next to the offline fit's on the same micro-batches."""
+    from lightning_skrull.scheduling.fit import fit_cost_model
+
+    records, calibration = _run_skrull(spec, steps, start, calibration=mode)
+    run = OnlineRun(dataset, name, mode, records)
+    if calibration is None:
+        run.final = _model_constants(start)
+        return run
+    calibrator = calibration.calibrator
+    final = calibration.latest
+    run.final = _model_constants(final)
+    run.effect = [e["index"] for e in calibration.schedule.state_dict()[1:]]
+    rows = calibrator.observations()
+    run.rows = len(rows)
+    offline = fit_cost_model(start, rows)
+    offline_seq = fit_cost_model(start, rows, fit_per_sequence=True)
+    run.errors = {
+        "start": calibrator.error_of(start),
+        "online": calibrator.error_of(final),
+        "offline": calibrator.error_of(offline),
+        "offline, per-sequence term": calibrator.error_of(offline_seq),
+    }
+    return run
+
+
+def _model_constants(model: Any) -> dict[str, float]:
+    return {k: float(getattr(model, k)) for k in (*CONSTANTS, "per_sequence_seconds")}
 
 
 # --------------------------------------------------------------------------- main process
@@ -500,19 +589,37 @@ def global_batch_size(dataset: Dataset, layout: Layout) -> int:
     return PER_DP_RANK[dataset.name] * layout.dp_size
 
 
-def build_spec(layout: Layout, batches: int, calibration: int, rounds: int, seed: int) -> Spec:
+def build_spec(
+    layout: Layout,
+    batches: int,
+    calibration: int,
+    rounds: int,
+    seed: int,
+    online_steps: int = 0,
+    online_datasets: Sequence[str] = (),
+) -> Spec:
     """Samples, and the order of the steps, of one layout (deterministic in ``seed``).
 
     Global batch ``0`` of each dataset warms up, ``1 .. calibration`` calibrate the cost
-    model, the next ``batches`` are measured, in ``rounds`` Skrull/DDP alternations.
+    model, the next ``batches`` are measured, in ``rounds`` Skrull/DDP alternations; the next
+    ``online_steps`` of each of ``online_datasets`` train from wrong models with online
+    calibration and without.
     """
     rng = random.Random(seed)
     capacity = layout.cp_size * BUCKET
     pools: dict[str, list[list[int]]] = {}
+    first_online = 1 + calibration + batches
+    online_rng = random.Random(f"{seed}-online")  # the other batches stay as without them
     for ds in DATASETS:
-        n = (1 + calibration + batches) * global_batch_size(ds, layout)
+        n = first_online * global_batch_size(ds, layout)
         lengths = sample_lengths(ds, n, capacity, rng, scale=LENGTH_SCALE)
         pools[ds.name] = [[rng.randrange(MODEL["vocab_size"]) for _ in range(n)] for n in lengths]
+        if ds.name in online_datasets:
+            n = online_steps * global_batch_size(ds, layout)
+            lengths = sample_lengths(ds, n, capacity, online_rng, scale=LENGTH_SCALE)
+            pools[ds.name] += [
+                [online_rng.randrange(MODEL["vocab_size"]) for _ in range(n)] for n in lengths
+            ]
 
     def indices(ds: Dataset, k: int) -> tuple[int, ...]:
         g = global_batch_size(ds, layout)
@@ -549,7 +656,15 @@ def build_spec(layout: Layout, batches: int, calibration: int, rounds: int, seed
         longest = max(len(pools[ds.name][i]) for b in ddp_rounds for batch in b for i in batch)
         if longest <= BUCKET:
             ddp[ds.name] = ddp_rounds
-    return Spec(layout, pools, warmup, calib, measure, ddp, tile_size=1)
+    online = {
+        name: [
+            Step("online", name, k, "skrull", indices(ds, first_online + k))
+            for k in range(online_steps)
+        ]
+        for ds in DATASETS
+        if (name := ds.name) in online_datasets
+    }
+    return Spec(layout, pools, warmup, calib, measure, ddp, tile_size=1, online=online)
 
 
 @dataclass
@@ -754,13 +869,20 @@ def describe_data(spec: Spec) -> str:
 def run_layout(layout: Layout, args: argparse.Namespace) -> tuple[Spec, list[Row], dict]:
     from lightning_skrull.runtime.launch import spawn
 
-    spec = build_spec(layout, args.batches, args.calibration, args.rounds, args.seed)
+    datasets = [d for d in args.online_datasets.split(",") if d]
+    spec = build_spec(
+        layout, args.batches, args.calibration, args.rounds, args.seed, args.online_steps, datasets
+    )
+    if args.online_only:
+        spec.measure, spec.ddp = {}, {}
     t = time.perf_counter()
     results = spawn(_worker, layout.world_size, spec, timeout=args.timeout)
     wall = time.perf_counter() - t
     raw = args.json.with_name(f"{args.json.stem}_{layout.key}.pkl")
     raw.parent.mkdir(parents=True, exist_ok=True)
     raw.write_bytes(pickle.dumps((spec, results, wall)))  # to re-summarise without re-running
+    if args.online_only:
+        return spec, [], {"results": results, "online_s": results[0].wall.get("online", 0.0)}
     rows, refit = summarise(spec, results)
     info = {
         "wall_s": wall,
@@ -769,6 +891,8 @@ def run_layout(layout: Layout, args: argparse.Namespace) -> tuple[Spec, list[Row
         "refit": refit.constants(),
         "calibration_steps": len(results[0].records["calibration"]),
         "calibration_error": _calibration_error(spec, results),
+        "results": results,
+        "online_s": results[0].wall.get("online", 0.0),
     }
     return spec, rows, info
 
@@ -829,14 +953,87 @@ def render(blocks: list[tuple[Spec, list[Row], dict]], args: argparse.Namespace)
     return "\n".join(lines)
 
 
-def write_docs(section: str) -> None:
+def online_table(spec: Spec, results: list[WorkerResult]) -> str:
+    """The calibration comparison of one layout: per dataset and wrong model, ``off`` against
+    ``online`` on the same global batches, and the prediction errors on the timed
+    micro-batches."""
+    runs = results[0].online
+    if not runs:
+        return ""
+    lines = [
+        f"| dataset | initial model | calibration | step s (all) | step s (from batch "
+        f"{CALIBRATED_FROM}) | tokens/s (from batch {CALIBRATED_FROM}) | vs off | "
+        "FLOP/s at the end | latency at the end | models adopted (first batch) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    errors = [
+        "| dataset | initial model | micro-batches | initial model's error | online (end) | "
+        "offline fit | offline fit + per-sequence term |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for run in runs:
+        pool = spec.pools[run.dataset]
+        later = run.records[CALIBRATED_FROM:]
+        step_all = statistics.median(r.seconds for r in run.records)
+        step_late = statistics.median(r.seconds for r in later)
+        tokens = statistics.median(
+            sum(len(pool[i]) for i in r.step.indices) / r.seconds for r in later
+        )
+        (off,) = [
+            o
+            for o in runs
+            if (o.dataset, o.start, o.calibration) == (run.dataset, run.start, "off")
+        ]
+        base = statistics.median(r.seconds for r in off.records[CALIBRATED_FROM:])
+        adopted = ", ".join(str(i) for i in run.effect) if run.effect else "none"
+        lines.append(
+            f"| {run.dataset} | {run.start} | {run.calibration} | {step_all:.3f} | "
+            f"{step_late:.3f} | {tokens:,.0f} | {base / step_late:.2f}x | "
+            f"{run.final['achieved_flops'] / 1e9:.3g} G | "
+            f"{run.final['comm_latency_s'] * 1e6:.0f} us | "
+            f"{adopted if run.calibration == 'online' else 'n/a'} |"
+        )
+        if run.errors:
+            e = run.errors
+            errors.append(
+                f"| {run.dataset} | {run.start} | {run.rows} | {_pct(e['start'])} | "
+                f"{_pct(e['online'])} | {_pct(e['offline'])} | "
+                f"{_pct(e['offline, per-sequence term'])} |"
+            )
+    return "\n".join(lines) + "\n\n" + "\n".join(errors) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.0%}"
+
+
+def render_online(blocks: list[tuple[Spec, list[WorkerResult], float]], args: Any) -> str:
+    """The calibration section written into docs/benchmarks.md."""
+    cmd = "python -m benchmarks.e2e_cpu" + (" " + " ".join(args.argv) if args.argv else "")
+    lines = [
+        f"Command: `{cmd}` ({time.strftime('%Y-%m-%d')}, torch {torch.__version__}, "
+        f"{os.cpu_count()} CPU cores; load average at the start {args.load_start:.1f}).",
+        "",
+    ]
+    for spec, results, wall in blocks:
+        steps = {name: len(s) for name, s in spec.online.items()}
+        lines += [
+            f"**{spec.layout.name}** ({', '.join(f'{n}: {k} steps' for n, k in steps.items())} "
+            f"per run; {wall:.0f} s wall for the comparison):",
+            "",
+            online_table(spec, results),
+        ]
+    return "\n".join(lines)
+
+
+def write_docs(section: str, begin: str = BEGIN, end: str = END) -> None:
     """Replace the text between the markers of docs/benchmarks.md with ``section``."""
     text = DOC.read_text()
-    if BEGIN not in text or END not in text:
-        raise SystemExit(f"{DOC} lacks the markers {BEGIN} / {END}; add them where the table goes.")
-    head, rest = text.split(BEGIN, 1)
-    _, tail = rest.split(END, 1)
-    DOC.write_text(f"{head}{BEGIN}\n{section}\n{END}{tail}")
+    if begin not in text or end not in text:
+        raise SystemExit(f"{DOC} lacks the markers {begin} / {end}; add them where the table goes.")
+    head, rest = text.split(begin, 1)
+    _, tail = rest.split(end, 1)
+    DOC.write_text(f"{head}{begin}\n{section}\n{end}{tail}")
 
 
 def chart(blocks: list[tuple[Spec, list[Row], dict]], path: Path) -> None:
@@ -884,6 +1081,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timeout", type=float, default=1500.0, help="seconds per layout")
     parser.add_argument("--write-docs", action="store_true", help="update docs/benchmarks.md")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "out" / "e2e_cpu.json")
+    parser.add_argument(
+        "--online-steps", type=int, default=24, help="steps per run of the calibration comparison"
+    )
+    parser.add_argument(
+        "--online-datasets",
+        default="Wikipedia,LMsysChat1M",
+        help="comma list of datasets of the calibration comparison ('' for none)",
+    )
+    parser.add_argument(
+        "--online-only", action="store_true", help="only the calibration comparison (and its fit)"
+    )
     args = parser.parse_args(argv)
     raw = sys.argv[1:] if argv is None else argv
     args.argv = [a for a in raw if a != "--write-docs"]
@@ -893,15 +1101,20 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"unknown layouts {unknown}; choose from cp2, dp2cp2")
     blocks = []
+    online = []
     t = time.perf_counter()
     for layout in LAYOUTS:
         if layout.key not in keys:
             continue
         print(f"running {layout.name} ...", flush=True)
         spec, rows, info = run_layout(layout, args)
-        blocks.append((spec, rows, info))
-        print(render([(spec, rows, info)], args), flush=True)
-    section = render(blocks, args)
+        results = info.pop("results")
+        if spec.online:
+            online.append((spec, results, info["online_s"]))
+            print(render_online(online[-1:], args), flush=True)
+        if rows:
+            blocks.append((spec, rows, info))
+            print(render([(spec, rows, info)], args), flush=True)
     print(f"total {time.perf_counter() - t:.0f} s")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(
@@ -914,9 +1127,13 @@ def main(argv: list[str] | None = None) -> None:
         )
     )
     if args.write_docs:
-        write_docs(section)
-        chart(blocks, CHART)
-        print(f"wrote {DOC} and {CHART}")
+        if blocks:
+            write_docs(render(blocks, args))
+            chart(blocks, CHART)
+            print(f"wrote {DOC} and {CHART}")
+        if online:
+            write_docs(render_online(online, args), ONLINE_BEGIN, ONLINE_END)
+            print(f"wrote the calibration section of {DOC}")
 
 
 if __name__ == "__main__":

@@ -8,13 +8,17 @@ lengths are drawn log-uniformly. Times come from :func:`lightning_skrull.schedul
 with the cost model of each model's real shape and the default H100-class constants, then
 again with the compute constants ``benchmarks/cost_probe.py`` measured on one H200 (kept in
 ``benchmarks/measured/``); the lower bound from :func:`lightning_skrull.scheduling.lower_bound`.
-A last table varies the K/V all-gather bandwidth (CP groups that span nodes).
+A table varies the K/V all-gather bandwidth (CP groups that span nodes); the last one plans
+with the default constants and with constants calibrated online (the closed loop of
+``benchmarks/calibration_sim.py``) on machines with slower and faster links and larger
+overheads.
 
 Run::
 
     python -m benchmarks.simulate_paper            # prints the tables, writes docs/
     python -m benchmarks.simulate_paper --batches 5 --no-write
     python -m benchmarks.simulate_paper --ablation   # each step beyond the paper off alone
+    python -m benchmarks.simulate_paper --calibration-steps 0   # without the calibration table
 
 It writes ``docs/simulate_paper.md`` (the tables and the command) and
 ``docs/img/simulate_paper.png`` (a chart; needs matplotlib).
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from benchmarks import calibration_sim
 from benchmarks.lengths import DATASETS, SHORTEST, Dataset, sample_lengths
 from lightning_skrull.scheduling import (
     POLICIES,
@@ -350,6 +355,43 @@ def bandwidth_sensitivity(batches: int, seed: int) -> dict[tuple[str, str], list
     return out
 
 
+def calibration_section(
+    steps: int,
+    held: int,
+    seed: int,
+    machines: dict[str, dict[str, float]] | None = None,
+    datasets: tuple[str, ...] | None = None,
+    layouts: list[Setting] | None = None,
+) -> list[str]:
+    """Markdown lines: per paper setting, machine and dataset, the ratio to the true machine's
+    lower bound of plans from the default constants, from constants calibrated online over
+    ``steps`` global batches, and from the true constants (``held`` held-out batches each)."""
+    machines = calibration_sim.MACHINES if machines is None else machines
+    datasets = tuple(d.name for d in DATASETS) if datasets is None else datasets
+    lines = [
+        "",
+        "## Default constants against calibrated ones",
+        "",
+        "The default constants were never measured on the machine a user trains on. Online "
+        'calibration (`SkrullStrategy(calibration="online")`, docs/calibration.md) refits them '
+        f"while it trains: here a closed loop plans {steps} global batches with the "
+        "calibrator's current model, \"measures\" every micro-batch with the machine's true "
+        "constants times 3% log-normal noise and refits every 3 steps; "
+        f"{held} held-out batches per row are then planned with the default constants, the "
+        "calibrated ones and the true ones, and judged on the true machine: the ratio of the "
+        "summed simulated time to the summed lower bound (lower is better). The prediction "
+        "error is the calibrated model's median relative error on the micro-batches it saw.",
+        "",
+    ]
+    rows: list[str] = []
+    for i, s in enumerate(settings() if layouts is None else layouts):
+        layout = calibration_sim.Layout(s.shape, s.dp_size, s.cp_size, s.bucket_size, s.per_dp_rank)
+        found = calibration_sim.compare(layout, machines, datasets, steps, held, seed)
+        table = calibration_sim.comparison_lines(found, model=s.model)
+        rows += table if i == 0 else table[2:]
+    return lines + rows
+
+
 def format_tables(
     results,
     cluster,
@@ -359,6 +401,7 @@ def format_tables(
     bandwidths=None,
     paper_timing=(),
     runs=0,
+    calibration=(),
 ) -> str:
     """The Markdown report; ``cluster`` and ``paper_timing`` hold :meth:`PlanTimer.rows` from
     ``runs`` runs of every batch (see :func:`plan_timers`)."""
@@ -464,6 +507,7 @@ def format_tables(
     ]
     lines += target_lines(results, cluster, paper_timing)
     lines += list(measured_section)
+    lines += list(calibration)
     return "\n".join(lines) + "\n"
 
 
@@ -687,6 +731,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--ablation", action="store_true", help="print only the table of each step switched off"
     )
+    parser.add_argument(
+        "--calibration-steps",
+        type=int,
+        default=24,
+        help="steps of the online calibration table's closed loop (0: no table)",
+    )
     args = parser.parse_args(argv)
     if args.ablation:
         print(ablation(args.batches, args.seed))
@@ -720,6 +770,10 @@ def main(argv: list[str] | None = None) -> int:
         section = measured_tables(results_measured, measured, probe)
     bandwidths = bandwidth_sensitivity(args.batches, args.seed)
     time_planning()
+    calibration: list[str] = []
+    if args.calibration_steps > 0:
+        calibration = calibration_section(args.calibration_steps, 6, args.seed)
+        time_planning()
     report = format_tables(
         results,
         cluster.rows(),
@@ -729,12 +783,15 @@ def main(argv: list[str] | None = None) -> int:
         bandwidths,
         paper_timing=paper.rows(),
         runs=cluster.runs,
+        calibration=calibration,
     )
     print(report)
     if not args.no_write:
         command = "python -m benchmarks.simulate_paper"
         if args.batches != 20 or args.seed != 0:
             command += f" --batches {args.batches} --seed {args.seed}"
+        if args.calibration_steps != 24:
+            command += f" --calibration-steps {args.calibration_steps}"
         md = (
             "# Simulated reproduction of the paper's settings\n\n"
             f"Produced by `{command}`; the chart is `img/simulate_paper.png`.\n\n"

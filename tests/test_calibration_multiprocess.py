@@ -1,8 +1,18 @@
 """Online calibration on 4 gloo processes (DP2 x CP2), from a model that thinks communication free.
 
-One spawn runs three fits: calibration on (every rank ends with the same refitted model,
-different from the start), a resume from its checkpoint (the calibrated model is restored
-before any step), and calibration off (the model is left as given).
+One spawn runs every case:
+
+- calibration on, with 2 DataLoader workers and 9 global batches per epoch: every rank ends
+  with the same refitted model, different from the start; batches that the workers planned
+  ahead with the starting model are planned again with the refitted one; the trained weights
+  equal plain HF training on one process;
+- a resume from its checkpoint (the calibrated model is restored before any step);
+- calibration off (the model is left as given);
+- ZeRO-2 with calibration on: it refits, every rank ends with the same cost model, and the
+  weights equal plain HF training on one process.
+
+Every rank plans every batch with the model the schedule gives it, or the per-step plan-hash
+check stops the run.
 """
 
 from __future__ import annotations
@@ -12,11 +22,27 @@ import os
 import tempfile
 from typing import Any
 
-from helpers import BUCKET, GLOBAL_BATCH, BatchRecorder, PlainLM, cpu_trainer, make_data
+import lightning.pytorch as L
+import numpy as np
+import torch
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    LR,
+    PARAM_ATOL,
+    BatchRecorder,
+    PlainLM,
+    cpu_trainer,
+    make_data,
+    max_diff,
+    reference_model,
+    token_loss_sum,
+)
 
 from lightning_skrull.runtime.launch import spawn
 
 STEPS = 9  # refits after steps 3, 6 and 9 (the first within the first 10 steps)
+WORKER_SAMPLES = 72  # 9 global batches per epoch: the workers plan past the first adoption
 
 
 def _start_model() -> Any:
@@ -26,56 +52,117 @@ def _start_model() -> Any:
     return CostModel(comm_latency_s=0.0, comm_bandwidth=1e30)
 
 
-def _fit(calibration: str, steps: int, ckpt_path: str | None = None, **kwargs: Any) -> Any:
-    import lightning.pytorch as L
+def _reference(n: int, steps: int) -> dict[str, np.ndarray]:
+    """Plain HF training on one process: global batches of ``make_data(n)`` in dataset order,
+    epoch after epoch, SGD of ``LR``, the mean token loss of each global batch."""
+    data = make_data(n)
+    batches = len(data) // GLOBAL_BATCH
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        k = step % batches
+        total, tokens = torch.zeros(()), 0
+        for sample in data[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]:
+            loss, count = token_loss_sum(model, sample)
+            total, tokens = total + loss, tokens + count
+        optimizer.zero_grad()
+        (total / tokens).backward()
+        optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
-    from lightning_skrull import SkrullDataModule, SkrullStrategy
 
-    class ModelAtStart(L.Callback):
-        def on_train_start(self, trainer: Any, module: Any) -> None:
-            self.model = trainer.strategy.cost_model
+class _Watch(L.Callback):
+    """The cost model at the start, and per step the position and whether the batch was
+    planned with the starting model."""
 
-    recorder, at_start = BatchRecorder(), ModelAtStart()
-    strategy = SkrullStrategy(
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.model = trainer.strategy.cost_model
+        self.with_start: list[tuple[int, int, bool]] = []
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, i: int) -> None:
+        self.with_start.append((batch.epoch, batch.index, batch.planned_with == self.model))
+
+
+def _params(module: L.LightningModule) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().numpy().copy() for k, v in module.model.state_dict().items()}
+
+
+def _fit(
+    strategy: Any,
+    steps: int,
+    *,
+    samples: int = 24,
+    num_workers: int = 0,
+    ckpt_path: str | None = None,
+) -> tuple[L.Trainer, BatchRecorder, _Watch, PlainLM]:
+    from lightning_skrull import SkrullDataModule
+
+    recorder, watch = BatchRecorder(), _Watch()
+    trainer = cpu_trainer(strategy, max_steps=steps, callbacks=[recorder, watch])
+    data = SkrullDataModule(
+        train_data=make_data(samples),
+        global_batch_size=GLOBAL_BATCH,
+        shuffle=False,
+        num_workers=num_workers,
+    )
+    module = PlainLM()
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return trainer, recorder, watch, module
+
+
+def _skrull(calibration: str) -> Any:
+    from lightning_skrull import SkrullStrategy
+
+    return SkrullStrategy(
         cp_size=2, bucket_size=BUCKET, cost_model=_start_model(), calibration=calibration
     )
-    trainer = cpu_trainer(strategy, max_steps=steps, callbacks=[recorder, at_start], **kwargs)
-    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
-    trainer.fit(PlainLM(), data, ckpt_path=ckpt_path)
-    return trainer, recorder, at_start.model
 
 
 def _cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
+    from lightning_skrull import SkrullZero2Strategy
+
     out: dict[str, Any] = {}
-    trainer, recorder, _ = _fit("online", STEPS)
+    trainer, recorder, watch, module = _fit(
+        _skrull("online"), STEPS, samples=WORKER_SAMPLES, num_workers=2
+    )
     strategy = trainer.strategy
     out["online"] = dataclasses.asdict(strategy.cost_model)
     out["online_steps"] = recorder.steps
+    out["online_with_start"] = watch.with_start
+    out["online_params"] = _params(module)
     out["metrics"] = sorted(k for k in trainer.callback_metrics if "calibration" in k)
     path = os.path.join(ckpt_dir, "calibrated.ckpt")
     trainer.save_checkpoint(path)
 
-    _, _, restored = _fit("online", STEPS + 1, ckpt_path=path)
-    out["restored"] = dataclasses.asdict(restored)
+    _, _, watch, _ = _fit(_skrull("online"), STEPS + 1, samples=WORKER_SAMPLES, ckpt_path=path)
+    out["restored"] = dataclasses.asdict(watch.model)
 
-    trainer, recorder, _ = _fit("off", 3)
+    trainer, recorder, _, _ = _fit(_skrull("off"), 3)
     out["off"] = dataclasses.asdict(trainer.strategy.cost_model)
     out["off_steps"] = recorder.steps
+
+    zero2 = SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET, cost_model=_start_model())
+    trainer, recorder, watch, module = _fit(zero2, STEPS)
+    out["zero2"] = dataclasses.asdict(trainer.strategy.cost_model)
+    out["zero2_steps"] = recorder.steps
+    out["zero2_with_start"] = watch.with_start
+    out["zero2_params"] = _params(module)
     return out
+
+
+def _uneven(results: list[dict[str, Any]], key: str) -> list[int]:
+    """Steps whose plan gave the two DP ranks (ranks 0 and 2) different micro-batch counts."""
+    steps = results[0][key]
+    return [k for k in range(len(steps)) if steps[k]["planned"] != results[2][key][k]["planned"]]
 
 
 def test_online_calibration_on_four_ranks() -> None:
     start = dataclasses.asdict(_start_model())
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        results = spawn(_cases, 4, ckpt_dir, timeout=600)
-    # the case needs DP ranks with different micro-batch counts in its steps
-    for key in ("online_steps", "off_steps"):
-        uneven = [
-            k
-            for k in range(len(results[0][key]))
-            if results[0][key][k]["planned"] != results[2][key][k]["planned"]
-        ]
-        assert uneven, f"{key}: every step gave both DP ranks the same micro-batch count"
+        results = spawn(_cases, 4, ckpt_dir, timeout=900)
+    # every case needs DP ranks with different micro-batch counts in its steps
+    for key in ("online_steps", "off_steps", "zero2_steps"):
+        assert _uneven(results, key), f"{key}: every step gave both DP ranks the same count"
     online = [r["online"] for r in results]
     assert all(m == online[0] for m in online), "ranks ended with different calibrated models"
     assert online[0] != start
@@ -86,3 +173,32 @@ def test_online_calibration_on_four_ranks() -> None:
     assert all(r["off"] == start for r in results)
     assert "skrull/calibration/prediction_error" in results[0]["metrics"]
     assert "skrull/calibration/achieved_tflops" in results[0]["metrics"]
+
+    # DataLoader workers copy the schedule when an epoch's iteration starts (here: only the
+    # starting model in epoch 0). A batch of epoch 0 planned with another model was planned
+    # again in the main process after a refit; the first refit (after step 3) plans from
+    # batch 4 on, so every later batch of epoch 0 was.
+    for r in results:
+        in_epoch_0 = [(i, same) for e, i, same in r["online_with_start"] if e == 0]
+        assert [i for i, _ in in_epoch_0] == list(range(STEPS))
+        assert all(same for i, same in in_epoch_0 if i < 4)
+        assert not any(same for i, same in in_epoch_0 if i >= 4)
+
+    # Float32 parity with plain HF on one process: the packed, sharded computation sums the
+    # same token terms in another order and the gradients are averaged over 4 ranks, which
+    # PARAM_ATOL (float32 rounding over a few SGD steps) covers.
+    reference = _reference(WORKER_SAMPLES, STEPS)
+    for r in results:
+        assert max_diff(r["online_params"], reference) < PARAM_ATOL
+
+    # ZeRO-2: it refitted (the first refit moves the FLOP/s down its whole 2x bound), every
+    # rank holds the same model, refitted models planned the batches from batch 4 on, and the
+    # weights equal plain HF training (3 global batches per epoch, 3 epochs)
+    zero2 = [r["zero2"] for r in results]
+    assert all(m == zero2[0] for m in zero2), "ZeRO-2 ranks ended with different models"
+    assert zero2[0]["achieved_flops"] <= start["achieved_flops"] / 2 * (1 + 1e-9)
+    for r in results:
+        assert not any(same for _, i, same in r["zero2_with_start"][4:])
+    reference = _reference(24, STEPS)
+    for r in results:
+        assert max_diff(r["zero2_params"], reference) < PARAM_ATOL

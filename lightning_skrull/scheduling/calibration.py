@@ -38,6 +38,7 @@ The fit is built for measurements taken while training:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 from collections.abc import Sequence
@@ -171,6 +172,29 @@ class OnlineCalibrator:
     def observed_rows(self) -> int:
         """Micro-batch measurements in the window."""
         return self._rows
+
+    def observations(self) -> list[tuple[GlobalBatchPlan, tuple[int, ...], float]]:
+        """Every measured micro-batch in the window, one ``(plan, lengths, seconds)`` each.
+
+        ``plan`` is a plan of one DP rank holding only that micro-batch, so each can be given
+        to :func:`~lightning_skrull.scheduling.fit.fit_cost_model` as a sample of its own
+        (an offline fit over the same rows the online one uses).
+        """
+        out = []
+        for step in self._steps:
+            for mbs, measured in zip(step.plan.micro_batches, step.seconds, strict=True):
+                for mb, v in zip(mbs, measured, strict=True):
+                    if math.isfinite(v):
+                        one = dataclasses.replace(step.plan, micro_batches=((mb,),), dp_size=1)
+                        out.append((one, step.lengths, v))
+        return out
+
+    def error_of(self, model: CostModel) -> float | None:
+        """Median relative error ``|predicted - measured| / measured`` of ``model`` on the
+        micro-batches in the window (``None`` before any was observed)."""
+        if not self._steps:
+            return None
+        return _median_error(self._design(model), self._measured(), unknowns(model))
 
     def observe(
         self,
