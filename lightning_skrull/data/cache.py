@@ -79,9 +79,17 @@ _LINES_PER_CHUNK = 512
 _ROWS_PER_BATCH = 8192
 
 
+CACHE_ENV = "LIGHTNING_SKRULL_CACHE"
+"""An environment variable that, when set, names the directory of caches."""
+
+
 def default_cache_dir() -> Path:
-    """``$HF_HOME/lightning_skrull/data`` when ``HF_HOME`` is set, else
-    ``$XDG_CACHE_HOME/lightning_skrull/data`` (``~/.cache`` when that is unset)."""
+    """``$LIGHTNING_SKRULL_CACHE`` when set, else ``$HF_HOME/lightning_skrull/data`` when
+    ``HF_HOME`` is set, else ``$XDG_CACHE_HOME/lightning_skrull/data`` (``~/.cache`` when that
+    is unset)."""
+    own = os.environ.get(CACHE_ENV)
+    if own:
+        return Path(own).expanduser()
     hf_home = os.environ.get("HF_HOME")
     if hf_home:
         return Path(hf_home).expanduser() / "lightning_skrull" / "data"
@@ -137,7 +145,7 @@ class CacheSpec:
     """Everything that makes a cache: its sources, how they are tokenised, and where it lives.
 
     Attributes:
-        sources: resolved file paths, or one ``datasets.Dataset``.
+        sources: file paths (as given: errors name them so), or one ``datasets.Dataset``.
         tokenizer: the tokenizer for chat samples (or ``None``).
         chat_template_kwargs: extra arguments of ``apply_chat_template``.
         root: the cache directory that holds this cache.
@@ -151,7 +159,7 @@ class CacheSpec:
     def key_parts(self) -> dict[str, Any]:
         """What the key hashes (stored in the manifest, readable)."""
         if isinstance(self.sources, tuple):
-            sources = [str(p) for p in self.sources]
+            sources = [str(p.resolve()) for p in self.sources]
         else:
             sources = [f"datasets.Dataset {self.sources._fingerprint} ({len(self.sources)} rows)"]
         return {
@@ -192,7 +200,7 @@ def make_spec(
     if paths is not None:
         for path in paths:
             check_file(path)
-        sources: Any = tuple(p.resolve() for p in paths)
+        sources: Any = tuple(paths)
     elif is_cacheable(data):
         sources = data
     else:
@@ -629,7 +637,7 @@ def _build(tmp: Path, spec: CacheSpec, num_proc: int, progress: bool | None) -> 
                     origins.append(
                         {"start": start, "source": str(path), "lines": None, "count": rows}
                     )
-                files.append({"path": str(path), **stat, "sha256": sha})
+                files.append({"path": str(path.resolve()), **stat, "sha256": sha})
         else:
             dataset = spec.sources
             arrow = dataset.with_format("arrow")
