@@ -36,6 +36,7 @@ import json
 import logging
 import multiprocessing
 import os
+import pickle
 import shutil
 import time
 import uuid
@@ -372,7 +373,7 @@ def cached_sft_data(
                 tmp = spec.root / f"{final.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
                 try:
                     tmp.mkdir()
-                    manifest = _build(tmp, spec, num_proc or default_num_proc(), progress)
+                    manifest = _build_apart(tmp, spec, num_proc or default_num_proc(), progress)
                     _install(tmp, final)
                 finally:
                     shutil.rmtree(tmp, ignore_errors=True)
@@ -381,6 +382,53 @@ def cached_sft_data(
     cached = CachedData(dataset, final, built, time.perf_counter() - start)
     log.info(cached.describe())
     return cached
+
+
+def _build_apart(
+    tmp: Path, spec: CacheSpec, num_proc: int, progress: bool | None
+) -> dict[str, Any]:
+    """:func:`_build` in a forked child process, so that the memory the build allocates (parse
+    buffers, Arrow batches, allocator caches) is returned when it exits rather than kept by
+    the training process; in this process where ``fork`` does not exist."""
+    if "fork" not in multiprocessing.get_all_start_methods():  # pragma: no cover - not POSIX
+        return _build(tmp, spec, num_proc, progress)
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+    child = context.Process(target=_build_in_child, args=(send, tmp, spec, num_proc, progress))
+    child.start()
+    send.close()
+    try:
+        ok, result = receive.recv()
+    except EOFError:
+        child.join()
+        raise RuntimeError(
+            f"The process that built the SFT data cache in {tmp} died (exit code "
+            f"{child.exitcode}) before it finished; out of memory? Run again to rebuild it."
+        ) from None
+    finally:
+        receive.close()
+        if child.is_alive():
+            child.join(timeout=60)
+            if child.is_alive():
+                child.terminate()
+    if ok:
+        return cast(dict[str, Any], result)
+    raise cast(BaseException, result)
+
+
+def _build_in_child(
+    send: Any, tmp: Path, spec: CacheSpec, num_proc: int, progress: bool | None
+) -> None:
+    try:
+        result: tuple[bool, Any] = (True, _build(tmp, spec, num_proc, progress))
+    except BaseException as err:  # sent to the parent, which raises it
+        try:
+            pickle.dumps(err)
+            result = (False, err)
+        except Exception:  # an exception that does not pickle: its type and message
+            result = (False, RuntimeError(f"{type(err).__name__}: {err}"))
+    send.send(result)
+    send.close()
 
 
 def _install(tmp: Path, final: Path) -> None:
