@@ -232,10 +232,16 @@ def _rank_startup(
 ) -> tuple[float, int]:
     """Seconds from the ranks' start (after imports, aligned) to the first training step, and
     this rank's USS growth over that time."""
+    import logging
+    import warnings
+
     import torch.distributed as dist
 
     from lightning_skrull import SkrullDataModule, SkrullStrategy
 
+    warnings.filterwarnings("ignore")  # the table, not Lightning's advice, on the console
+    for name in ("lightning.pytorch", "lightning.fabric", "lightning_skrull"):
+        logging.getLogger(name).setLevel(logging.ERROR)
     module = _StartupLM(vocab)
     first = _FirstStep()
     trainer = L.Trainer(

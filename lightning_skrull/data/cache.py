@@ -238,8 +238,11 @@ class CachedData:
 
 
 def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
     with path.open("rb") as handle:
-        return hashlib.file_digest(handle, "sha256").hexdigest()
+        while block := handle.read(1 << 22):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _file_stat(path: Path) -> dict[str, int]:
