@@ -31,6 +31,7 @@ first and reuses its result. A stale cache (a changed file, a truncated array) i
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import logging
@@ -172,7 +173,7 @@ class CacheSpec:
             ),
         }
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
         """A 20-hex-digit hash of :meth:`key_parts`."""
         text = json.dumps(self.key_parts(), sort_keys=True)
