@@ -13,6 +13,7 @@ CUDA memory queries replaced by a linear memory model. The measurement itself is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import warnings
@@ -90,11 +91,17 @@ def clean_world() -> Iterator[None]:
         os.environ.update(saved)
 
 
-def fake_world(world_size: int) -> None:
-    """An in-process process group of ``world_size`` ranks whose collectives do nothing."""
+def fake_world(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process process group of ``world_size`` ranks whose collectives do nothing.
+
+    Lightning waits for ``prepare_data`` in a barrier on a new gloo group, which a fake group
+    cannot make; with collectives that do nothing, that barrier is replaced by nothing.
+    """
+    from lightning.pytorch.trainer.connectors import data_connector
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    monkeypatch.setattr(data_connector, "_InfiniteBarrier", contextlib.nullcontext)
 
 
 def fit(
@@ -217,16 +224,18 @@ def test_cp_size_larger_than_the_world(clean_world: None) -> None:
         fit(SkrullStrategy(cp_size=2, bucket_size=64), SkrullDataModule(GOOD, global_batch_size=4))
 
 
-def test_world_not_divisible_by_cp_size(clean_world: None) -> None:
-    fake_world(3)
+def test_world_not_divisible_by_cp_size(clean_world: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_world(3, monkeypatch)
     with pytest.raises(
         ValueError, match=r"world has 3 ranks, which is not a multiple of cp_size 2.*\[1, 3\]"
     ):
         fit(SkrullStrategy(cp_size=2, bucket_size=64), SkrullDataModule(GOOD, global_batch_size=4))
 
 
-def test_global_batch_smaller_than_the_dp_size(clean_world: None) -> None:
-    fake_world(4)  # cp_size 2: two DP ranks
+def test_global_batch_smaller_than_the_dp_size(
+    clean_world: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake_world(4, monkeypatch)  # cp_size 2: two DP ranks
     module = TinyLM()
     with pytest.raises(
         ValueError, match=r"global_batch_size=1 is smaller than the 2 DP ranks.*>= 2"

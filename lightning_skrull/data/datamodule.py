@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, cast
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
 
 from lightning_skrull.config import DataConfig
@@ -33,6 +34,7 @@ from lightning_skrull.data.batch import (
     is_skrull_training_strategy,
 )
 from lightning_skrull.data.bundled import load_bundled_dataset
+from lightning_skrull.data.cache import cached_sft_data, is_cacheable
 from lightning_skrull.data.dataset import SFTDataset
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import SFTData, load_sft_data
@@ -252,16 +254,8 @@ def split_dataset(
     return SampleView(dataset, train), SampleView(dataset, sorted(held))
 
 
-def _load(
-    data: SFTData, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None
-) -> SFTDataset:
-    if isinstance(data, str) and data.startswith(BUNDLED_PREFIX):
-        return load_bundled_dataset(data[len(BUNDLED_PREFIX) :] or "mixed_tiny")
-    if isinstance(tokenizer, (str, os.PathLike)):
-        from transformers import AutoTokenizer
-
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer)
-    return load_sft_data(data, tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs)
+def _is_bundled(data: SFTData) -> bool:
+    return isinstance(data, str) and data.startswith(BUNDLED_PREFIX)
 
 
 class SkrullDataModule(pl.LightningDataModule):
@@ -292,6 +286,14 @@ class SkrullDataModule(pl.LightningDataModule):
             applied and only assistant tokens are supervised.
         chat_template_kwargs: extra arguments for ``tokenizer.apply_chat_template``.
         truncate: cut samples longer than ``cp_size * bucket_size`` instead of raising.
+        cache_dir: where data files and file-backed ``datasets.Dataset`` inputs are tokenised
+            once and cached as memory-mapped arrays (default: ``$LIGHTNING_SKRULL_CACHE``, else
+            ``$HF_HOME/lightning_skrull/data``,
+            else ``$XDG_CACHE_HOME/lightning_skrull/data``, else
+            ``~/.cache/lightning_skrull/data``). In-memory samples and ``bundled:`` data are
+            never cached.
+        num_proc: worker processes that tokenise while the cache is built (default: the CPUs
+            available, at most 8).
 
     Raises:
         ValueError: a bad option (see :class:`~lightning_skrull.config.DataConfig`).
@@ -313,6 +315,8 @@ class SkrullDataModule(pl.LightningDataModule):
         tokenizer: Any = None,
         chat_template_kwargs: dict[str, Any] | None = None,
         truncate: bool = False,
+        cache_dir: str | os.PathLike[str] | None = None,
+        num_proc: int | None = None,
     ) -> None:
         super().__init__()
         if val_split and val_data is not None:
@@ -335,12 +339,58 @@ class SkrullDataModule(pl.LightningDataModule):
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.truncate = truncate
+        if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)):
+            raise TypeError(f"num_proc must be an int or None, got {num_proc!r}.")
+        if num_proc is not None and num_proc < 1:
+            raise ValueError(f"num_proc must be >= 1 (worker processes), got {num_proc}.")
+        self.cache_dir = cache_dir
+        self.num_proc = num_proc
+        self._tokenizer_object: Any = None
         self.train_dataset: SFTDataset | SampleView | None = None
         self.val_dataset: SFTDataset | SampleView | None = None
         self.test_dataset: SFTDataset | None = None
         self._bucket_size: int | None = None
 
     # ------------------------------------------------------------------ Lightning hooks
+    def prepare_data(self) -> None:
+        """Tokenise data files once into the cache (Lightning runs this on one process per
+        node, before ``setup`` on every process); a cache that is up to date is reused."""
+        for data in (self.train_data, self.val_data, self.test_data):
+            if data is not None and not _is_bundled(data) and is_cacheable(data):
+                self._cached(data)
+
+    def _tokenizer(self) -> Any:
+        if self._tokenizer_object is None:
+            tokenizer = self.tokenizer
+            if isinstance(tokenizer, (str, os.PathLike)):
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(tokenizer)
+            self._tokenizer_object = tokenizer
+        return self._tokenizer_object
+
+    def _cached(self, data: SFTData) -> SFTDataset:
+        cached = cached_sft_data(
+            data,
+            tokenizer=self._tokenizer(),
+            chat_template_kwargs=self.chat_template_kwargs,
+            cache_dir=self.cache_dir,
+            num_proc=self.num_proc,
+        )
+        rank_zero_info(cached.describe())
+        return cached.dataset
+
+    def _load(self, data: SFTData) -> SFTDataset:
+        if _is_bundled(data):
+            return load_bundled_dataset(data[len(BUNDLED_PREFIX) :] or "mixed_tiny")
+        if is_cacheable(data):
+            # prepare_data built it; a process that finds it absent (prepare_data ran on another
+            # node, or not at all) builds it under the cache's lock, so it is never half-read
+            return self._cached(data)
+        return load_sft_data(
+            data, tokenizer=self._tokenizer(), chat_template_kwargs=self.chat_template_kwargs
+        )
+
     def setup(self, stage: str) -> None:
         """Read (and tokenise) the data; the checks against the model come with the loaders."""
         if stage == "fit" and self.train_data is None:
@@ -349,7 +399,7 @@ class SkrullDataModule(pl.LightningDataModule):
                 "JSONL/parquet path(s), or 'bundled:mixed_tiny'."
             )
         if self.train_data is not None and self.train_dataset is None:
-            dataset = _load(self.train_data, self.tokenizer, self.chat_template_kwargs)
+            dataset = self._load(self.train_data)
             if self.config.val_split:
                 self.train_dataset, self.val_dataset = split_dataset(
                     dataset, self.config.val_split, seed=self.config.seed
@@ -357,9 +407,9 @@ class SkrullDataModule(pl.LightningDataModule):
             else:
                 self.train_dataset = dataset
         if self.val_data is not None and self.val_dataset is None:
-            self.val_dataset = _load(self.val_data, self.tokenizer, self.chat_template_kwargs)
+            self.val_dataset = self._load(self.val_data)
         if self.test_data is not None and self.test_dataset is None:
-            self.test_dataset = _load(self.test_data, self.tokenizer, self.chat_template_kwargs)
+            self.test_dataset = self._load(self.test_data)
 
     def train_dataloader(self) -> SkrullDataLoader:
         """This rank's loader of training global batches."""

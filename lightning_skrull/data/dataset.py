@@ -20,7 +20,7 @@ from __future__ import annotations
 import bisect
 import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,12 +75,100 @@ def _check_positive_int(name: str, value: object) -> int:
     return int(value)
 
 
+def sample_of_token(offsets: np.ndarray, flat_position: int) -> tuple[int, int]:
+    """``(sample, position in it)`` of a position in the flat token array."""
+    index = int(np.searchsorted(offsets, flat_position, side="right")) - 1
+    return index, flat_position - int(offsets[index])
+
+
+def check_empty_samples(offsets: np.ndarray, describe: Callable[[int], str]) -> None:
+    """Refuses a sample without tokens (``offsets`` of the samples to check)."""
+    lengths = np.diff(offsets)
+    if (lengths < 0).any():
+        raise ValueError("offsets must be non-decreasing.")
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):
+        raise ValueError(
+            f"{describe(int(empty[0]))} has empty input_ids ({len(empty)} such sample(s)); "
+            "every sample needs at least one token. Remove empty samples from the data."
+        )
+
+
+def check_int32_column(
+    name: str,
+    values: np.ndarray,
+    offsets: np.ndarray,
+    describe: Callable[[int], str],
+    *,
+    allow_ignore: bool,
+) -> np.ndarray:
+    """Checks integer type and range of a flat column and returns it as ``int32``.
+
+    ``offsets`` place the samples in ``values``; ``describe`` names sample ``i`` of them.
+    """
+    if values.size and values.dtype.kind not in "iu":
+        raise ValueError(
+            f"{name} must hold integers, got dtype {values.dtype}; convert the token ids to int "
+            "(for a datasets.Dataset: dataset.cast_column(...) to a list of int64)."
+        )
+    if allow_ignore:
+        bad = np.flatnonzero((values < 0) & (values != IGNORE_INDEX))
+        rule = f"labels must be {IGNORE_INDEX} (not supervised) or a token id >= 0"
+        fix = f"use {IGNORE_INDEX} for every token that is not supervised"
+    else:
+        bad = np.flatnonzero(values < 0)
+        rule = "token ids must be >= 0"
+        fix = "fix the tokenisation; padding or masking belongs in labels (-100), not input_ids"
+    if len(bad):
+        index, position = sample_of_token(offsets, int(bad[0]))
+        raise ValueError(
+            f"{describe(index)}: {name}[{position}] = {int(values[bad[0]])}; {rule}. "
+            f"Fix: {fix}. ({len(bad)} such value(s) in the dataset.)"
+        )
+    if values.size and int(values.max()) > _INT32_MAX:
+        flat = int(np.argmax(values))
+        index, position = sample_of_token(offsets, flat)
+        raise ValueError(
+            f"{describe(index)}: {name}[{position}] = {int(values[flat])} is beyond any "
+            f"vocabulary (token ids must be < 2**31); check the tokenisation of this sample."
+        )
+    return values.astype(np.int32, copy=False)
+
+
+def empty_data_error(sources: Sequence[str]) -> ValueError:
+    """The error for a dataset of 0 samples read from ``sources``."""
+    where = f" (read from {', '.join(sorted(set(sources)))})" if sources else ""
+    return ValueError(
+        f"The training data is empty: 0 samples{where}. Give at least one sample "
+        '{"input_ids": [...], "labels": [...]}.'
+    )
+
+
+def nothing_supervised_error(num_labels: int) -> ValueError:
+    """The error for a dataset whose ``num_labels`` labels are all ``-100``."""
+    return ValueError(
+        f"No sample has a supervised token: all {num_labels} labels are {IGNORE_INDEX}, "
+        "so training would learn nothing. Keep the labels of the tokens to learn (for "
+        "chat data, the assistant turns) and set only the prompt tokens to -100."
+    )
+
+
+@dataclass(frozen=True)
+class ValueRange:
+    """The largest token id and label of a dataset, known when it was built (a cache stores
+    them), so that the vocabulary check needs no pass over the tokens."""
+
+    max_input_id: int
+    max_label: int | None
+
+
 class SFTDataset(torch.utils.data.Dataset):
     """Map-style dataset of tokenised SFT samples.
 
     ``dataset[i]`` is ``{"input_ids": list[int], "labels": list[int]}``; a label of ``-100``
     marks a token that is not supervised. Build one with
     :func:`~lightning_skrull.data.load_sft_data`; the constructor takes the flat storage directly.
+    The arrays may be memory-mapped (``numpy.memmap``): they are only read, never copied.
 
     Args:
         input_ids: every sample's token ids, concatenated (1-D integer array).
@@ -110,28 +198,17 @@ class SFTDataset(torch.utils.data.Dataset):
                 "offsets must be a 1-D array starting at 0 with one entry per sample + 1."
             )
         if len(offsets) == 1:
-            sources = sorted({o.source for o in self._origins if o.source})
-            where = f" (read from {', '.join(sources)})" if sources else ""
-            raise ValueError(
-                f"The training data is empty: 0 samples{where}. Give at least one sample "
-                '{"input_ids": [...], "labels": [...]}.'
-            )
+            raise empty_data_error([o.source for o in self._origins if o.source])
         if input_ids.ndim != 1 or offsets[-1] != len(input_ids):
             raise ValueError(
                 f"offsets end at {int(offsets[-1])} but input_ids holds {input_ids.size} tokens; "
                 "they must describe the same flat array."
             )
-        self._offsets = offsets
-        lengths = np.diff(offsets)
-        if (lengths < 0).any():
-            raise ValueError("offsets must be non-decreasing.")
-        empty = np.flatnonzero(lengths == 0)
-        if len(empty):
-            raise ValueError(
-                f"{self.describe(int(empty[0]))} has empty input_ids ({len(empty)} such sample(s)); "
-                "every sample needs at least one token. Remove empty samples from the data."
-            )
-        self._input_ids = self._as_int32("input_ids", input_ids, allow_ignore=False)
+        check_empty_samples(offsets, self.describe)
+        ids32 = check_int32_column(
+            "input_ids", input_ids, offsets, self.describe, allow_ignore=False
+        )
+        labels32: np.ndarray | None = None
         if labels is not None:
             labels = np.asarray(labels)
             if labels.shape != input_ids.shape:
@@ -139,52 +216,48 @@ class SFTDataset(torch.utils.data.Dataset):
                     f"labels hold {labels.size} values but input_ids {input_ids.size}; give one label "
                     "per token."
                 )
-            self._labels: np.ndarray | None = self._as_int32("labels", labels, allow_ignore=True)
-            if (self._labels == IGNORE_INDEX).all():
-                raise ValueError(
-                    f"No sample has a supervised token: all {labels.size} labels are {IGNORE_INDEX}, "
-                    "so training would learn nothing. Keep the labels of the tokens to learn (for "
-                    "chat data, the assistant turns) and set only the prompt tokens to -100."
-                )
-        else:
-            self._labels = None
-        self._lengths: list[int] = lengths.tolist()
+            labels32 = check_int32_column(
+                "labels", labels, offsets, self.describe, allow_ignore=True
+            )
+            if (labels32 == IGNORE_INDEX).all():
+                raise nothing_supervised_error(labels.size)
+        self._set_storage(ids32, offsets, labels32, None)
+
+    @classmethod
+    def from_checked(
+        cls,
+        input_ids: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray | None,
+        *,
+        value_range: ValueRange,
+        origins: Sequence[Origin] = (),
+    ) -> SFTDataset:
+        """A dataset over storage that was checked when it was written (a cache).
+
+        No pass over the tokens: the arrays (``int32`` tokens, ``int64`` offsets, typically
+        memory-mapped) are used as they are; ``value_range`` replaces the vocabulary scan.
+        """
+        dataset = cls.__new__(cls)
+        dataset._origins = tuple(origins)
+        dataset._set_storage(input_ids, offsets, labels, value_range)
+        return dataset
+
+    def _set_storage(
+        self,
+        input_ids: np.ndarray,
+        offsets: np.ndarray,
+        labels: np.ndarray | None,
+        value_range: ValueRange | None,
+    ) -> None:
+        self._input_ids = input_ids
+        self._labels = labels
+        self._offsets = offsets  # storage: never changed, truncation shortens _sizes only
+        self._sizes = np.diff(offsets)  # tokens of each sample as trained (after truncation)
+        self._lengths: list[int] = self._sizes.tolist()
+        self._value_range = value_range
 
     # ------------------------------------------------------------------ checks
-    def _sample_of_token(self, flat_position: int) -> tuple[int, int]:
-        index = int(np.searchsorted(self._offsets, flat_position, side="right")) - 1
-        return index, flat_position - int(self._offsets[index])
-
-    def _as_int32(self, name: str, values: np.ndarray, *, allow_ignore: bool) -> np.ndarray:
-        """Checks integer type and range of a flat column and returns it as ``int32``."""
-        if values.size and values.dtype.kind not in "iu":
-            raise ValueError(
-                f"{name} must hold integers, got dtype {values.dtype}; convert the token ids to int "
-                "(for a datasets.Dataset: dataset.cast_column(...) to a list of int64)."
-            )
-        if allow_ignore:
-            bad = np.flatnonzero((values < 0) & (values != IGNORE_INDEX))
-            rule = f"labels must be {IGNORE_INDEX} (not supervised) or a token id >= 0"
-            fix = f"use {IGNORE_INDEX} for every token that is not supervised"
-        else:
-            bad = np.flatnonzero(values < 0)
-            rule = "token ids must be >= 0"
-            fix = "fix the tokenisation; padding or masking belongs in labels (-100), not input_ids"
-        if len(bad):
-            index, position = self._sample_of_token(int(bad[0]))
-            raise ValueError(
-                f"{self.describe(index)}: {name}[{position}] = {int(values[bad[0]])}; {rule}. "
-                f"Fix: {fix}. ({len(bad)} such value(s) in the dataset.)"
-            )
-        if values.size and int(values.max()) > _INT32_MAX:
-            flat = int(np.argmax(values))
-            index, position = self._sample_of_token(flat)
-            raise ValueError(
-                f"{self.describe(index)}: {name}[{position}] = {int(values[flat])} is beyond any "
-                f"vocabulary (token ids must be < 2**31); check the tokenisation of this sample."
-            )
-        return values.astype(np.int32, copy=False)
-
     def describe(self, index: int) -> str:
         """Names sample ``index`` with its file and line (or row) when known."""
         return describe_sample(index, self._origins)
@@ -216,12 +289,16 @@ class SFTDataset(torch.utils.data.Dataset):
         """
         if vocab_size is not None:
             vocab_size = _check_positive_int("vocab_size", vocab_size)
-            self._check_vocab("input_ids", self._input_ids, vocab_size)
-            if self._labels is not None:
+            known = self._value_range
+            if known is None or known.max_input_id >= vocab_size:
+                self._check_vocab("input_ids", self._input_ids, vocab_size)
+            if self._labels is not None and (
+                known is None or known.max_label is None or known.max_label >= vocab_size
+            ):
                 self._check_vocab("labels", self._labels, vocab_size)
         if max_tokens is not None:
             max_tokens = _check_positive_int("max_tokens", max_tokens)
-            lengths = np.diff(self._offsets)
+            lengths = self._sizes
             too_long = np.flatnonzero(lengths > max_tokens)
             if len(too_long):
                 if not truncate:
@@ -242,7 +319,7 @@ class SFTDataset(torch.utils.data.Dataset):
     def _check_vocab(self, name: str, values: np.ndarray, vocab_size: int) -> None:
         bad = np.flatnonzero(values >= vocab_size)
         if len(bad):
-            index, position = self._sample_of_token(int(bad[0]))
+            index, position = sample_of_token(self._offsets, int(bad[0]))
             raise ValueError(
                 f"{self.describe(index)}: {name}[{position}] = {int(values[bad[0]])} is not below "
                 f"the model's vocab_size = {vocab_size} ({len(bad)} such value(s), largest "
@@ -251,25 +328,20 @@ class SFTDataset(torch.utils.data.Dataset):
             )
 
     def _truncate(self, max_tokens: int, too_long: np.ndarray) -> None:
-        lengths = np.diff(self._offsets)
-        starts = self._offsets[:-1]
-        position_in_sample = np.arange(len(self._input_ids)) - np.repeat(starts, lengths)
-        keep = position_in_sample < max_tokens
-        new_lengths = np.minimum(lengths, max_tokens)
-        labels = self._labels[keep] if self._labels is not None else None
+        """Shortens the over-long samples' lengths; the token storage is not touched."""
+        longest = int(self._sizes.max())
         lost_all = 0
-        if labels is not None:
-            new_offsets = np.concatenate(([0], np.cumsum(new_lengths)))
-            supervised = np.add.reduceat(labels != IGNORE_INDEX, new_offsets[:-1])
-            lost_all = int((supervised[too_long] == 0).sum())
-        self._input_ids = self._input_ids[keep]
-        self._labels = labels
-        self._offsets = np.concatenate(([0], np.cumsum(new_lengths))).astype(np.int64)
-        self._lengths = new_lengths.tolist()
+        if self._labels is not None:
+            for i in too_long.tolist():
+                start = int(self._offsets[i])
+                kept = self._labels[start : start + max_tokens]
+                lost_all += not bool((kept != IGNORE_INDEX).any())
+        self._sizes = np.minimum(self._sizes, max_tokens)
+        self._lengths = self._sizes.tolist()
         lost = f"; {lost_all} of them kept no supervised token" if lost_all else ""
         warnings.warn(
             f"Truncated {len(too_long)} of {len(self)} samples to max_tokens = {max_tokens} "
-            f"(longest was {int(lengths.max())} tokens){lost}. Raise bucket_size or cp_size to "
+            f"(longest was {longest} tokens){lost}. Raise bucket_size or cp_size to "
             "train on whole samples.",
             TruncationWarning,
             stacklevel=3,
@@ -284,7 +356,7 @@ class SFTDataset(torch.utils.data.Dataset):
     @property
     def num_tokens(self) -> int:
         """Total tokens over all samples."""
-        return int(self._offsets[-1])
+        return int(self._sizes.sum())
 
     def __len__(self) -> int:
         return len(self._offsets) - 1
@@ -301,7 +373,8 @@ class SFTDataset(torch.utils.data.Dataset):
             i += n
         if not 0 <= i < n:
             raise IndexError(f"sample index {index} out of range for a dataset of {n} samples")
-        start, end = int(self._offsets[i]), int(self._offsets[i + 1])
+        start = int(self._offsets[i])
+        end = start + int(self._sizes[i])
         ids = self._input_ids[start:end].tolist()
         labels = self._labels[start:end].tolist() if self._labels is not None else list(ids)
         return {"input_ids": ids, "labels": labels}

@@ -16,13 +16,20 @@ import json
 import os
 import sys
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, cast, overload
 
 import numpy as np
 
 from lightning_skrull.data.chat import check_chat_tokenizer, tokenize_chat
-from lightning_skrull.data.dataset import Origin, SFTDataset
+from lightning_skrull.data.dataset import (
+    Origin,
+    SFTDataset,
+    check_empty_samples,
+    check_int32_column,
+    describe_sample,
+)
 
 JSONL_SUFFIXES = (".jsonl", ".json")
 PARQUET_SUFFIXES = (".parquet",)
@@ -75,7 +82,7 @@ def _check_shapes(ids: np.ndarray, labels: np.ndarray | None, where: str) -> Non
         )
 
 
-class _Builder:
+class SampleBuilder:
     """Accumulates per-sample arrays, then builds one :class:`SFTDataset`."""
 
     def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None) -> None:
@@ -125,33 +132,40 @@ class _Builder:
         self.ids.append(ids)
         self.labels.append(labels)
 
-    def add_table(self, table: Any, source: str) -> None:
-        """Adds every row of a ``pyarrow.Table`` (parquet file or ``datasets.Dataset``)."""
-        start = len(self)
-        self.origins.append(Origin(start=start, source=source))
+    def add_table(
+        self, table: Any, source: str, *, start: int | None = None, row_base: int = 0
+    ) -> None:
+        """Adds every row of a ``pyarrow.Table`` (parquet file or ``datasets.Dataset``).
+
+        ``start`` numbers the first row's sample (default: after the samples held) and
+        ``row_base`` is that row's place in its source, for the messages of a table read in parts.
+        """
+        start = len(self) if start is None else start
+        self.origins.append(Origin(start=start - row_base, source=source))
         names = table.column_names
         if "input_ids" in names:
-            ids_column = _arrow_lists(table, "input_ids", source, start)
+            ids_column = _arrow_lists(table, "input_ids", source, start, row_base=row_base)
             labels_column = (
-                _arrow_lists(table, "labels", source, start, nullable=True)
+                _arrow_lists(table, "labels", source, start, nullable=True, row_base=row_base)
                 if "labels" in names
                 else [None] * len(ids_column)
             )
             for i, (ids, labels) in enumerate(zip(ids_column, labels_column, strict=True)):
-                where = f"sample {start + i} ({source} row {i})"
+                where = f"sample {start + i} ({source} row {row_base + i})"
                 _check_shapes(ids, labels, where)
                 self.ids.append(ids)
                 self.labels.append(labels)
         elif "messages" in names:
             for i, messages in enumerate(table.column("messages").to_pylist()):
-                self.add_sample({"messages": messages}, f"sample {start + i} ({source} row {i})")
+                where = f"sample {start + i} ({source} row {row_base + i})"
+                self.add_sample({"messages": messages}, where)
         else:
             raise ValueError(
                 f"{source} has columns {names}; expected 'input_ids' (with optional 'labels') or "
                 "'messages'. Rename the columns of the data."
             )
 
-    def build(self) -> SFTDataset:
+    def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         offsets = np.zeros(len(self.ids) + 1, dtype=np.int64)
         np.cumsum([a.size for a in self.ids], out=offsets[1:])
         ids = np.concatenate(self.ids) if self.ids else np.zeros(0, dtype=np.int64)
@@ -163,23 +177,59 @@ class _Builder:
                     for ids_i, lab in zip(self.ids, self.labels, strict=True)
                 ]
             )
+        return ids, offsets, labels
+
+    def build(self) -> SFTDataset:
+        ids, offsets, labels = self._flat()
         return SFTDataset(ids, offsets, labels, origins=self.origins)
+
+    def chunk(self, start: int) -> Chunk:
+        """The samples held, checked as a part of a larger dataset whose sample ``start`` is the
+        first of them (the checks that concern the whole dataset are the caller's)."""
+        ids, offsets, labels = self._flat()
+        origins = self.origins
+
+        def describe(index: int) -> str:
+            return describe_sample(start + index, origins)
+
+        check_empty_samples(offsets, describe)
+        ids32 = check_int32_column("input_ids", ids, offsets, describe, allow_ignore=False)
+        labels32 = None
+        if labels is not None:
+            labels32 = check_int32_column("labels", labels, offsets, describe, allow_ignore=True)
+        return Chunk(ids32, labels32, np.diff(offsets))
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Consecutive checked samples, flat: ``int32`` ids and labels (``None``: every token
+    supervised) and the ``int64`` length of each sample."""
+
+    input_ids: np.ndarray
+    labels: np.ndarray | None
+    lengths: np.ndarray
 
 
 @overload
 def _arrow_lists(
-    table: Any, name: str, source: str, start: int, *, nullable: Literal[False] = False
+    table: Any,
+    name: str,
+    source: str,
+    start: int,
+    *,
+    nullable: Literal[False] = False,
+    row_base: int = 0,
 ) -> list[np.ndarray]: ...
 
 
 @overload
 def _arrow_lists(
-    table: Any, name: str, source: str, start: int, *, nullable: Literal[True]
+    table: Any, name: str, source: str, start: int, *, nullable: Literal[True], row_base: int = 0
 ) -> list[np.ndarray | None]: ...
 
 
 def _arrow_lists(
-    table: Any, name: str, source: str, start: int, *, nullable: bool = False
+    table: Any, name: str, source: str, start: int, *, nullable: bool = False, row_base: int = 0
 ) -> Sequence[np.ndarray | None]:
     """A list-of-int column as one array per row, checked for type and nulls column-wide.
 
@@ -203,7 +253,7 @@ def _arrow_lists(
     if column.null_count and not nullable:
         row = int(np.flatnonzero(column.is_null().to_numpy(zero_copy_only=False))[0])
         raise ValueError(
-            f"sample {start + row} ({source} row {row}): {name} is null; every sample needs a list "
+            f"sample {start + row} ({source} row {row_base + row}): {name} is null; every sample needs a list "
             "of token ids."
         )
     values = column.flatten()
@@ -220,43 +270,48 @@ def _arrow_lists(
     return [None if is_null else part for part, is_null in zip(splits, nulls, strict=True)]
 
 
-def _read_jsonl(path: Path, builder: _Builder) -> None:
+def add_jsonl_line(
+    builder: SampleBuilder, path: object, number: int, line: bytes, index: int
+) -> None:
+    """Parses line ``number`` of a JSON Lines file (not blank) as sample ``index``."""
+    try:
+        sample = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(
+            f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno}). "
+            "JSON Lines needs one complete JSON object per line; fix or remove that line."
+        ) from None
+    except UnicodeDecodeError as err:
+        raise ValueError(
+            f"{path} line {number}: not valid UTF-8 ({err.reason}); save the file as UTF-8."
+        ) from None
+    where = f"sample {index} ({path} line {number})"
+    if not isinstance(sample, dict):
+        raise ValueError(f"{where}: expected a JSON object per line, got {type(sample).__name__}.")
+    builder.add_sample(sample, where)
+
+
+def _read_jsonl(path: Path, builder: SampleBuilder) -> None:
     start = len(builder)
     line_numbers: list[int] = []
     with path.open("rb") as handle:
         for number, line in enumerate(handle, start=1):
             if not line.strip():
                 continue
-            try:
-                sample = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise ValueError(
-                    f"{path} line {number}: not valid JSON ({err.msg} at column {err.colno}). "
-                    "JSON Lines needs one complete JSON object per line; fix or remove that line."
-                ) from None
-            except UnicodeDecodeError as err:
-                raise ValueError(
-                    f"{path} line {number}: not valid UTF-8 ({err.reason}); save the file as UTF-8."
-                ) from None
-            where = f"sample {start + len(line_numbers)} ({path} line {number})"
+            add_jsonl_line(builder, path, number, line, start + len(line_numbers))
             line_numbers.append(number)
-            if not isinstance(sample, dict):
-                raise ValueError(
-                    f"{where}: expected a JSON object per line, got {type(sample).__name__}."
-                )
-            builder.add_sample(sample, where)
     # An int64 array (8 bytes a line, not a Python int) that Origin only indexes like a sequence.
     numbers = cast(Sequence[int], np.asarray(line_numbers, dtype=np.int64))
     builder.origins.append(Origin(start, str(path), numbers))
 
 
-def _read_parquet(path: Path, builder: _Builder) -> None:
+def _read_parquet(path: Path, builder: SampleBuilder) -> None:
     import pyarrow.parquet as pq
 
     builder.add_table(pq.read_table(path), str(path))
 
 
-def _as_paths(train_data: object) -> list[Path] | None:
+def as_paths(train_data: object) -> list[Path] | None:
     if isinstance(train_data, (str, os.PathLike)):
         return [Path(train_data)]
     if isinstance(train_data, (list, tuple)) and train_data:
@@ -271,7 +326,7 @@ def _as_paths(train_data: object) -> list[Path] | None:
     return None
 
 
-def _is_hf_dataset(train_data: object) -> bool:
+def is_hf_dataset(train_data: object) -> bool:
     module = sys.modules.get("datasets")  # a datasets.Dataset implies the module is imported
     if module is None:
         return False
@@ -313,12 +368,12 @@ def load_sft_data(
     if isinstance(train_data, SFTDataset):
         dataset = train_data
     else:
-        builder = _Builder(tokenizer, chat_template_kwargs)
-        paths = _as_paths(train_data)
+        builder = SampleBuilder(tokenizer, chat_template_kwargs)
+        paths = as_paths(train_data)
         if paths is not None:
             for path in paths:
                 _read_file(path, builder)
-        elif _is_hf_dataset(train_data):
+        elif is_hf_dataset(train_data):
             table = train_data.with_format("arrow")[0 : len(train_data)]
             builder.add_table(table, "datasets.Dataset")
         elif isinstance(train_data, Mapping) or not isinstance(train_data, Iterable):
@@ -335,18 +390,25 @@ def load_sft_data(
     return dataset
 
 
-def _read_file(path: Path, builder: _Builder) -> None:
+def check_file(path: Path) -> str:
+    """``"jsonl"`` or ``"parquet"``: the kind of a data file, which must exist."""
     if path.is_dir():
         raise ValueError(f"{path} is a directory; pass the .jsonl or .parquet files in it.")
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist; check the train_data path.")
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
+        return "jsonl"
+    if suffix in PARQUET_SUFFIXES:
+        return "parquet"
+    raise ValueError(
+        f"{path} has suffix {path.suffix!r}; supported files are JSON Lines "
+        f"({', '.join(JSONL_SUFFIXES)}) and Parquet ({', '.join(PARQUET_SUFFIXES)})."
+    )
+
+
+def _read_file(path: Path, builder: SampleBuilder) -> None:
+    if check_file(path) == "jsonl":
         _read_jsonl(path, builder)
-    elif suffix in PARQUET_SUFFIXES:
-        _read_parquet(path, builder)
     else:
-        raise ValueError(
-            f"{path} has suffix {path.suffix!r}; supported files are JSON Lines "
-            f"({', '.join(JSONL_SUFFIXES)}) and Parquet ({', '.join(PARQUET_SUFFIXES)})."
-        )
+        _read_parquet(path, builder)
