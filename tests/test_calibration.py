@@ -168,3 +168,16 @@ def test_bad_input_is_refused() -> None:
     calibrator.observe(p, lengths, [[math.nan] * len(mbs) for mbs in p.micro_batches])
     assert calibrator.observed_rows == 0
     assert calibrator.cost_model == CostModel()
+
+
+def test_the_window_bounds_what_a_long_run_keeps() -> None:
+    # a run observes for ever; only the newest `window` rows (whole steps) stay
+    calibrator = OnlineCalibrator(CostModel(), window=40)
+    rng = random.Random(5)
+    for lengths in batches(12, seed=5):
+        p = plan(lengths, calibrator.cost_model)
+        calibrator.observe(p, lengths, measured(p, lengths, SLOW_MACHINE, rng))
+        rows = sum(len(mbs) for mbs in p.micro_batches)
+        # at most the window plus the newest step (a step is never split)
+        assert calibrator.observed_rows < 40 + rows
+    assert len(calibrator.observations()) == calibrator.observed_rows

@@ -527,7 +527,9 @@ def test_soak_keeps_nothing_from_step_to_step(clean_world: None) -> None:
     epochs, nothing per step survives it. The multi-process RSS soak is benchmarks/soak_cpu.py."""
     probe = LiveObjects(every=8)
     fit(
-        SkrullStrategy(bucket_size=48),
+        # calibration keeps a bounded window of timed steps (thousands of micro-batches, by
+        # design: tests/test_calibration.py bounds it); off, so only leaks can grow here
+        SkrullStrategy(bucket_size=48, calibration="off"),
         # dataset order: every reading sees the same current and prefetched batches
         SkrullDataModule(make_data(16), global_batch_size=4, shuffle=False),
         callbacks=[probe],
