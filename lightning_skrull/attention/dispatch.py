@@ -24,7 +24,7 @@ from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.attention.context import current_attention_context
 from lightning_skrull.attention.flash import flash_attention
 from lightning_skrull.attention.schedule import LocalAttention
-from lightning_skrull.attention.sdpa import sdpa_attention
+from lightning_skrull.attention.sdpa import local_attention_heads_first, sdpa_attention
 
 _BACKENDS: dict[str, LocalAttention] = {"sdpa": sdpa_attention, "flash": flash_attention}
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -118,13 +118,7 @@ def skrull_attention_forward(
             f"layout holds {ctx.num_tokens}; feed the model the micro-batch the attention context "
             "was built for."
         )
-    # One dtype for all three (a no-op when they already have it); the cast's backward returns
-    # each gradient in its input's dtype. squeeze, not [0]: indexing's backward writes a
-    # zero-filled copy of the whole input.
     dtype = compute_dtype(query, key, value)
-    q = query.to(dtype).squeeze(0).transpose(0, 1)
-    k = key.to(dtype).squeeze(0).transpose(0, 1)
-    v = value.to(dtype).squeeze(0).transpose(0, 1)
     backend = ctx.backend
     if backend == "flash" and dtype not in _FLASH_DTYPES:
         if not ctx.auto:
@@ -136,6 +130,17 @@ def skrull_attention_forward(
                 "'auto'."
             )
         backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
+    # One dtype for all three (a no-op when they already have it); the cast's backward returns
+    # each gradient in its input's dtype.
+    query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    layout = ctx.layout
+    if backend == "sdpa" and not layout.has_distributed and layout.num_local_tokens:
+        # Only local sequences (always at cp_size 1): SDPA takes transformers' layout as it is.
+        return local_attention_heads_first(query, key, value, ctx, scale=scaling), None
+    # squeeze, not [0]: indexing's backward writes a zero-filled copy of the whole input.
+    q = query.squeeze(0).transpose(0, 1)
+    k = key.squeeze(0).transpose(0, 1)
+    v = value.squeeze(0).transpose(0, 1)
     out = _BACKENDS[backend](q, k, v, ctx, scale=scaling)
     return out.unsqueeze(0), None
 

@@ -55,8 +55,12 @@ MASK_ELEMENTS_PER_CALL = 1 << 22
 
 LOCAL_GROUP_MASK_ELEMENTS = 1 << 12
 """Largest block-diagonal mask (elements, a group's tokens squared) of one SDPA call over a
-group of local sequences: groups of up to 64 tokens. Read at each call; ``0`` runs every local
-sequence in its own call."""
+group of local sequences: groups of up to 64 tokens. Read at each call; ``0`` (with
+:data:`LOCAL_BATCH_EQUAL_LENGTHS` off) runs every local sequence in its own call."""
+
+LOCAL_BATCH_EQUAL_LENGTHS = True
+"""Whether a run of consecutive local sequences of one length, too long for one masked group,
+is one batched causal SDPA call (:func:`plan_local_calls`). Read at each call."""
 
 
 CUDA_SDPA_KERNELS = (
@@ -91,22 +95,30 @@ def _sdpa(
     mask: torch.Tensor | CausalBias | None = None,
 ) -> torch.Tensor:
     """``q [L, Hq, D]``, ``k, v [S, Hkv, D]`` -> ``[L, Hq, D]``."""
-    gqa = q.shape[1] != k.shape[1]
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = _sdpa_heads_first(q4, k4, v4, scale=scale, is_causal=is_causal, mask=mask)
+    return out.squeeze(0).transpose(0, 1)
+
+
+def _sdpa_heads_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float | None,
+    is_causal: bool = False,
+    mask: torch.Tensor | CausalBias | None = None,
+) -> torch.Tensor:
+    """SDPA on ``q [..., Hq, L, D]``, ``k, v [..., Hkv, S, D]`` (GQA allowed) -> ``[..., Hq, L, D]``."""
+    gqa = q.shape[-3] != k.shape[-3]
     restrict = _restrict_kernels(q)
     if restrict and gqa and mask is not None:
-        groups = q.shape[1] // k.shape[1]
-        k, v, gqa = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1), False
+        groups = q.shape[-3] // k.shape[-3]
+        k, v, gqa = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3), False
     with sdpa_kernel(list(CUDA_SDPA_KERNELS)) if restrict else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1).unsqueeze(0),
-            k.transpose(0, 1).unsqueeze(0),
-            v.transpose(0, 1).unsqueeze(0),
-            attn_mask=mask,
-            is_causal=is_causal,
-            scale=scale,
-            enable_gqa=gqa,
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
-    return out.squeeze(0).transpose(0, 1)
 
 
 def causal_lower_right_attention(
@@ -198,32 +210,181 @@ def block_causal_mask(lengths: Sequence[int], device: torch.device | str = "cpu"
 
 
 @dataclass(frozen=True)
-class LocalGroups:
-    """The local sequences of a micro-batch in SDPA calls.
+class LocalCall:
+    """One SDPA call over consecutive local sequences.
 
     Attributes:
-        sizes: tokens of each group, in packed order (they sum to the local tokens).
-        masks: per group, its :func:`block_causal_mask`, or ``None`` for a group of one
-            sequence (run with ``is_causal=True``).
+        lengths: its sequences' lengths, packed order.
+        batched: the sequences (all of one length) run along SDPA's batch dimension with
+            ``is_causal=True``; otherwise one sequence runs causal, several with a
+            :func:`block_causal_mask`.
     """
 
+    lengths: tuple[int, ...]
+    batched: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Tokens of the call."""
+        return sum(self.lengths)
+
+
+def plan_local_calls(
+    lengths: Sequence[int], max_mask_elements: int, batch_equal_lengths: bool = True
+) -> tuple[LocalCall, ...]:
+    """The SDPA calls of the local sequences, in packed order.
+
+    A run of two or more consecutive sequences of one length that does not fit one masked group
+    (its tokens squared exceed ``max_mask_elements``) is one batched causal call: the run's
+    tokens viewed as ``[count, length]`` along SDPA's batch dimension with ``is_causal=True``, so
+    no mask and no masked-out work. The sequences between such runs are cut by
+    :func:`group_local_lengths`.
+
+    Args:
+        lengths: the local sequences' lengths in packed order.
+        max_mask_elements: bound of :func:`group_local_lengths`.
+        batch_equal_lengths: whether runs of equal lengths become batched calls.
+
+    Returns:
+        The calls; their sequences, concatenated, are ``lengths``.
+
+    Raises:
+        ValueError: ``max_mask_elements`` is negative.
+    """
+    calls: list[LocalCall] = []
+    pending: list[int] = []
+
+    def flush() -> None:
+        calls.extend(LocalCall(g) for g in group_local_lengths(pending, max_mask_elements))
+        pending.clear()
+
+    i = 0
+    while i < len(lengths):
+        j = i + 1
+        while j < len(lengths) and lengths[j] == lengths[i]:
+            j += 1
+        run = tuple(lengths[i:j])
+        if batch_equal_lengths and len(run) > 1 and sum(run) ** 2 > max_mask_elements:
+            flush()
+            calls.append(LocalCall(run, batched=True))
+        else:
+            pending.extend(run)
+        i = j
+    flush()  # also refuses a negative bound
+    return tuple(calls)
+
+
+@dataclass(frozen=True)
+class LocalCalls:
+    """The local sequences of a micro-batch as SDPA calls, with what each call needs.
+
+    Attributes:
+        calls: the calls, packed order.
+        sizes: tokens of each call (they sum to the local tokens).
+        masks: per call, its :func:`block_causal_mask` for a masked group, ``None`` otherwise.
+    """
+
+    calls: tuple[LocalCall, ...]
     sizes: tuple[int, ...]
     masks: tuple[torch.Tensor | None, ...]
 
 
-def local_groups(
-    ctx: SkrullAttentionContext, max_mask_elements: int, device: torch.device
-) -> LocalGroups:
-    """The micro-batch's :class:`LocalGroups`, built once per context, bound and device."""
+def local_calls(
+    ctx: SkrullAttentionContext,
+    max_mask_elements: int,
+    device: torch.device,
+    batch_equal_lengths: bool = True,
+) -> LocalCalls:
+    """The micro-batch's :class:`LocalCalls`, built once per context, bound and device."""
 
-    def build() -> LocalGroups:
-        groups = group_local_lengths(ctx.layout.local_lengths, max_mask_elements)
-        return LocalGroups(
-            sizes=tuple(sum(g) for g in groups),
-            masks=tuple(block_causal_mask(g, device) if len(g) > 1 else None for g in groups),
+    def build() -> LocalCalls:
+        calls = plan_local_calls(ctx.layout.local_lengths, max_mask_elements, batch_equal_lengths)
+        return LocalCalls(
+            calls=calls,
+            sizes=tuple(c.tokens for c in calls),
+            masks=tuple(
+                block_causal_mask(c.lengths, device)
+                if len(c.lengths) > 1 and not c.batched
+                else None
+                for c in calls
+            ),
         )
 
-    return ctx.cached(("sdpa_local_groups", max_mask_elements, device), build)
+    key = ("sdpa_local_calls", max_mask_elements, batch_equal_lengths, device)
+    return ctx.cached(key, build)
+
+
+def _local_call(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    call: LocalCall,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
+    """One call on ``[1, H, tokens, D]`` inputs -> ``[1, tokens, Hq, D]``."""
+    if not call.batched:
+        out = _sdpa_heads_first(q, k, v, scale=scale, is_causal=mask is None, mask=mask)
+        return out.transpose(1, 2)
+    # [1, H, n * L, D] -> [n, H, L, D]: views (a dim split and a transpose), no copy
+    shape = (len(call.lengths), call.lengths[0])
+    qb, kb, vb = (t.squeeze(0).unflatten(1, shape).transpose(0, 1) for t in (q, k, v))
+    out = _sdpa_heads_first(qb, kb, vb, scale=scale, is_causal=True)  # [n, Hq, L, D]
+    return out.transpose(1, 2).flatten(0, 1).unsqueeze(0)
+
+
+def local_attention_heads_first(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ctx: SkrullAttentionContext,
+    *,
+    scale: float | None = None,
+    group_mask_elements: int | None = None,
+    batch_equal_lengths: bool | None = None,
+) -> torch.Tensor:
+    """Causal attention of each local sequence on its own, in SDPA's own layout.
+
+    What the attention function runs when the micro-batch has no distributed sequence: the
+    inputs come as transformers passes them and go to SDPA without transposes, so a
+    micro-batch in one call costs one SDPA call and one view per layer.
+
+    Args:
+        q: ``[1, Hq, n_local, D]`` the local queries.
+        k: ``[1, Hkv, n_local, D]``.
+        v: ``[1, Hkv, n_local, D]``.
+        ctx: the micro-batch's attention context (``layout.local_lengths`` is read).
+        scale: softmax scale; ``None`` = ``D ** -0.5``.
+        group_mask_elements: bound of :func:`group_local_lengths`; ``None`` =
+            :data:`LOCAL_GROUP_MASK_ELEMENTS`, ``0`` = one SDPA call per sequence (with
+            ``batch_equal_lengths=False``).
+        batch_equal_lengths: see :func:`plan_local_calls`; ``None`` =
+            :data:`LOCAL_BATCH_EQUAL_LENGTHS`.
+
+    Returns:
+        ``[1, n_local, Hq, D]``.
+    """
+    if group_mask_elements is None:
+        group_mask_elements = LOCAL_GROUP_MASK_ELEMENTS
+    if batch_equal_lengths is None:
+        batch_equal_lengths = LOCAL_BATCH_EQUAL_LENGTHS
+    plan = local_calls(ctx, group_mask_elements, q.device, batch_equal_lengths)
+    if len(plan.calls) == 1:
+        return _local_call(q, k, v, plan.calls[0], plan.masks[0], scale)
+    # One split per tensor: its backward is one concatenation. Slicing each call's part out
+    # instead costs a zero-filled gradient of the whole buffer per call in the backward.
+    outs = [
+        _local_call(qs, ks, vs, call, mask, scale)
+        for qs, ks, vs, call, mask in zip(
+            q.split(plan.sizes, 2),
+            k.split(plan.sizes, 2),
+            v.split(plan.sizes, 2),
+            plan.calls,
+            plan.masks,
+            strict=True,
+        )
+    ]
+    return torch.cat(outs, dim=1)
 
 
 def local_attention(
@@ -234,8 +395,12 @@ def local_attention(
     *,
     scale: float | None = None,
     group_mask_elements: int | None = None,
+    batch_equal_lengths: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each local sequence on its own, short ones grouped in one call.
+
+    The backend's local attention in the packed layout of :func:`sdpa_attention`:
+    :func:`local_attention_heads_first` on transposed views.
 
     Args:
         q: ``[n_local, Hq, D]`` the local part of the packed queries.
@@ -243,31 +408,23 @@ def local_attention(
         v: ``[n_local, Hkv, D]``.
         ctx: the micro-batch's attention context (``layout.local_lengths`` is read).
         scale: softmax scale; ``None`` = ``D ** -0.5``.
-        group_mask_elements: bound of :func:`group_local_lengths`; ``None`` =
-            :data:`LOCAL_GROUP_MASK_ELEMENTS`, ``0`` = one SDPA call per sequence.
+        group_mask_elements: as for :func:`local_attention_heads_first`.
+        batch_equal_lengths: as for :func:`local_attention_heads_first`.
 
     Returns:
         ``[n_local, Hq, D]``.
     """
-    if group_mask_elements is None:
-        group_mask_elements = LOCAL_GROUP_MASK_ELEMENTS
-    groups = local_groups(ctx, group_mask_elements, q.device)
-    if len(groups.sizes) == 1:
-        mask = groups.masks[0]
-        return _sdpa(q, k, v, scale=scale, is_causal=mask is None, mask=mask)
-    # One split per tensor: its backward is one concatenation. Slicing each group out
-    # instead costs a zero-filled gradient of the whole buffer per group in the backward.
-    outs = [
-        _sdpa(qs, ks, vs, scale=scale, is_causal=mask is None, mask=mask)
-        for qs, ks, vs, mask in zip(
-            q.split(groups.sizes),
-            k.split(groups.sizes),
-            v.split(groups.sizes),
-            groups.masks,
-            strict=True,
-        )
-    ]
-    return torch.cat(outs, dim=0)
+    q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+    out = local_attention_heads_first(
+        q4,
+        k4,
+        v4,
+        ctx,
+        scale=scale,
+        group_mask_elements=group_mask_elements,
+        batch_equal_lengths=batch_equal_lengths,
+    )
+    return out.squeeze(0)
 
 
 def distributed_attention(
