@@ -149,3 +149,38 @@ def test_short_fit_prints_speed_and_plan_statistics(
     assert "Skrull run summary (DP=1 x CP=1, 2 steps, policy skrull)" in out
     speed = next(line for line in out.splitlines() if "tokens/s" in line)
     assert float(speed.split()[-1]) > 0
+
+
+def test_a_calibrated_cost_model_pins_in_yaml(tmp_path: Path) -> None:
+    # what docs/calibration.md tells a user to do: dump strategy.cost_model after a run as the
+    # strategy's cost_model in the next run's YAML; the strategy built from it has that model
+    import dataclasses
+
+    import yaml
+
+    from lightning_skrull.scheduling import CostModel
+
+    calibrated = CostModel().with_constants(
+        achieved_flops=3.1e14,
+        micro_batch_overhead_s=0.04,
+        per_sequence_seconds=1e-4,
+        comm_latency_s=3e-4,
+        comm_bandwidth=1.2e10,
+    )
+    strategy = {
+        "class_path": "lightning_skrull.SkrullStrategy",
+        "init_args": {"calibration": "off", "cost_model": dataclasses.asdict(calibrated)},
+    }
+    path = tmp_path / "pinned.yaml"
+    path.write_text(yaml.safe_dump({"trainer": {"strategy": strategy}}))
+    cli = SkrullCLI(
+        SkrullCausalLM,
+        SkrullDataModule,
+        trainer_defaults=dict(TINY_CPU_TRAINER),
+        seed_everything_default=0,
+        save_config_callback=None,
+        run=False,
+        args=["--config", str(path)],
+    )
+    assert cli.trainer.strategy.skrull_config.cost_model == calibrated
+    assert cli.trainer.strategy.skrull_config.calibration == "off"
