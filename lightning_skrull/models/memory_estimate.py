@@ -37,7 +37,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_skrull.scheduling.cost_model import QWEN2_5_7B, ModelShape
+from lightning_skrull.scheduling.cost_model import (
+    QWEN2_5_7B,
+    QWEN2_5_14B,
+    QWEN2_5_32B,
+    QWEN2_5_72B,
+    ModelShape,
+)
 
 
 @dataclass(frozen=True)
@@ -114,39 +120,6 @@ def activation_bytes_per_token_checkpointed(
 
 
 # ----------------------------------------------------------------------------- model states
-QWEN2_5_14B = ModelShape(
-    hidden_size=5120,
-    num_layers=48,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=13824,
-    vocab_size=152064,
-)
-"""Shape of Qwen2.5-14B."""
-
-QWEN2_5_32B = ModelShape(
-    hidden_size=5120,
-    num_layers=64,
-    num_attention_heads=40,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=27648,
-    vocab_size=152064,
-)
-"""Shape of Qwen2.5-32B."""
-
-QWEN2_5_72B = ModelShape(
-    hidden_size=8192,
-    num_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    head_dim=128,
-    intermediate_size=29568,
-    vocab_size=152064,
-)
-"""Shape of Qwen2.5-72B."""
-
 LARGE_MODELS = {
     "Qwen2.5-7B": QWEN2_5_7B,
     "Qwen2.5-14B": QWEN2_5_14B,

@@ -139,6 +139,39 @@ QWEN2_5_7B = ModelShape(
 )
 """Shape of Qwen2.5-7B (``CostModel(shape=QWEN2_5_7B)``)."""
 
+QWEN2_5_14B = ModelShape(
+    hidden_size=5120,
+    num_layers=48,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=13824,
+    vocab_size=152064,
+)
+"""Shape of Qwen2.5-14B."""
+
+QWEN2_5_32B = ModelShape(
+    hidden_size=5120,
+    num_layers=64,
+    num_attention_heads=40,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=27648,
+    vocab_size=152064,
+)
+"""Shape of Qwen2.5-32B."""
+
+QWEN2_5_72B = ModelShape(
+    hidden_size=8192,
+    num_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=29568,
+    vocab_size=152064,
+)
+"""Shape of Qwen2.5-72B."""
+
 
 def kv_pipeline_span(comm: Sequence[float], attention: Sequence[float]) -> tuple[float, int]:
     """Longest path of the K/V pipeline, and the group on it.
