@@ -542,7 +542,7 @@ def check_cp_bf16(s: Settings, device: torch.device, deadline: float) -> dict[st
     heads, kv_heads = s.model["num_attention_heads"], s.model["num_key_value_heads"]
     dim = s.model["head_dim"]
     rng = random.Random(0)
-    size = s.batch_sizes["ChatQA2-Long-SFT"] * 2
+    size = 8
     lengths = sample_lengths(dataset("ChatQA2-Long-SFT"), size, cp * s.bucket_size, rng,
                              scale=s.scale)  # fmt: skip
     from transformers import Qwen2Config
@@ -601,64 +601,58 @@ def check_cp_bf16(s: Settings, device: torch.device, deadline: float) -> dict[st
         return o
 
     runs = {"before (sdpa)": "sdpa", f"after (auto: {after})": after}
-    outputs: dict[str, torch.Tensor] = {}
-    for label, backend in runs.items():
-        module = modules[backend]
-        seconds = 0.0
-        slowest = 0.0  # the step's attention time when the ranks run in parallel
-        tokens = 0
-        done = 0
-        for i, mb in enumerate(micro_batches):
-            if time.monotonic() > deadline:
-                break
+    totals = {label: {"seconds": 0.0, "slowest": 0.0, "tokens": 0, "done": 0} for label in runs}
+    # The two backends on the same inputs: the outputs of the first micro-batch's ranks.
+    layouts, seqs = inputs(micro_batches[0], 0)
+    with torch.no_grad():
+        outputs = [
+            torch.cat([rank_step(modules[b], b, layouts, r, seqs).float() for r in range(cp)])
+            for b in dict.fromkeys(runs.values())
+        ]
+    del layouts, seqs
+    diff = (outputs[0] - outputs[-1]).abs().max().item()
+    out["max_abs_diff"] = diff
+    out["outputs_agree"] = diff <= BF16_ATOL
+    del outputs
+    # Micro-batch by micro-batch, both backends in turn, so a deadline leaves both with the same
+    # micro-batches timed.
+    for mb in micro_batches:
+        if time.monotonic() > deadline:
+            break
+        for k, (label, backend) in enumerate(runs.items()):
             rank_seconds = []
             for rank in range(cp):
 
-                def make(rep: int, mb: Any = mb) -> Any:
-                    return inputs(mb, rep)
+                def make(rep: int, mb: Any = mb, shift: int = k * (reps + 1)) -> Any:
+                    return inputs(mb, rep + shift)  # shapes no other call has seen
 
-                def step(arg: Any, module: Any = module, backend: str = backend,
-                         rank: int = rank) -> None:  # fmt: skip
-                    o = rank_step(module, backend, arg[0], rank, arg[1])
+                def step(arg: Any, backend: str = backend, rank: int = rank) -> None:
+                    o = rank_step(modules[backend], backend, arg[0], rank, arg[1])
                     o.float().square().mean().backward()
 
                 rank_seconds.append(median_seconds(make, step, device, reps))
-            if i == 0:  # the outputs of one layout, to compare the backends
-                layouts, seqs = inputs(mb, 0)
-                with torch.no_grad():
-                    outputs[backend] = torch.cat(
-                        [rank_step(module, backend, layouts, r, seqs).float() for r in range(cp)]
-                    )
-            seconds += sum(rank_seconds)
-            slowest += max(rank_seconds)
-            tokens += sum(lengths[sid] for sid in mb.sequence_ids)
-            done += 1
-        cell: dict[str, Any] = {"backend": backend, "micro_batches_timed": done}
-        if done:
-            cell.update(
-                tokens=tokens,
-                rank_seconds_total=seconds,
-                tokens_per_s_per_gpu=tokens / seconds,
-                parallel_step_seconds=slowest,
-                tokens_per_s_cp_group=tokens / slowest,
-            )
-        out["runs"][label] = cell
+            t = totals[label]
+            t["seconds"] += sum(rank_seconds)
+            t["slowest"] += max(rank_seconds)  # the ranks' attention when they run in parallel
+            t["tokens"] += sum(lengths[sid] for sid in mb.sequence_ids)
+            t["done"] += 1
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    labels = list(runs)
-    cells = [out["runs"][k] for k in labels]
-    if (
-        all("tokens_per_s_per_gpu" in c for c in cells)
-        and cells[0]["micro_batches_timed"] == (cells[1]["micro_batches_timed"])
-    ):
-        out["speedup"] = cells[0]["rank_seconds_total"] / cells[1]["rank_seconds_total"]
-    if len(outputs) == 2:
-        diff = (outputs["sdpa"] - outputs[after]).abs().max().item()
-        out["max_abs_diff"] = diff
-        out["outputs_agree"] = diff <= BF16_ATOL
-    elif "sdpa" in outputs and after == "sdpa":
-        out["max_abs_diff"] = 0.0
-        out["outputs_agree"] = True
+    for label, backend in runs.items():
+        t = totals[label]
+        cell: dict[str, Any] = {"backend": backend, "micro_batches_timed": t["done"]}
+        if t["done"]:
+            cell.update(
+                tokens=t["tokens"],
+                rank_seconds_total=t["seconds"],
+                tokens_per_s_per_gpu=t["tokens"] / t["seconds"],
+                parallel_step_seconds=t["slowest"],
+                tokens_per_s_cp_group=t["tokens"] / t["slowest"],
+            )
+        out["runs"][label] = cell
+    before, after_cell = (out["runs"][label] for label in runs)
+    if "rank_seconds_total" in before:
+        out["speedup"] = before["rank_seconds_total"] / after_cell["rank_seconds_total"]
     return out
 
 
@@ -693,6 +687,7 @@ def check_fsdp(s: Settings, device: torch.device, deadline: float) -> dict[str, 
 
     from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
     from lightning_skrull.attention import resolve_backend
+    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
     from lightning_skrull.models.memory_estimate import (
         activation_bytes_per_token,
         model_state_bytes,
@@ -704,7 +699,7 @@ def check_fsdp(s: Settings, device: torch.device, deadline: float) -> dict[str, 
     steps, global_batch = 3, 4
     rng = random.Random(0)
     vocab = s.model["vocab_size"]
-    lengths = sample_lengths(dataset("Wikipedia"), global_batch * (steps + 1), s.bucket_size,
+    lengths = sample_lengths(dataset("ChatQA2-Long-SFT"), global_batch * steps, s.bucket_size,
                              rng, scale=s.scale)  # fmt: skip
     data = [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
     timer = _StepTimer(device, deadline)
@@ -760,6 +755,7 @@ def check_fsdp(s: Settings, device: torch.device, deadline: float) -> dict[str, 
     out: dict[str, Any] = {
         "precision": "bf16-mixed",
         "attention_backend": resolve_backend("auto", device),
+        "loss_kernel": resolve_loss_kernel("auto", device.type, torch.bfloat16),
         "mesh": list(mesh),
         "steps": trainer.global_step,
         "losses": timer.losses,
@@ -921,7 +917,8 @@ def _summary_fsdp(f: dict[str, Any]) -> list[str]:
     )
     return [
         f"FSDP2 on one device, mesh {tuple(f['mesh'])}, {f['precision']}, "
-        f"{f['attention_backend']} attention: {'OK' if f['ok'] else 'FAILED'} "
+        f"{f['attention_backend']} attention, {f['loss_kernel']} loss: "
+        f"{'OK' if f['ok'] else 'FAILED'} "
         f"({f['steps']} steps, losses {', '.join(f'{x:.3f}' for x in f['losses'])}){speed}",
         f"  peak {_gib(f['peak_bytes'])}; estimate {_gib(f['estimate_peak_bytes'])}{ratio} = "
         f"model states {_gib(f['estimate_model_state_bytes_tied'])} (strategy table: "
