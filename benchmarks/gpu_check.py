@@ -2,7 +2,7 @@
 
 Run through ``benchmarks/gpu_check.sh`` on one NVIDIA GPU (only PyTorch and this package
 needed; the ``flash`` backend runs flash-attn when installed, else PyTorch's own varlen kernel).
-Three checks, one summary block, one JSON file:
+Six checks, one summary block, one JSON file (rewritten after each check):
 
 1. **Backends agree.** The ``flash`` and ``sdpa`` backends give the same attention output and
    input gradients on the same packed layout (local sequences and sequences on the distributed
@@ -22,6 +22,14 @@ Three checks, one summary block, one JSON file:
    micro-batch of the throughput steps is compared with their measured peak, and
    :func:`lightning_skrull.runtime.memory.choose_bucket_size` gives the bucket this GPU would hold.
 
+4. **Chunked loss.** Peak memory per token of one-sequence steps, dense loss against chunked
+   (:func:`check_chunked_loss`), the ``"auto"`` bucket of each and the analytical estimate.
+5. **bf16 at CP>1.** One attention layer under autocast(bf16) at an emulated CP size, ``sdpa``
+   against what ``"auto"`` picks (:func:`check_cp_bf16`).
+6. **FSDP2 on one GPU.** A few ``bf16-mixed`` steps of ``SkrullFSDPStrategy`` through a
+   Lightning Trainer, peak memory against the analytical model states (:func:`check_fsdp`).
+
+A check that raises is reported as an error (the run fails) and the others still run.
 ``--device cpu --tiny`` runs every code path with a tiny model on CPU in seconds (the memory
 check needs CUDA and reports ``n/a``); the test suite runs it that way. A deadline
 (``--budget-s``) stops the throughput loop early rather than overrunning; what ran is reported.
