@@ -2,7 +2,7 @@
 
 Run through ``benchmarks/gpu_check.sh`` on one NVIDIA GPU (only PyTorch and this package
 needed; the ``flash`` backend runs flash-attn when installed, else PyTorch's own varlen kernel).
-Three checks, one summary block, one JSON file:
+Six checks, one summary block, one JSON file (rewritten after each check):
 
 1. **Backends agree.** The ``flash`` and ``sdpa`` backends give the same attention output and
    input gradients on the same packed layout (local sequences and sequences on the distributed
@@ -22,6 +22,14 @@ Three checks, one summary block, one JSON file:
    micro-batch of the throughput steps is compared with their measured peak, and
    :func:`lightning_skrull.runtime.memory.choose_bucket_size` gives the bucket this GPU would hold.
 
+4. **Chunked loss.** Peak memory per token of one-sequence steps, dense loss against chunked
+   (:func:`check_chunked_loss`), the ``"auto"`` bucket of each and the analytical estimate.
+5. **bf16 at CP>1.** One attention layer under autocast(bf16) at an emulated CP size, ``sdpa``
+   against what ``"auto"`` picks (:func:`check_cp_bf16`).
+6. **FSDP2 on one GPU.** A few ``bf16-mixed`` steps of ``SkrullFSDPStrategy`` through a
+   Lightning Trainer, peak memory against the analytical model states (:func:`check_fsdp`).
+
+A check that raises is reported as an error (the run fails) and the others still run.
 ``--device cpu --tiny`` runs every code path with a tiny model on CPU in seconds (the memory
 check needs CUDA and reports ``n/a``); the test suite runs it that way. A deadline
 (``--budget-s``) stops the throughput loop early rather than overrunning; what ran is reported.
@@ -36,18 +44,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import random
 import statistics
 import sys
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback
 
 from benchmarks.lengths import dataset, sample_lengths
 
@@ -81,6 +92,11 @@ TINY: dict[str, Any] = {
 """A model for running every code path on CPU in seconds."""
 
 POLICIES = ("skrull", "static")
+SECTIONS = ("backends", "throughput", "memory", "chunked_loss", "cp_bf16", "fsdp")
+"""The report's checks, in the order they run."""
+RESERVED_S = {"memory": 45.0, "chunked_loss": 45.0, "cp_bf16": 30.0, "fsdp": 75.0}
+"""Seconds of ``--budget-s`` kept on a GPU for the checks after the throughput loop (which
+stops early to leave them); a check starts only with half its share left."""
 SDPA_RUN = "skrull+sdpa"
 """The throughput run of ``skrull`` with the sdpa backend, when ``auto`` picks flash."""
 
@@ -409,12 +425,518 @@ def check_memory(s: Settings, device: torch.device, throughput: dict[str, Any]) 
     return out
 
 
+# --------------------------------------------------------------------------- 4. chunked loss
+def check_chunked_loss(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """Peak memory per token of one-sequence steps with the dense loss and the chunked one.
+
+    One model, prepared twice (``chunked_loss=False``, then ``True``: preparing again swaps the
+    loss), the same AdamW; each line is probed at ``bucket_size="auto"``'s token counts, fitted
+    with :func:`~lightning_skrull.runtime.memory.fit_memory_model` and turned into the bucket
+    ``"auto"`` would choose; the analytical per-token estimate of
+    :mod:`lightning_skrull.models.memory_estimate` stands beside each fitted slope.
+    """
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
+    from lightning_skrull.models.memory_estimate import activation_bytes_per_token
+    from lightning_skrull.runtime.engine import train_step
+    from lightning_skrull.runtime.memory import (
+        AUTO_PROBE_TOKENS,
+        AUTO_SAFETY_MARGIN,
+        choose_bucket_size,
+        fit_memory_model,
+        probe_peak_memory,
+    )
+    from lightning_skrull.runtime.process_groups import ParallelLayout
+
+    cuda = device.type == "cuda"
+    probes = list(AUTO_PROBE_TOKENS) if cuda else [16, 32]
+    element = torch.finfo(s.dtype).bits // 8
+    layout = ParallelLayout(rank=0, world_size=1, dp_size=1, cp_size=1, dp_rank=0, cp_rank=0)
+    model = _model(s.model, s.dtype, device, "sdpa")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    vocab = s.model["vocab_size"]
+    out: dict[str, Any] = {
+        "probe_tokens": probes,
+        "loss_kernel": resolve_loss_kernel("auto", device.type, s.dtype),
+        "bytes_per_element": element,
+        "lines": {},
+    }
+    if cuda:
+        out["device_bytes"] = torch.cuda.get_device_properties(device).total_memory
+
+    def run(tokens: int) -> None:
+        sample = {"input_ids": torch.randint(0, vocab, (tokens,)).tolist()}
+        train_step(model, optimizer, [sample], layout=layout, bucket_size=max(probes),
+                   verify_plan=False)  # fmt: skip
+
+    for name, chunked in (("dense", False), ("chunked", True)):
+        estimate = activation_bytes_per_token(
+            model.config, chunked_loss=chunked, bytes_per_element=element
+        )
+        line: dict[str, Any] = {
+            "chunked_loss": chunked,
+            "estimate_bytes_per_token": estimate.total,
+            "estimate_layers_bytes_per_token": estimate.layers,
+            "estimate_head_bytes_per_token": estimate.head,
+        }
+        out["lines"][name] = line
+        if time.monotonic() > deadline:
+            line["skipped"] = "deadline"
+            continue
+        prepare_model(model, backend="auto", chunked_loss=chunked)
+        run(probes[0])  # warm-up: optimizer state exists from here on
+        if not cuda:
+            for tokens in probes:
+                run(tokens)
+            line["probe_peak_bytes"] = "n/a (peak memory is measured on CUDA only)"
+            continue
+        peaks = probe_peak_memory(run, probes, device=device)
+        fit = fit_memory_model(probes, peaks)
+        line.update(
+            probe_peak_bytes=peaks,
+            alpha_bytes_per_token=fit.alpha,
+            beta_bytes=fit.beta,
+            fit_max_relative_error=fit.max_relative_error,
+            measured_over_estimate=fit.alpha / estimate.total,
+        )
+        try:
+            line["auto_bucket"] = choose_bucket_size(
+                fit, out["device_bytes"], safety_margin=AUTO_SAFETY_MARGIN
+            )
+        except ValueError as err:
+            line["auto_bucket"] = None
+            line["bucket_error"] = str(err)
+    lines = out["lines"]
+    if all("alpha_bytes_per_token" in lines[k] for k in ("dense", "chunked")):
+        out["alpha_ratio_dense_over_chunked"] = (
+            lines["dense"]["alpha_bytes_per_token"] / lines["chunked"]["alpha_bytes_per_token"]
+        )
+        if lines["dense"].get("auto_bucket") and lines["chunked"].get("auto_bucket"):
+            out["auto_bucket_gain"] = (
+                lines["chunked"]["auto_bucket"] / lines["dense"]["auto_bucket"]
+            )
+    return out
+
+
+# --------------------------------------------------------------------------- 5. bf16 at CP>1
+def _emulated_context(layout: Any, backend: str, device: torch.device, auto: bool) -> Any:
+    """A rank's attention context without a process group (the ranks run in this process)."""
+    from lightning_skrull.attention import SkrullAttentionContext
+
+    return SkrullAttentionContext._make(layout, None, backend, device, auto)
+
+
+def check_cp_bf16(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """Tokens/s of one attention layer under ``torch.autocast(bfloat16)`` at an emulated CP
+    size: ``sdpa`` (before) against the backend ``"auto"`` resolves to (after: flash on CUDA
+    with a varlen kernel).
+
+    The ranks of a CP group run one after another in this process, as the attention tests
+    emulate them: each rank's distributed chunks attend the whole sequences' K/V directly (what
+    the all-gather delivers), so no collective is timed. The inputs are what a layer sees under
+    ``precision="bf16-mixed"``: q and k float32 (the rotary embedding multiplies by float32
+    cos/sin), v bf16, cast to :func:`~lightning_skrull.attention.dispatch.compute_dtype`
+    (bf16 under autocast) as the dispatch does. The global batch is a ChatQA2-like one planned
+    with ``skrull`` at that CP size.
+    """
+    from lightning_skrull.attention import build_rank_layouts, pack, resolve_backend
+    from lightning_skrull.attention import flash as flash_backend
+    from lightning_skrull.attention import sdpa as sdpa_backend
+    from lightning_skrull.attention.dispatch import compute_dtype
+    from lightning_skrull.scheduling import CostModel, plan_global_batch
+
+    cp = 2 if s.scale > 1 else 4
+    reps = 1 if s.scale > 1 else 3
+    heads, kv_heads = s.model["num_attention_heads"], s.model["num_key_value_heads"]
+    dim = s.model["head_dim"]
+    rng = random.Random(0)
+    size = 8
+    lengths = sample_lengths(dataset("ChatQA2-Long-SFT"), size, cp * s.bucket_size, rng,
+                             scale=s.scale)  # fmt: skip
+    from transformers import Qwen2Config
+
+    cost_model = CostModel.from_hf_config(Qwen2Config(**s.model))
+    plan = plan_global_batch(lengths, dp_size=1, cp_size=cp, bucket_size=s.bucket_size,
+                             cost_model=cost_model, policy="skrull")  # fmt: skip
+    micro_batches = plan.micro_batches[0]
+    auto = resolve_backend("auto", device)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        probe = torch.zeros(1, device=device)
+        dtype = compute_dtype(probe, probe, probe.to(torch.bfloat16))
+    after = auto if dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    modules = {"sdpa": sdpa_backend, "flash": flash_backend}
+    out: dict[str, Any] = {
+        "cp_size": cp,
+        "lengths": lengths,
+        "micro_batches": len(micro_batches),
+        "distributed_sequences": sum(p < 0 for mb in micro_batches for p in mb.placement),
+        "compute_dtype": str(dtype),
+        "auto_backend": after,
+        "runs": {},
+    }
+    g = torch.Generator(device=device).manual_seed(0)
+
+    def inputs(mb: Any, rep: int) -> tuple[list[Any], dict[int, tuple[torch.Tensor, ...]]]:
+        lens = [n + rep for n in lengths]  # new shapes every repetition, as training has
+        layouts = build_rank_layouts(mb.sequence_ids, mb.placement, lens, cp_size=cp)
+        seqs = {}
+        for sid in mb.sequence_ids:
+            n = lens[sid]
+            q = torch.randn(n, heads, dim, generator=g, device=device).requires_grad_()
+            k = torch.randn(n, kv_heads, dim, generator=g, device=device).requires_grad_()
+            v = torch.randn(n, kv_heads, dim, generator=g, device=device, dtype=torch.bfloat16)
+            seqs[sid] = (q, k, v.requires_grad_())
+        return layouts, seqs
+
+    def rank_step(module: Any, backend: str, layouts: list[Any], rank: int,
+                  seqs: dict[int, tuple[torch.Tensor, ...]]) -> torch.Tensor:  # fmt: skip
+        layout = layouts[rank]
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            ctx = _emulated_context(layout, backend, device, auto=True)
+            q, k, v = (pack(layout, {i: t[j] for i, t in seqs.items()}) for j in range(3))
+            cd = compute_dtype(q, k, v)
+            q, k, v = q.to(cd), k.to(cd), v.to(cd)
+            n = layout.num_local_tokens
+            parts = []
+            if n:
+                parts.append(module.local_attention(q[:n], k[:n], v[:n], ctx))
+            if layout.distributed_chunks:
+                ids = layouts[0].distributed_sequence_ids
+                k_whole = torch.cat([seqs[i][1] for i in ids]).to(cd)
+                v_whole = torch.cat([seqs[i][2] for i in ids]).to(cd)
+                parts.append(module.distributed_attention(q[n:], k_whole, v_whole, ctx))
+            o = torch.cat(parts) if parts else q[:0]
+        return o
+
+    runs = {"before (sdpa)": "sdpa", f"after (auto: {after})": after}
+    totals = {label: {"seconds": 0.0, "slowest": 0.0, "tokens": 0, "done": 0} for label in runs}
+    # The two backends on the same inputs: the outputs of the first micro-batch's ranks.
+    layouts, seqs = inputs(micro_batches[0], 0)
+    with torch.no_grad():
+        outputs = [
+            torch.cat([rank_step(modules[b], b, layouts, r, seqs).float() for r in range(cp)])
+            for b in dict.fromkeys(runs.values())
+        ]
+    del layouts, seqs
+    diff = (outputs[0] - outputs[-1]).abs().max().item()
+    out["max_abs_diff"] = diff
+    out["outputs_agree"] = diff <= BF16_ATOL
+    del outputs
+    # Micro-batch by micro-batch, both backends in turn, so a deadline leaves both with the same
+    # micro-batches timed.
+    for mb in micro_batches:
+        if time.monotonic() > deadline:
+            break
+        for k, (label, backend) in enumerate(runs.items()):
+            rank_seconds = []
+            for rank in range(cp):
+
+                def make(rep: int, mb: Any = mb, shift: int = k * (reps + 1)) -> Any:
+                    return inputs(mb, rep + shift)  # shapes no other call has seen
+
+                def step(arg: Any, backend: str = backend, rank: int = rank) -> None:
+                    o = rank_step(modules[backend], backend, arg[0], rank, arg[1])
+                    o.float().square().mean().backward()
+
+                rank_seconds.append(median_seconds(make, step, device, reps))
+            t = totals[label]
+            t["seconds"] += sum(rank_seconds)
+            t["slowest"] += max(rank_seconds)  # the ranks' attention when they run in parallel
+            t["tokens"] += sum(lengths[sid] for sid in mb.sequence_ids)
+            t["done"] += 1
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    for label, backend in runs.items():
+        t = totals[label]
+        cell: dict[str, Any] = {"backend": backend, "micro_batches_timed": t["done"]}
+        if t["done"]:
+            cell.update(
+                tokens=t["tokens"],
+                rank_seconds_total=t["seconds"],
+                tokens_per_s_per_gpu=t["tokens"] / t["seconds"],
+                parallel_step_seconds=t["slowest"],
+                tokens_per_s_cp_group=t["tokens"] / t["slowest"],
+            )
+        out["runs"][label] = cell
+    before, after_cell = (out["runs"][label] for label in runs)
+    if "rank_seconds_total" in before:
+        out["speedup"] = before["rank_seconds_total"] / after_cell["rank_seconds_total"]
+    return out
+
+
+# --------------------------------------------------------------------------- 6. FSDP smoke
+class _WorldOfOne:
+    """A one-process run of a Lightning strategy that needs ``torch.distributed``: Lightning
+    initialises the process group (gloo on CPU, NCCL on CUDA) itself; this removes it and the
+    environment variables it set afterwards, so later checks (and a test process) are not left
+    with a process group they did not make."""
+
+    def __enter__(self) -> _WorldOfOne:
+        import torch.distributed as dist
+
+        self.had_group = dist.is_available() and dist.is_initialized()
+        self.environ = dict(os.environ)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        import torch.distributed as dist
+
+        if not self.had_group and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(self.environ)
+
+
+def check_fsdp(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """A few training steps through ``SkrullFSDPStrategy`` on one device and a real Trainer
+    (``precision="bf16-mixed"``, ``attention_backend="auto"``, the chunked loss), its peak
+    memory, and the analytical estimate of what the rank holds."""
+    import lightning.pytorch as pl
+
+    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
+    from lightning_skrull.attention import resolve_backend
+    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
+    from lightning_skrull.models.memory_estimate import (
+        activation_bytes_per_token,
+        model_state_bytes,
+        parameter_count,
+    )
+    from lightning_skrull.scheduling import CostModel
+
+    cuda = device.type == "cuda"
+    steps, global_batch = 3, 4
+    rng = random.Random(0)
+    vocab = s.model["vocab_size"]
+    lengths = sample_lengths(dataset("ChatQA2-Long-SFT"), global_batch * steps, s.bucket_size,
+                             rng, scale=s.scale)  # fmt: skip
+    data = [{"input_ids": [rng.randrange(vocab) for _ in range(n)]} for n in lengths]
+    timer = _StepTimer(device, deadline)
+
+    class SmokeLM(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _model(s.model, torch.float32, torch.device("cpu"), "sdpa")
+
+        def training_step(self, batch: dict[str, torch.Tensor], index: int) -> torch.Tensor:
+            return self.model(**batch).loss
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.AdamW(self.parameters(), lr=1e-5)
+
+    module = SmokeLM()
+    shape = CostModel.from_hf_config(module.model.config).shape
+    tied = bool(s.model.get("tie_word_embeddings"))
+    params = sum(p.numel() for p in module.model.parameters())
+    strategy = SkrullFSDPStrategy(
+        cp_size=1, bucket_size=s.bucket_size, attention_backend="auto", calibration="off",
+        log_stats=False,
+    )  # fmt: skip
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    with _WorldOfOne():
+        trainer = pl.Trainer(
+            accelerator="cuda" if cuda else "cpu",
+            devices=[device.index or 0] if cuda else 1,
+            strategy=strategy,
+            precision="bf16-mixed",
+            max_steps=steps,
+            callbacks=[timer],
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            num_sanity_val_steps=0,
+        )
+        datamodule = SkrullDataModule(train_data=data, global_batch_size=global_batch,
+                                      shuffle=False)  # fmt: skip
+        trainer.fit(module, datamodule)
+        mesh = tuple(strategy._device_mesh.shape)
+    states = model_state_bytes(shape, "fsdp_cp", cp_size=1, world_size=1)
+    count = parameter_count(shape, tied_head=tied)
+    # The strategy table counts the head apart from the embedding; a tied head is one tensor:
+    # 16 B (float32 parameter, gradient, two moments) and 2 B (its gathered bf16 copy) fewer
+    # per parameter of it.
+    untied_extra = parameter_count(shape).total - count.total
+    tokens = max(timer.micro_batch_tokens, default=0)
+    per_token = activation_bytes_per_token(shape, chunked_loss=True).total
+    out: dict[str, Any] = {
+        "precision": "bf16-mixed",
+        "attention_backend": resolve_backend("auto", device),
+        "loss_kernel": resolve_loss_kernel("auto", device.type, torch.bfloat16),
+        "mesh": list(mesh),
+        "steps": trainer.global_step,
+        "losses": timer.losses,
+        "parameters": params,
+        "parameter_count_matches": count.total == params,
+        "estimate_model_state_bytes": states.total,
+        "estimate_model_state": {
+            "parameters": states.parameters,
+            "gradients": states.gradients,
+            "optimizer": states.optimizer,
+            "transient": states.transient,
+        },
+        "tied_head": tied,
+        "estimate_model_state_bytes_tied": states.total - 18 * untied_extra,
+        "largest_micro_batch_tokens": tokens,
+        "estimate_activation_bytes": per_token * tokens,
+        "estimate_peak_bytes": states.total - 18 * untied_extra + per_token * tokens,
+    }
+    if len(timer.seconds) > 1:  # the first step warms up
+        out["median_step_s"] = statistics.median(timer.seconds[1:])
+        out["median_tokens_per_s"] = statistics.median(
+            n / t for n, t in zip(timer.tokens[1:], timer.seconds[1:])
+        )
+    if cuda:
+        peak = torch.cuda.max_memory_allocated(device)
+        out["peak_bytes"] = peak
+        out["estimate_over_measured"] = out["estimate_peak_bytes"] / peak
+    else:
+        out["peak_bytes"] = "n/a (peak memory is measured on CUDA only)"
+    out["ok"] = trainer.global_step == steps and all(math.isfinite(x) for x in timer.losses)
+    return out
+
+
+class _StepTimer(Callback):
+    """Times each training step (synchronised), records its tokens and loss; stops the fit at
+    the deadline."""
+
+    def __init__(self, device: torch.device, deadline: float) -> None:
+        super().__init__()
+        self.device, self.deadline = device, deadline
+        self.seconds: list[float] = []
+        self.tokens: list[int] = []
+        self.losses: list[float] = []
+        self.micro_batch_tokens: list[int] = []
+        self._start = 0.0
+
+    def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, index: int) -> None:
+        _sync(self.device)
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any,
+                           index: int) -> None:  # fmt: skip
+        _sync(self.device)
+        self.seconds.append(time.perf_counter() - self._start)
+        mbs = batch.rank_batch.micro_batches
+        self.tokens.append(sum(int(mb.inputs["input_ids"].numel()) for mb in mbs))
+        self.micro_batch_tokens.extend(int(mb.inputs["input_ids"].numel()) for mb in mbs)
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.losses.append(float(loss))
+        if time.monotonic() > self.deadline:
+            trainer.should_stop = True
+
+
 # --------------------------------------------------------------------------- report
 def summary(report: dict[str, Any]) -> str:
     """The human-readable block printed at the end."""
-    gib = 2**30
-    b = report["backends"]
     lines = ["===== lightning-skrull GPU check =====", f"device: {report['device_name']}"]
+    parts = {
+        "backends": _summary_backends,
+        "throughput": _summary_throughput,
+        "memory": _summary_memory,
+        "chunked_loss": _summary_chunked_loss,
+        "cp_bf16": _summary_cp_bf16,
+        "fsdp": _summary_fsdp,
+    }
+    for name, part in parts.items():
+        section = report.get(name)
+        if section is None:
+            continue
+        if "error" in section:
+            lines.append(f"{name}: ERROR ({section['error']})")
+        elif "skipped" in section and name != "memory":
+            lines.append(f"{name}: skipped ({section['skipped']})")
+        else:
+            lines.extend(part(section))
+    lines.append(f"passed: {report['passed']}  ({report['wall_s']:.0f} s)")
+    lines.append("=" * 38)
+    return "\n".join(lines)
+
+
+def _gib(x: Any) -> str:
+    return f"{x / 2**30:.2f} GiB" if isinstance(x, (int, float)) else "n/a"
+
+
+def _mib(x: Any) -> str:
+    return f"{x / 2**20:.3f} MiB" if isinstance(x, (int, float)) else "n/a"
+
+
+def _summary_chunked_loss(c: dict[str, Any]) -> list[str]:
+    lines = [f"chunked loss ({c['loss_kernel']} kernel) vs dense, one-sequence steps at "
+             f"{c['probe_tokens']} tokens, per token (measured / analytical):"]  # fmt: skip
+    for name, line in c["lines"].items():
+        if "skipped" in line:
+            lines.append(f"  {name}: skipped ({line['skipped']})")
+            continue
+        fit = (
+            f"{_mib(line['alpha_bytes_per_token'])}/token + {_gib(line['beta_bytes'])} (fit "
+            f"error {line['fit_max_relative_error']:.1%}), {line['measured_over_estimate']:.2f}x "
+            f"the estimate; auto bucket {line['auto_bucket']}"
+            if "alpha_bytes_per_token" in line
+            else "n/a (CUDA only)"
+        )
+        lines.append(
+            f"  {name}: {fit}; estimate {_mib(line['estimate_bytes_per_token'])}/token "
+            f"(layers {_mib(line['estimate_layers_bytes_per_token'])}, head "
+            f"{_mib(line['estimate_head_bytes_per_token'])})"
+        )
+    if "alpha_ratio_dense_over_chunked" in c:
+        gain = f", auto bucket {c['auto_bucket_gain']:.2f}x" if "auto_bucket_gain" in c else ""
+        lines.append(
+            f"  dense / chunked: {c['alpha_ratio_dense_over_chunked']:.2f}x per token{gain}"
+        )
+    return lines
+
+
+def _summary_cp_bf16(c: dict[str, Any]) -> list[str]:
+    agree = c.get("outputs_agree")
+    check = (
+        "" if agree is None
+        else f"; outputs {'agree' if agree else 'MISMATCH'} (max |diff| {c['max_abs_diff']:.2e})"
+    )  # fmt: skip
+    lines = [
+        f"attention under autocast(bf16) at emulated CP={c['cp_size']} ({c['micro_batches']} "
+        f"micro-batches, {c['distributed_sequences']} distributed sequences, compute dtype "
+        f"{c['compute_dtype']}){check}:"
+    ]
+    for label, cell in c["runs"].items():
+        if "tokens_per_s_per_gpu" in cell:
+            lines.append(
+                f"  {label}: {cell['tokens_per_s_per_gpu']:,.0f} tok/s per GPU, "
+                f"{cell['tokens_per_s_cp_group']:,.0f} tok/s per CP group "
+                f"({cell['micro_batches_timed']} micro-batches, one layer fwd+bwd)"
+            )
+        else:
+            lines.append(f"  {label}: nothing timed (deadline)")
+    if "speedup" in c:
+        lines.append(f"  after over before: {c['speedup']:.2f}x")
+    return lines
+
+
+def _summary_fsdp(f: dict[str, Any]) -> list[str]:
+    speed = (
+        f", {f['median_step_s']:.3f} s/step {f['median_tokens_per_s']:,.0f} tok/s"
+        if "median_step_s" in f
+        else ""
+    )
+    ratio = (
+        f" ({f['estimate_over_measured']:.2f}x measured)" if "estimate_over_measured" in f else ""
+    )
+    return [
+        f"FSDP2 on one device, mesh {tuple(f['mesh'])}, {f['precision']}, "
+        f"{f['attention_backend']} attention, {f['loss_kernel']} loss: "
+        f"{'OK' if f['ok'] else 'FAILED'} "
+        f"({f['steps']} steps, losses {', '.join(f'{x:.3f}' for x in f['losses'])}){speed}",
+        f"  peak {_gib(f['peak_bytes'])}; estimate {_gib(f['estimate_peak_bytes'])}{ratio} = "
+        f"model states {_gib(f['estimate_model_state_bytes_tied'])} (strategy table: "
+        f"{_gib(f['estimate_model_state_bytes'])} with the head untied) + activations "
+        f"{_gib(f['estimate_activation_bytes'])} at {f['largest_micro_batch_tokens']} tokens",
+    ]
+
+
+def _summary_backends(b: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     if b["flash_vs_sdpa_ok"] is None:
         lines.append(f"flash vs sdpa: skipped ({b['flash_vs_sdpa_skipped']})")
     else:
@@ -431,7 +953,11 @@ def summary(report: dict[str, Any]) -> str:
                 f"skrull loss ({backend}) vs plain HF: {ok} ({b[f'{backend}_loss']:.6f} vs "
                 f"{b['reference_loss']:.6f})"
             )
-    t = report["throughput"]
+    return lines
+
+
+def _summary_throughput(t: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     flash = f" ({t['flash_kernel']} kernel)" if t.get("flash_kernel") else ""
     lines.append(
         f"throughput at CP=1, bucket {t['bucket_size']} tokens, {t['attention_backend']} "
@@ -463,7 +989,12 @@ def summary(report: dict[str, Any]) -> str:
             f"{f['default_micro_batch_overhead_s'] * 1e3:.2f}); largest step error "
             f"{f['max_abs_relative_error']:.1%}"
         )
-    m = report["memory"]
+    return lines
+
+
+def _summary_memory(m: dict[str, Any]) -> list[str]:
+    gib = 2**30
+    lines: list[str] = []
     if "skipped" in m:
         lines.append(f"memory: skipped ({m['skipped']})")
     else:
@@ -481,9 +1012,7 @@ def summary(report: dict[str, Any]) -> str:
                 f"{m['predicted_for_those_tokens_bytes'] / gib:.2f} GiB "
                 f"({m['prediction_error']:+.1%})"
             )
-    lines.append(f"passed: {report['passed']}  ({report['wall_s']:.0f} s)")
-    lines.append("=" * 38)
-    return "\n".join(lines)
+    return lines
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -503,19 +1032,56 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": {k: v for k, v in s.model.items() if isinstance(v, (int, float, bool))},
         "dtype": str(s.dtype),
     }
-    report["backends"] = check_backends(s, device)
-    report["throughput"] = check_throughput(s, device, start + args.budget_s)
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    report["memory"] = check_memory(s, device, report["throughput"])
-    b = report["backends"]
-    report["passed"] = bool(
-        b["flash_vs_sdpa_ok"] is not False
-        and all(v for k, v in b.items() if k.endswith("_loss_ok"))
-        and all(p in c for c in report["throughput"]["datasets"].values() for p in POLICIES)
-    )
+    end = start + args.budget_s
+    reserve = sum(RESERVED_S.values()) if device.type == "cuda" else 0.0
+    json_path: Path | None = getattr(args, "json", None)
+
+    def section(name: str, check: Callable[[], dict[str, Any]]) -> None:
+        """Run one check unless too little time is left; an error is reported, not raised, so
+        the other checks still run; the report so far is written after each."""
+        left = end - time.monotonic()
+        need = RESERVED_S.get(name, 0.0) / 2 if device.type == "cuda" else 0.0
+        if left < need:
+            report[name] = {
+                "skipped": f"deadline: {left:.0f} s of --budget-s left, {need:.0f} needed"
+            }
+        else:
+            try:
+                report[name] = check()
+            except Exception as err:  # reported, and the run goes on
+                traceback.print_exc()
+                report[name] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        if json_path is not None:
+            write_json(json_path, {**report, "partial": True}, default=str)
+
+    section("backends", lambda: check_backends(s, device))
+    section("throughput", lambda: check_throughput(s, device, end - reserve))
+    section("memory", lambda: check_memory(s, device, report["throughput"]))
+    section("chunked_loss", lambda: check_chunked_loss(s, device, end))
+    section("cp_bf16", lambda: check_cp_bf16(s, device, end))
+    section("fsdp", lambda: check_fsdp(s, device, end))
+    report["passed"] = passed(report)
     report["wall_s"] = time.monotonic() - start
     return report
+
+
+def passed(report: dict[str, Any]) -> bool:
+    """Every check that ran agrees, and nothing failed with an error (a check skipped at the
+    deadline is reported as skipped, not failed; the throughput runs must each have run)."""
+    b, t = report["backends"], report["throughput"]
+    if any("error" in report[name] for name in SECTIONS):
+        return False
+    chunked = report["chunked_loss"].get("lines", {})
+    return bool(
+        b.get("flash_vs_sdpa_ok") is not False
+        and all(v for k, v in b.items() if k.endswith("_loss_ok"))
+        and all(p in c for c in t.get("datasets", {}).values() for p in POLICIES)
+        and not any("bucket_error" in line for line in chunked.values())
+        and report["cp_bf16"].get("outputs_agree") is not False
+        and report["fsdp"].get("ok") is not False
+    )
 
 
 def default_json(name: str) -> Path:
@@ -539,7 +1105,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiny", action="store_true", help="tiny model and sizes (CPU test)")
     parser.add_argument("--bucket", type=int, default=None, help="tokens per micro-batch")
     parser.add_argument("--steps", type=int, default=4, help="measured steps per policy and set")
-    parser.add_argument("--budget-s", type=float, default=360.0, help="stop measuring after this")
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=360.0,
+        help="stop measuring after this many seconds (the checks after the "
+        "throughput loop keep their share of it)",
+    )
     parser.add_argument("--json", type=Path, default=default_json("gpu_check.json"))
     args = parser.parse_args(argv)
     report = run(args)

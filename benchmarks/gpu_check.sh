@@ -2,10 +2,16 @@
 # GPU check of lightning-skrull on one NVIDIA GPU, in under 8 minutes.
 #
 # Needs only PyTorch (a CUDA build) and this package (installed, or the checkout on PYTHONPATH);
-# the flash backend runs flash-attn when it is installed, else PyTorch's own varlen kernel. Checks that the flash and SDPA attention backends agree, measures
-# tokens/s of a Qwen2.5-0.5B-shaped random model under the skrull and static policies at CP=1,
-# and compares peak CUDA memory with the fitted per-token memory model. Prints one summary block
-# and writes JSON to $OUT/gpu_check.json (or benchmarks/out/gpu_check.json, or --json PATH).
+# the flash backend runs flash-attn when it is installed, else PyTorch's own varlen kernel.
+# Checks that the flash and SDPA attention backends agree, measures tokens/s of a
+# Qwen2.5-0.5B-shaped random model under the skrull and static policies at CP=1, compares peak
+# CUDA memory with the fitted per-token memory model, fits peak memory per token with the dense
+# loss against the chunked one (the "auto" bucket of each, beside the analytical estimate),
+# times one attention layer under autocast(bf16) at an emulated CP=4 with sdpa against the
+# backend "auto" picks, and runs a few bf16-mixed steps of SkrullFSDPStrategy on one GPU through
+# a Lightning Trainer (peak memory against the analytical model states). Prints one summary
+# block and writes JSON to $OUT/gpu_check.json (or benchmarks/out/gpu_check.json, or --json
+# PATH), also after each check, so a check that hangs does not lose the ones before it.
 #
 #   bash benchmarks/gpu_check.sh                     # on a GPU machine
 #   bash benchmarks/gpu_check.sh --json /tmp/g.json  # other arguments go to benchmarks.gpu_check
@@ -50,6 +56,7 @@ except PackageNotFoundError:  # run from a checkout on PYTHONPATH
 print("torch", torch.__version__, "| lightning-skrull", mine, "| flash kernel:", flash_kernel())
 EOF
 
-# The Python side stops measuring at --budget-s (360 s by default) and reports what ran; the
-# outer limit only catches a hang.
+# The Python side stops measuring at --budget-s (360 s by default; the throughput loop stops
+# early to leave the later checks their share) and reports what ran; the outer limit only
+# catches a hang.
 exec timeout 470 "$PYTHON" -m benchmarks.gpu_check "$@"

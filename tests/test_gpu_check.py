@@ -62,10 +62,56 @@ def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
     assert "CUDA" in report["memory"]["skipped"]
     assert "===== lightning-skrull GPU check =====" in printed
     assert "passed: True" in printed
+    assert "partial" not in report  # the final report, not one written after a check
+    _assert_new_sections(report, printed)
+
+
+def _assert_new_sections(report: dict, printed: str) -> None:
+    """The chunked-loss, bf16-at-CP and FSDP sections of a tiny CPU run are complete."""
+    import torch.distributed as dist
+
+    # 4. chunked loss: both lines, the analytical estimate beside each, memory n/a on CPU
+    c = report["chunked_loss"]
+    assert c["loss_kernel"] == "chunked"  # "auto" on CPU is the pure-PyTorch path
+    assert set(c["lines"]) == {"dense", "chunked"}
+    for line in c["lines"].values():
+        assert "skipped" not in line and line["probe_peak_bytes"].startswith("n/a")
+        assert line["estimate_bytes_per_token"] == pytest.approx(
+            line["estimate_layers_bytes_per_token"] + line["estimate_head_bytes_per_token"]
+        )
+    # the dense head keeps [tokens, vocab] logits, the chunked one does not
+    assert (c["lines"]["dense"]["estimate_head_bytes_per_token"]
+            > c["lines"]["chunked"]["estimate_head_bytes_per_token"])  # fmt: skip
+    assert "chunked loss (chunked kernel) vs dense" in printed
+    # 5. bf16 at emulated CP: both runs timed on the same micro-batches, a distributed path
+    # exercised, the outputs compared (the same kernel on CPU: equal)
+    cp = report["cp_bf16"]
+    assert cp["cp_size"] == 2 and cp["compute_dtype"] == "torch.bfloat16"
+    assert cp["auto_backend"] == "sdpa" and cp["distributed_sequences"] >= 1
+    assert cp["outputs_agree"] is True
+    runs = list(cp["runs"].values())
+    assert len(runs) == 2
+    for run in runs:
+        assert run["micro_batches_timed"] == cp["micro_batches"] >= 1
+        assert run["tokens_per_s_per_gpu"] > 0 and run["tokens_per_s_cp_group"] > 0
+    assert cp["speedup"] > 0
+    assert "emulated CP=2" in printed
+    # 6. FSDP2 through a Trainer on one CPU process: mesh (1, 1), every step ran, finite losses,
+    # the parameter count of the estimate equals the model's, and the process group Lightning
+    # made for the run is gone afterwards
+    f = report["fsdp"]
+    assert f["ok"] is True and f["steps"] == 3 and f["mesh"] == [1, 1]
+    assert len(f["losses"]) == 3 and all(math.isfinite(x) for x in f["losses"])
+    assert f["parameter_count_matches"] is True
+    assert f["peak_bytes"].startswith("n/a")
+    assert 0 < f["estimate_model_state_bytes_tied"] < f["estimate_model_state_bytes"]
+    assert f["estimate_peak_bytes"] > f["estimate_model_state_bytes_tied"]
+    assert not dist.is_initialized()
+    assert "FSDP2 on one device, mesh (1, 1), bf16-mixed" in printed
 
 
 def test_summary_flags_a_mismatch() -> None:
-    report = {
+    report: dict = {
         "device_name": "test",
         "backends": {
             "flash_vs_sdpa_ok": False,
@@ -77,13 +123,23 @@ def test_summary_flags_a_mismatch() -> None:
         },
         "throughput": {"bucket_size": 8, "attention_backend": "flash", "datasets": {}},
         "memory": {"skipped": "no"},
+        "chunked_loss": {"error": "RuntimeError: out of memory"},
+        "cp_bf16": {"skipped": "deadline: 3 s of --budget-s left, 15 needed"},
+        "fsdp": {"error": "ValueError: x"},
         "passed": False,
         "wall_s": 1.0,
     }
     text = gpu_check.summary(report)
     assert "vs sdpa: MISMATCH" in text
     assert "skrull loss (sdpa) vs plain HF: MISMATCH" in text
+    assert "chunked_loss: ERROR (RuntimeError: out of memory)" in text
+    assert "cp_bf16: skipped (deadline" in text
     assert "passed: False" in text
+    # a check that failed with an error fails the run; one skipped at the deadline does not
+    report["backends"] = {"flash_vs_sdpa_ok": None, "sdpa_loss_ok": True}
+    assert gpu_check.passed(report) is False
+    report["chunked_loss"] = report["fsdp"] = {"skipped": "deadline"}
+    assert gpu_check.passed(report) is True
 
 
 @pytest.mark.skipif(
