@@ -117,6 +117,8 @@ def resolve_loss_kernel(
         ValueError: unknown or uninstalled kernel (:func:`check_loss_kernel`), or a fused
             kernel asked for inputs that are not on CUDA.
     """
+    if kernel == "chunked" or (kernel == "auto" and device_type != "cuda"):
+        return "chunked"  # no package lookup in every forward where none can run
     installed = installed_fused_kernels() if installed is None else installed
     check_loss_kernel(kernel, installed)
     if kernel == "auto":
