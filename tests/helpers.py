@@ -466,3 +466,21 @@ def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[i
             loss, n = token_loss_sum(model, sample)
             total, tokens = total + float(loss), tokens + n
     return total / tokens
+
+
+MIN_SLOWDOWN = 1.2
+"""How much slower than the start model a calibrated one must predict a CPU micro-batch. An
+adopted refit lowers the median |log(predicted / measured)| by at least a tenth of it; from a
+start model ~20x too fast for these CPUs (log error ~3) that raises the prediction of the median
+micro-batch by e**0.3 = 1.35x. 1.2x leaves room for the probe micro-batch of
+:func:`predicted_seconds` not being the median one (measured: 5.6-6.2x after 9 steps)."""
+
+
+def predicted_seconds(model: dict[str, Any]) -> float:
+    """Seconds a cost model (as ``dataclasses.asdict`` gives it) predicts for one micro-batch
+    holding one local 64-token sequence."""
+    from lightning_skrull.scheduling import CostModel
+    from lightning_skrull.scheduling.cost_model import ModelShape
+
+    m = CostModel(**{**model, "shape": ModelShape(**model["shape"])})
+    return m.local_seconds(64) + m.micro_batch_overhead_s + m.per_sequence_seconds

@@ -29,12 +29,14 @@ from helpers import (
     BUCKET,
     GLOBAL_BATCH,
     LR,
+    MIN_SLOWDOWN,
     PARAM_ATOL,
     BatchRecorder,
     PlainLM,
     cpu_trainer,
     make_data,
     max_diff,
+    predicted_seconds,
     reference_model,
     token_loss_sum,
 )
@@ -156,22 +158,6 @@ def _uneven(results: list[dict[str, Any]], key: str) -> list[int]:
     return [k for k in range(len(steps)) if steps[k]["planned"] != results[2][key][k]["planned"]]
 
 
-MIN_SLOWDOWN = 1.2
-"""An adopted refit lowers the median |log(predicted / measured)| by at least a tenth of it;
-from a start model that is ~20x too fast (log error ~3) that is a rise of the prediction by
-e**0.3 = 1.35x at the median micro-batch. 1.2x leaves room for the probe micro-batch below
-not being the median one."""
-
-
-def _predicted(model: dict[str, Any]) -> float:
-    """Seconds a model predicts for one micro-batch holding one local 64-token sequence."""
-    from lightning_skrull.scheduling import CostModel
-    from lightning_skrull.scheduling.cost_model import ModelShape
-
-    m = CostModel(**{**model, "shape": ModelShape(**model["shape"])})
-    return m.local_seconds(64) + m.micro_batch_overhead_s + m.per_sequence_seconds
-
-
 def test_online_calibration_on_four_ranks() -> None:
     start = dataclasses.asdict(_start_model())
     with tempfile.TemporaryDirectory() as ckpt_dir:
@@ -184,7 +170,7 @@ def test_online_calibration_on_four_ranks() -> None:
     assert online[0] != start
     # it started learning the CPU, which is far slower than the start model says: whichever
     # constants the refits moved (FLOP/s, overhead, per-sequence cost), it now predicts more time
-    assert _predicted(online[0]) > MIN_SLOWDOWN * _predicted(start)
+    assert predicted_seconds(online[0]) > MIN_SLOWDOWN * predicted_seconds(start)
     assert all(r["restored"] == online[0] for r in results), "resume lost the calibrated model"
     assert all(r["off"] == start for r in results)
     assert "skrull/calibration/prediction_error" in results[0]["metrics"]
@@ -213,7 +199,7 @@ def test_online_calibration_on_four_ranks() -> None:
     zero2 = [r["zero2"] for r in results]
     assert all(m == zero2[0] for m in zero2), "ZeRO-2 ranks ended with different models"
     assert zero2[0] != start
-    assert _predicted(zero2[0]) > MIN_SLOWDOWN * _predicted(start)
+    assert predicted_seconds(zero2[0]) > MIN_SLOWDOWN * predicted_seconds(start)
     for r in results:
         assert not any(same for _, i, same in r["zero2_with_start"][4:])
     reference = _reference(24, STEPS)

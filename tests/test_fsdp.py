@@ -34,11 +34,13 @@ from helpers import (
     BUCKET,
     GLOBAL_BATCH,
     LR,
+    MIN_SLOWDOWN,
     BatchRecorder,
     PlainLM,
     cpu_trainer,
     make_data,
     max_diff,
+    predicted_seconds,
     reference_loss,
     reference_model,
     reference_training,
@@ -260,10 +262,10 @@ def test_online_calibration_refits_the_same_model_on_every_rank(
     assert any(s["planned"] != t["planned"] for s, t in zip(steps, runs[2]["calibrated_steps"]))
     models = [r["calibrated"] for r in runs]
     assert all(m == models[0] for m in models), "ranks ended with different calibrated models"
-    # timed earlier micro-batches alone still show a CPU thousands of times slower than the
-    # start's H100 FLOP/s: the first refit halves it (the per-refit bound)
+    # timed earlier micro-batches alone show a CPU far slower than the start model says:
+    # whichever constants the refit moved, it now predicts more time
     assert models[0] != start
-    assert models[0]["achieved_flops"] <= start["achieved_flops"] / 2 * (1 + 1e-9)
+    assert predicted_seconds(models[0]) > MIN_SLOWDOWN * predicted_seconds(start)
     assert "skrull/calibration/prediction_error" in runs[0]["calibration_metrics"]
 
 
