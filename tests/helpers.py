@@ -480,7 +480,6 @@ def predicted_seconds(model: dict[str, Any]) -> float:
     """Seconds a cost model (as ``dataclasses.asdict`` gives it) predicts for one micro-batch
     holding one local 64-token sequence."""
     from lightning_skrull.scheduling import CostModel
-    from lightning_skrull.scheduling.cost_model import ModelShape
 
-    m = CostModel(**{**model, "shape": ModelShape(**model["shape"])})
+    m = CostModel.from_dict(model)
     return m.local_seconds(64) + m.micro_batch_overhead_s + m.per_sequence_seconds

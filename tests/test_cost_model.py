@@ -274,3 +274,10 @@ def test_fit_needs_two_samples_and_positive_times() -> None:
         fit_cost_model(CostModel(), [(plan, [5], 1.0), (plan, [5], 0.0)])
     with pytest.raises(TypeError, match="FitSample or"):
         fit_cost_model(CostModel(), [plan, plan])
+
+
+def test_from_dict_inverts_asdict() -> None:
+    import dataclasses
+
+    model = CostModel().with_constants(achieved_flops=1.5e14, per_sequence_seconds=3e-4)
+    assert CostModel.from_dict(dataclasses.asdict(model)) == model

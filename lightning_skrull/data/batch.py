@@ -23,7 +23,6 @@ from lightning_skrull.scheduling import (
     DISTRIBUTED,
     CostModel,
     GlobalBatchPlan,
-    ModelShape,
     Policy,
     dp_rank_seconds,
     plan_global_batch,
@@ -339,9 +338,7 @@ class CostModelSchedule:
         """Restore entries saved by :meth:`state_dict`."""
         entries = []
         for entry in state:
-            constants = dict(entry["cost_model"])
-            shape = ModelShape(**constants.pop("shape"))
-            model = CostModel(shape=shape, **constants)
+            model = CostModel.from_dict(entry["cost_model"])
             entries.append(((int(entry["epoch"]), int(entry["index"])), model))
         if not entries:
             raise ValueError("a saved cost-model schedule needs at least one entry.")

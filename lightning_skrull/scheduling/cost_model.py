@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -394,6 +394,13 @@ class CostModel:
             vocab_size=int(config.vocab_size),
         )
         return cls(shape=shape, **constants)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> CostModel:
+        """The model ``dataclasses.asdict`` turned into ``values`` (its shape a nested dict),
+        as checkpoints and YAML recipes hold it."""
+        constants = dict(values)
+        return cls(shape=ModelShape(**constants.pop("shape")), **constants)
 
     def with_constants(self, **constants: Any) -> CostModel:
         """A copy with some constants changed."""
