@@ -37,7 +37,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
-from lightning_skrull.data.batch import PlanStats, SkrullBatch
+from lightning_skrull.data.batch import CostModelSchedule, PlanStats, SkrullBatch
 from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.chunked_loss import check_loss_kernel
@@ -187,7 +187,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         return self._skrull_cost_model
 
     @property
-    def cost_model_schedule(self) -> Any:
+    def cost_model_schedule(self) -> CostModelSchedule | None:
         """Which cost model plans which training batch (``None`` with ``calibration="off"``)."""
         return None if self._calibration is None else self._calibration.schedule
 
@@ -752,10 +752,10 @@ class SkrullStrategyMixin(ParallelStrategy):
             "skrull/micro_batches_min": float(stats.min_micro_batches),
             "skrull/micro_batches_rank": float(rank_batch.num_planned_micro_batches),
         }
-        for key, value in values.items():
-            module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+        self._log_values(values)
 
     def _log_values(self, values: dict[str, float]) -> None:
+        """Log per-step values (plan statistics, calibration) unless ``log_stats`` is off."""
         module = self.lightning_module
         if not values or not self._skrull_config.log_stats or module is None:
             return
