@@ -237,6 +237,7 @@ def _rank_startup(
 
     import torch.distributed as dist
 
+    from benchmarks.e2e_cpu import cpu_trainer
     from lightning_skrull import SkrullDataModule, SkrullStrategy
 
     warnings.filterwarnings("ignore")  # the table, not Lightning's advice, on the console
@@ -244,19 +245,8 @@ def _rank_startup(
         logging.getLogger(name).setLevel(logging.ERROR)
     module = _StartupLM(vocab)
     first = _FirstStep()
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=world_size,
-        strategy=SkrullStrategy(cp_size=CP_SIZE, bucket_size=BUCKET),
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
-        callbacks=[first],
-    )
+    # over the spawned process group's world_size ranks
+    trainer = cpu_trainer(SkrullStrategy(cp_size=CP_SIZE, bucket_size=BUCKET), 1, first)
     dist.barrier()
     start, uss = time.perf_counter(), _uss()
     datamodule = SkrullDataModule(

@@ -36,8 +36,7 @@ def _run_job(out_dir: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
-    import lightning.pytorch as L
-    from helpers import BUCKET, GLOBAL_BATCH, BatchRecorder, PlainLM, make_data
+    from helpers import BUCKET, GLOBAL_BATCH, BatchRecorder, PlainLM, cpu_trainer, make_data
     from test_fsdp import _full_params
 
     import lightning_skrull  # noqa: F401  (registers the strategy names)
@@ -53,18 +52,12 @@ def _run_job(out_dir: Path) -> None:
     }
     for name, make in strategies.items():
         recorder = BatchRecorder()
-        trainer = L.Trainer(
-            strategy=make(),
-            accelerator="cpu",
+        trainer = cpu_trainer(
+            make(),
             devices=PROCS_PER_NODE,
             num_nodes=NODES,
             max_steps=STEPS,
             callbacks=[recorder],
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            num_sanity_val_steps=0,
         )
         module = PlainLM()
         data = SkrullDataModule(
