@@ -73,8 +73,9 @@ class SkrullConfig:
     global batch (a mismatch would otherwise hang in the CP collectives or train wrongly)."""
 
     log_stats: bool = True
-    """Log the step loss, tokens per second, supervised tokens, share of distributed sequences,
-    estimated plan imbalance and micro-batches per rank through the Trainer's loggers."""
+    """Log the step loss and tokens per second (every step), and the supervised tokens, share of
+    distributed sequences, estimated plan imbalance, micro-batches per rank and calibration
+    (on Lightning's logging steps, every ``log_every_n_steps``) through the Trainer's loggers."""
 
     chunked_loss: bool = True
     """Compute the causal-LM loss with the chunked LM head + cross-entropy, which never holds

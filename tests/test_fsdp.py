@@ -223,7 +223,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     from lightning_skrull.scheduling import CostModel
 
     wrong = CostModel(comm_latency_s=0.0, comm_bandwidth=1e30)
-    _, trainer, recorder = _fit(3, cost_model=wrong, calibration="online")
+    _, trainer, recorder = _fit(3, cost_model=wrong, calibration="online", log_every_n_steps=1)
     out["calibrated"] = dataclasses.asdict(trainer.strategy.cost_model)
     out["calibrated_steps"] = recorder.steps
     out["calibration_metrics"] = sorted(k for k in trainer.callback_metrics if "calibr" in k)

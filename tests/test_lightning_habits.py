@@ -29,6 +29,7 @@ from helpers import (
     reference_model,
     tiny_qwen2,
 )
+from lightning.pytorch.loggers import Logger
 from transformers import Qwen2ForCausalLM
 
 from lightning_skrull.runtime.launch import spawn
@@ -144,6 +145,7 @@ class Recorder(L.Callback):
                 "run": len(batch.rank_batch.micro_batches),
                 "max": batch.stats.max_micro_batches,
                 "min": batch.stats.min_micro_batches,
+                "skrull_keys": sorted(k for k in metrics if k.startswith("skrull/")),
             }
         )
 
@@ -158,6 +160,28 @@ class Recorder(L.Callback):
                 "min": batch.stats.min_micro_batches,
             }
         )
+
+
+class MemoryLogger(Logger):
+    """A Lightning logger that keeps every ``log_metrics`` call: ``(step, metrics)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "memory"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step, dict(metrics)))
 
 
 def _trainer(**kwargs: Any) -> L.Trainer:
@@ -184,11 +208,13 @@ def _data() -> Any:
 def _habit_cases(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for precision in ("32-true", "bf16-mixed"):
-        recorder = Recorder()
+        recorder, logger = Recorder(), MemoryLogger()
         module = HabitsLM()
         trainer = _trainer(
             max_steps=STEPS,
             callbacks=[recorder],
+            logger=logger,
+            log_every_n_steps=2,  # the loggers get the second (last) step only
             gradient_clip_val=CLIP,
             precision=precision,
             limit_val_batches=1,
@@ -201,6 +227,7 @@ def _habit_cases(rank: int, world_size: int) -> dict[str, Any]:
             "exchanged_bytes": exchanged.total_bytes(),
             "train": recorder.train,
             "val": recorder.val,
+            "logged": [(step, m) for step, m in logger.rows if "train_loss" in m],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "val_acc": float(trainer.callback_metrics["val_acc"]),
             "before_backward": module.before_backward,
@@ -303,6 +330,28 @@ def test_synced_logs_equal_single_process_on_every_rank(ranks: list[dict[str, An
         assert out["test_loss"] == pytest.approx(ref["test_loss"], rel=VALUE_REL)
     for key in ("user_loss", "token_acc"):  # the very same value on every rank
         assert len({tuple(s[key] for s in out["32-true"]["train"]) for out in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+def test_plan_statistics_reach_the_loggers_on_logging_steps(ranks: list[dict[str, Any]]) -> None:
+    """With ``log_every_n_steps=2`` the loggers get the second step: its loss and its plan's
+    statistics (this rank's micro-batches differ between the DP ranks); the first step logs no
+    plan statistics at all, as Lightning's LearningRateMonitor does off logging steps."""
+    for out in ranks:
+        for precision in ("32-true", "bf16-mixed"):
+            train, logged = out[precision]["train"], out[precision]["logged"]
+            assert train[0]["skrull_keys"] == []
+            assert "skrull/plan_imbalance" in train[1]["skrull_keys"]
+            assert [step for step, _ in logged] == [1]
+            metrics = logged[0][1]
+            assert metrics["train_loss"] == pytest.approx(train[1]["train_loss"], rel=1e-6)
+            assert (metrics["skrull/micro_batches_max"], metrics["skrull/micro_batches_min"]) == (
+                2,
+                1,
+            )
+            assert metrics["skrull/micro_batches_rank"] == train[1]["run"]
+            assert metrics["tokens_per_s"] > 0
+    assert {out["32-true"]["logged"][0][1]["skrull/micro_batches_rank"] for out in ranks} == {1, 2}
 
 
 @pytest.mark.multiprocess

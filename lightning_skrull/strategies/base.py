@@ -670,7 +670,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._log_throughput()
         if self._calibration is not None:
             self._calibration.end_step()  # outside the micro-batches: may all-gather
-            self._log_values(self._calibration.take_metrics())
+            if self._logs_stats_this_step():  # a refit's metrics wait for a logging step
+                self._log_values(self._calibration.take_metrics())
         return output
 
     @override
@@ -755,14 +756,30 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._log_values(values)
 
     def _log_values(self, values: dict[str, float]) -> None:
-        """Log per-step values (plan statistics, calibration) unless ``log_stats`` is off."""
+        """Log per-step values (plan statistics, calibration) unless ``log_stats`` is off.
+
+        Only on the steps whose on-step values Lightning writes to its loggers (every
+        ``log_every_n_steps``, and under ``fast_dev_run``), the rule Lightning's own
+        ``LearningRateMonitor`` follows: the loggers see the same values as when logging every
+        step, and the other steps skip about 0.5 ms of ``self.log`` per value, which a step of
+        a few short sequences notices (docs/benchmarks.md, per-sequence overhead).
+        """
+        if not values or not self._logs_stats_this_step():
+            return
         module = self.lightning_module
-        if not values or not self._skrull_config.log_stats or module is None:
-            return
-        if module._trainer is None or module._trainer.barebones:
-            return
+        assert module is not None
         for key, value in values.items():
             module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def _logs_stats_this_step(self) -> bool:
+        """Whether :meth:`_log_values` logs in this training step (see there)."""
+        module = self.lightning_module
+        if not self._skrull_config.log_stats or module is None:
+            return False
+        trainer = module._trainer
+        if trainer is None or trainer.barebones:
+            return False
+        return bool(trainer.fast_dev_run) or trainer._logger_connector.should_update_logs
 
     def _log_throughput(self) -> None:
         if self._step_start is None or not self._skrull_config.log_stats:

@@ -61,7 +61,8 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         model_attribute: dotted name of the HF model in the LightningModule, when it holds
             several.
         verify_plans: check every step that all ranks planned the same global batch.
-        log_stats: log the exact loss, tokens/s and plan statistics.
+        log_stats: log the exact loss and tokens/s (every step) and the plan statistics (on
+            Lightning's logging steps, every ``log_every_n_steps``).
         chunked_loss: compute the loss with the chunked LM head + cross-entropy, never holding
             the ``[tokens, vocab]`` logits (``logits`` is then ``None`` in the model's output
             when it is given labels); ``False`` for transformers' dense head, with logits.
