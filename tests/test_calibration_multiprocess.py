@@ -9,7 +9,9 @@ One spawn runs every case:
 - a resume from its checkpoint (the calibrated model is restored before any step);
 - calibration off (the model is left as given);
 - ZeRO-2 with calibration on: it refits, every rank ends with the same cost model, and the
-  weights equal plain HF training on one process.
+  weights equal plain HF training on one process;
+- bf16-mixed under DDP and under ZeRO-2: the first refit adopts a model that predicts the
+  slower CPU, the same on every rank.
 
 Every rank plans every batch with the model the schedule gives it, or the per-step plan-hash
 check stops the run.
@@ -96,6 +98,7 @@ def _fit(
     samples: int = 24,
     num_workers: int = 0,
     ckpt_path: str | None = None,
+    precision: str = "32-true",
 ) -> tuple[L.Trainer, BatchRecorder, _Watch, PlainLM]:
     from lightning_skrull import SkrullDataModule
 
@@ -103,7 +106,11 @@ def _fit(
     # plan and calibration statistics are logged on Lightning's logging steps only (4 and 8
     # here): the refits after steps 3 and 6 are logged one and two steps later
     trainer = cpu_trainer(
-        strategy, max_steps=steps, callbacks=[recorder, watch], log_every_n_steps=4
+        strategy,
+        max_steps=steps,
+        callbacks=[recorder, watch],
+        log_every_n_steps=4,
+        precision=precision,
     )
     data = SkrullDataModule(
         train_data=make_data(samples),
@@ -153,6 +160,14 @@ def _cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any]:
     out["zero2_steps"] = recorder.steps
     out["zero2_with_start"] = watch.with_start
     out["zero2_params"] = _params(module)
+
+    # bf16-mixed, 3 steps (one refit): the timing hooks and the refit under autocast (DDP) and
+    # under DeepSpeed's bf16 parameters with their float32 master copy (ZeRO-2)
+    zero2 = SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET, cost_model=_start_model())
+    for name, strategy in (("bf16_ddp", _skrull("online")), ("bf16_zero2", zero2)):
+        trainer, recorder, _, _ = _fit(strategy, 3, precision="bf16-mixed")
+        out[name] = dataclasses.asdict(trainer.strategy.cost_model)
+        out[f"{name}_steps"] = recorder.steps
     return out
 
 
@@ -167,7 +182,7 @@ def test_online_calibration_on_four_ranks() -> None:
     with tempfile.TemporaryDirectory() as ckpt_dir:
         results = spawn(_cases, 4, ckpt_dir, timeout=900)
     # every case needs DP ranks with different micro-batch counts in its steps
-    for key in ("online_steps", "off_steps", "zero2_steps"):
+    for key in ("online_steps", "off_steps", "zero2_steps", "bf16_ddp_steps", "bf16_zero2_steps"):
         assert _uneven(results, key), f"{key}: every step gave both DP ranks the same count"
     online = [r["online"] for r in results]
     assert all(m == online[0] for m in online), "ranks ended with different calibrated models"
@@ -209,3 +224,11 @@ def test_online_calibration_on_four_ranks() -> None:
     reference = _reference(24, STEPS)
     for r in results:
         assert max_diff(r["zero2_params"], reference) < PARAM_ATOL
+
+    # bf16-mixed under DDP and ZeRO-2: the first refit (after step 3) adopted a model that
+    # predicts the slower CPU, the same on every rank (what bf16 does to the weights is the
+    # precision matrix's subject: calibration changes only which plan a batch gets)
+    for key in ("bf16_ddp", "bf16_zero2"):
+        models = [r[key] for r in results]
+        assert all(m == models[0] for m in models), f"{key}: ranks ended with different models"
+        assert predicted_seconds(models[0]) > MIN_SLOWDOWN * predicted_seconds(start), key
