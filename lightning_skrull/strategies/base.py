@@ -779,7 +779,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         trainer = module._trainer
         if trainer is None or trainer.barebones:
             return False
-        return bool(trainer.fast_dev_run) or trainer._logger_connector.should_update_logs
+        fast_dev_run = getattr(trainer, "fast_dev_run", False)  # set by the Trainer's debug flags
+        return bool(fast_dev_run) or trainer._logger_connector.should_update_logs
 
     def _log_throughput(self) -> None:
         if self._step_start is None or not self._skrull_config.log_stats:
