@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -81,6 +82,6 @@ def fill_from_rank_zero(
     if meta_tensor_names(model):
         model.to_empty(device=device)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
-    set_model_state_dict(model, full_state, options=options)
+    set_model_state_dict(model, cast(dict[str, Any], full_state), options=options)
     for buffer in model.buffers():
         dist.broadcast(buffer, src=0)

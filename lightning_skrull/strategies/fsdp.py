@@ -23,7 +23,10 @@ reduce-scatters.
 
 The strategy takes over the part of Lightning's ``ModelParallelStrategy.setup`` that asks the
 LightningModule for ``configure_model``: it applies ``fully_shard`` itself, to each decoder layer
-of the Hugging Face model and to the model as the root, so the LightningModule stays plain.
+of the Hugging Face model and to the model as the root, so the LightningModule stays plain. It
+also replaces Lightning's materialisation of meta tensors (``reset_parameters``, random values):
+a model built on the meta device on ranks other than 0 gets rank 0's weights
+(:mod:`lightning_skrull.runtime.meta_init`), and meta tensors on rank 0 are refused.
 """
 
 from __future__ import annotations
@@ -183,7 +186,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
 
     Use it with :class:`~lightning_skrull.SkrullDataModule`; the LightningModule stays plain
     (``training_step`` returns ``self.model(**batch).loss``, no ``configure_model``). Every
-    trainable parameter of the LightningModule must belong to its Hugging Face model.
+    trainable parameter of the LightningModule must belong to its Hugging Face model. A model
+    read on global rank 0 only and built on the meta device elsewhere
+    (:func:`~lightning_skrull.models.from_pretrained_on_rank_zero`) is sharded, and its shards and
+    buffers are filled from rank 0's weights at setup.
 
     Args:
         cp_size, policy, attention_backend, cost_model, calibration, model_attribute,
@@ -205,7 +211,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         process_group_backend, timeout: as for Lightning's ``ModelParallelStrategy``.
 
     Raises:
-        ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``.
+        ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``; at setup,
+            meta tensors on global rank 0 or outside the Hugging Face model.
     """
 
     strategy_name = "skrull_fsdp"
