@@ -13,7 +13,12 @@ import torch.distributed as dist
 import yaml
 from helpers import BUCKET, GLOBAL_BATCH, PlainLM, cpu_trainer, make_data, tiny_qwen2
 
-from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy, SkrullStrategy
+from lightning_skrull import (
+    SkrullDataModule,
+    SkrullFSDPStrategy,
+    SkrullStrategy,
+    SkrullZero2Strategy,
+)
 from lightning_skrull.cli import TINY_CPU_TRAINER, SkrullCausalLM, SkrullCLI, is_fsdp_strategy
 from lightning_skrull.models import (
     from_pretrained_on_rank_zero,
@@ -191,8 +196,11 @@ class _MetaLM(PlainLM):
             self.model = tiny_qwen2()
 
 
-def test_ddp_refuses_a_model_built_on_meta(world_of_one: None) -> None:
-    trainer = cpu_trainer(SkrullStrategy(bucket_size=BUCKET), max_steps=1)
+@pytest.mark.parametrize("strategy", [SkrullStrategy, SkrullZero2Strategy])
+def test_replicating_strategies_refuse_a_model_built_on_meta(
+    world_of_one: None, strategy: type
+) -> None:
+    trainer = cpu_trainer(strategy(bucket_size=BUCKET), max_steps=1)
     data = SkrullDataModule(train_data=make_data(8), global_batch_size=GLOBAL_BATCH)
     with pytest.raises(ValueError, match=r"keeps a full copy.*Use SkrullFSDPStrategy"):
         trainer.fit(_MetaLM(), data)
