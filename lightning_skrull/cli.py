@@ -14,19 +14,23 @@ statistics (:class:`PlanStatsPrinter`).
 
 from __future__ import annotations
 
+import importlib
 import math
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_only
 from torchmetrics import Metric
 
 from lightning_skrull.data.batch import SkrullBatch
 from lightning_skrull.data.datamodule import SkrullDataModule
 from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.models.loading import from_pretrained_on_rank_zero
 from lightning_skrull.strategies.ddp import SkrullStrategy
+from lightning_skrull.strategies.fsdp import SkrullFSDPStrategy
 
 if TYPE_CHECKING:
     from lightning.fabric.utilities.data import AttributeDict
@@ -95,6 +99,15 @@ class SkrullCausalLM(pl.LightningModule):
         torch_dtype: dtype to load the weights in (``"bfloat16"``, ``"float32"``; ``None``: the
             checkpoint's).
         gradient_checkpointing: recompute activations in backward (long sequences).
+        load_on_rank_zero: for a name or path, read the weights on global rank 0 only and build
+            the model on the meta device on the other ranks
+            (:func:`~lightning_skrull.models.from_pretrained_on_rank_zero`), so the job holds
+            one full copy on rank 0's host instead of one per process. Only
+            :class:`~lightning_skrull.SkrullFSDPStrategy` can start from such a model (it fills
+            every rank's shards from rank 0); the other strategies refuse it at setup. ``None``:
+            ``skrull-finetune`` sets it to whether the Trainer's strategy is
+            ``SkrullFSDPStrategy``; outside the CLI, ``False``. A config dict ignores it (every
+            rank initialises the same random weights from the seed).
 
     Raises:
         ValueError: a config dict without ``model_type``, or a bad number.
@@ -110,6 +123,7 @@ class SkrullCausalLM(pl.LightningModule):
         warmup_steps: int = 0,
         torch_dtype: str | None = None,
         gradient_checkpointing: bool = False,
+        load_on_rank_zero: bool | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, (str, dict)):
@@ -122,7 +136,7 @@ class SkrullCausalLM(pl.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         self.save_hyperparameters()
-        self.model = self._build_model(model, torch_dtype)
+        self.model = self._build_model(model, torch_dtype, bool(load_on_rank_zero))
         if gradient_checkpointing:
             self.model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -130,12 +144,16 @@ class SkrullCausalLM(pl.LightningModule):
         self.val_perplexity = TokenPerplexity()
 
     @staticmethod
-    def _build_model(model: str | dict[str, Any], torch_dtype: str | None) -> PreTrainedModel:
+    def _build_model(
+        model: str | dict[str, Any], torch_dtype: str | None, load_on_rank_zero: bool
+    ) -> PreTrainedModel:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
         if isinstance(model, str):
             kwargs = {"dtype": dtype} if dtype is not None else {}
+            if load_on_rank_zero:
+                return from_pretrained_on_rank_zero(model, **kwargs)
             return AutoModelForCausalLM.from_pretrained(model, **kwargs)
         fields = dict(model)
         model_type = fields.pop("model_type", None)
@@ -274,6 +292,33 @@ class SkrullCLI(LightningCLI):
                 "data.val_split": 32,
             }
         )
+
+    def before_instantiate_classes(self) -> None:
+        """Resolve ``model.load_on_rank_zero=None``: load on rank 0 only under
+        :class:`~lightning_skrull.SkrullFSDPStrategy`, on every rank otherwise."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        if config.model.load_on_rank_zero is None:
+            config.model.load_on_rank_zero = is_fsdp_strategy(config.trainer.strategy)
+
+
+def is_fsdp_strategy(strategy: Any) -> bool:
+    """Whether a Trainer ``strategy`` value (a registered name, a ``class_path`` config, a class
+    or an instance) is :class:`~lightning_skrull.SkrullFSDPStrategy` or a subclass."""
+    if isinstance(strategy, str):
+        if strategy not in StrategyRegistry:
+            return False
+        strategy = StrategyRegistry[strategy]["strategy"]
+    class_path = getattr(strategy, "class_path", None)
+    if isinstance(strategy, dict):
+        class_path = strategy.get("class_path")
+    if isinstance(class_path, str):
+        module_name, _, name = class_path.rpartition(".")
+        if not module_name:
+            return False  # jsonargparse resolves short names to full paths before this
+        strategy = getattr(importlib.import_module(module_name), name, None)
+    if isinstance(strategy, type):
+        return issubclass(strategy, SkrullFSDPStrategy)
+    return isinstance(strategy, SkrullFSDPStrategy)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -10,7 +10,10 @@ One spawn of 4 processes, DP=2 x CP=2, runs every case (each process start costs
 - gradient clipping on the DTensor gradients, with activation checkpointing;
 - resume from a sharded (torch.distributed.checkpoint) checkpoint equals the uninterrupted run;
 - ``bf16-mixed`` through FSDP2's ``MixedPrecisionPolicy``, within the tolerance rule of
-  tests/test_precision_matrix.py.
+  tests/test_precision_matrix.py;
+- a saved model read on rank 0 only (``from_pretrained_on_rank_zero``; ranks 1-3 build it on
+  the meta device and hold no weights): after setup every rank's shards and buffers are the
+  saved ones, and training or validating from it equals the run where every rank loaded it.
 
 The reference is independent of the package: a plain Hugging Face model with eager attention,
 one sequence at a time, summed token cross-entropy divided by the global batch's supervised
@@ -44,6 +47,7 @@ from helpers import (
     reference_loss,
     reference_model,
     reference_training,
+    tiny_qwen2,
     token_loss_sum,
 )
 
@@ -101,15 +105,55 @@ def count_all_reduces() -> Iterator[list[Any]]:
         dist.all_reduce = real
 
 
+def _buffers(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every buffer, non-persistent ones (the rotary embedding's ``inv_freq``) included."""
+    return {k: v.detach().double().numpy().copy() for k, v in model.named_buffers()}
+
+
+def _held_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameter storage this process holds (meta tensors hold none)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
+
 class Recorder(BatchRecorder):
-    """Records the parameters a run starts from (after sharding and the precision cast)."""
+    """Records the parameters and buffers a run starts from (after sharding and the precision
+    cast), at the start of training or of validation."""
 
     def __init__(self) -> None:
         super().__init__()
         self.before: dict[str, np.ndarray] = {}
+        self.buffers: dict[str, np.ndarray] = {}
+        self.tied = False
+        self.dtype = ""
 
     def on_train_start(self, trainer: Any, module: Any) -> None:
-        self.before = _full_params(module.model)
+        self._record(module.model)
+
+    def on_validation_start(self, trainer: Any, module: Any) -> None:
+        if not self.before:
+            self._record(module.model)
+
+    def _record(self, model: torch.nn.Module) -> None:
+        self.before = _full_params(model)
+        self.buffers = _buffers(model)
+        self.tied = model.lm_head.weight is model.model.embed_tokens.weight
+        self.dtype = str(next(model.parameters()).dtype)
+
+
+class PretrainedLM(PlainLM):
+    """:class:`PlainLM` over a saved model, read on rank 0 only or on every rank."""
+
+    def __init__(self, path: str, *, on_rank_zero: bool) -> None:
+        L.LightningModule.__init__(self)
+        from transformers import AutoModelForCausalLM
+
+        from lightning_skrull.models import from_pretrained_on_rank_zero
+
+        load = (
+            from_pretrained_on_rank_zero if on_rank_zero else AutoModelForCausalLM.from_pretrained
+        )
+        self.model = load(path)
+        self.momentum = 0.0
 
 
 def _fit(
@@ -119,6 +163,7 @@ def _fit(
     shuffle: bool = False,
     fit_kwargs: dict[str, Any] | None = None,
     callbacks: tuple[L.Callback, ...] = (),
+    module: PlainLM | None = None,
     **kwargs: Any,
 ) -> tuple[PlainLM, L.Trainer, Recorder]:
     from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
@@ -135,7 +180,7 @@ def _fit(
         callbacks=[recorder, *callbacks],
         **kwargs,
     )
-    module = PlainLM(momentum=momentum)
+    module = module if module is not None else PlainLM(momentum=momentum)
     data = SkrullDataModule(
         train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=shuffle, seed=3
     )
@@ -234,12 +279,55 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         "after": _full_params(module.model),
         "dtype": str(next(module.model.parameters()).dtype),
     }
+    out["rank_zero"] = _rank_zero_cases(tmp)
+    return out
+
+
+def _rank_zero_cases(tmp: str) -> dict[str, Any]:
+    """Models read on rank 0 only: 2 training steps from the float32 untied model; validation
+    of the bf16 tied model under ``bf16-mixed``, read on rank 0 only and on every rank."""
+    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
+
+    module = PretrainedLM(os.path.join(tmp, "untied"), on_rank_zero=True)
+    held = _held_bytes(module.model)
+    module, _, recorder = _fit(STEPS, module=module)
+    out: dict[str, Any] = {
+        "held": held,
+        "before": recorder.before,
+        "buffers": recorder.buffers,
+        "after": _full_params(module.model),
+        "steps": recorder.steps,
+    }
+    for on_rank_zero in (True, False):
+        module = PretrainedLM(os.path.join(tmp, "tied_bf16"), on_rank_zero=on_rank_zero)
+        held = _held_bytes(module.model)
+        recorder = Recorder()
+        trainer = cpu_trainer(
+            SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET),
+            precision="bf16-mixed",
+            callbacks=[recorder],
+        )
+        val = SkrullDataModule(
+            train_data=make_data(), val_data=make_data(11, seed=1), val_global_batch_size=4
+        )
+        loss = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+        out["tied_rank_zero" if on_rank_zero else "tied_every_rank"] = {
+            "held": held,
+            "before": recorder.before,
+            "buffers": recorder.buffers,
+            "tied": recorder.tied,
+            "dtype": recorder.dtype,
+            "val_loss": loss,
+        }
     return out
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
+        tiny_qwen2().save_pretrained(os.path.join(tmp, "untied"))
+        tied = tiny_qwen2(tie_word_embeddings=True).to(torch.bfloat16)
+        tied.save_pretrained(os.path.join(tmp, "tied_bf16"))
         results = spawn(_cases, 4, tmp, timeout=900)
         from transformers import AutoModelForCausalLM
 
@@ -438,6 +526,72 @@ def test_bf16_mixed_policy_as_close_to_float32_as_single_process(
         assert cell_distance <= RATIO * ref_distance + FLOOR, (cell_distance, ref_distance)
 
 
+# ----------------------------------------------------------------------------- rank 0 loads
+def _saved(tied: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(parameters, buffers) of the models the fixture saved, as float64 arrays. The buffers
+    are not saved: loading computes them again in float32, as the model's ``__init__`` does."""
+    model = tiny_qwen2(tie_word_embeddings=tied)
+    buffers = _buffers(model)
+    if tied:
+        model.to(torch.bfloat16)
+    params = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    return params, buffers
+
+
+@pytest.mark.multiprocess
+def test_model_read_on_rank_zero_is_sharded_with_its_weights(
+    runs: list[dict[str, Any]],
+) -> None:
+    params, buffers = _saved(tied=False)
+    for rank, out in enumerate(runs):
+        case = out["rank_zero"]
+        # ranks 1-3 built the model on the meta device: no parameter storage before setup
+        assert (case["held"] > 0) == (rank == 0), (rank, case["held"])
+        # after setup every shard holds the saved weights, every buffer the saved values
+        # (exact: a copy of the same float32 numbers)
+        assert max_diff(case["before"], params) == 0.0
+        assert max_diff(case["buffers"], buffers) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_training_from_rank_zero_weights_equals_every_rank_loading(
+    runs: list[dict[str, Any]],
+) -> None:
+    steps = runs[0]["rank_zero"]["steps"]
+    # DP ranks ran different micro-batch counts in the same step
+    assert any(s["max"] != s["min"] for s in steps)
+    runs_by_dp = {
+        out["rank_zero"]["steps"][0]["dp_rank"]: [s["run"] for s in out["rank_zero"]["steps"]]
+        for out in runs
+    }
+    assert runs_by_dp[0] != runs_by_dp[1]
+    ref, _ = reference_training(STEPS)
+    for out in runs:
+        # the "cp" run started from the same float32 weights (built in every process) and ran
+        # the same operations in the same order: equal exactly
+        assert max_diff(out["rank_zero"]["after"], out["cp"]["params"]) == 0.0
+        assert max_diff(out["rank_zero"]["after"], ref) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+def test_tied_bf16_model_read_on_rank_zero_validates_as_loaded_everywhere(
+    runs: list[dict[str, Any]],
+) -> None:
+    params, buffers = _saved(tied=True)
+    for rank, out in enumerate(runs):
+        meta, full = out["rank_zero"]["tied_rank_zero"], out["rank_zero"]["tied_every_rank"]
+        assert (meta["held"] > 0) == (rank == 0)
+        assert full["held"] > 0
+        for case in (meta, full):
+            # bf16-mixed: float32 master shards of the saved bf16 values (a lossless cast)
+            assert case["dtype"] == "torch.float32"
+            assert case["tied"], "the head and the embedding are no longer one parameter"
+            assert max_diff(case["before"], params) == 0.0
+            assert max_diff(case["buffers"], buffers) == 0.0
+        # the same weights, the same operations: the same loss, exactly
+        assert meta["val_loss"] == full["val_loss"]
+
+
 # ----------------------------------------------------------------------------- one process
 class _ExtraParameter(PlainLM):
     """A module with a trainable parameter outside its Hugging Face model."""
@@ -476,6 +630,23 @@ def test_bf16_loaded_weights_become_float32_master_shards(world_of_one: None) ->
     assert max_diff(recorder.before, loaded) == 0.0
 
 
+class _MetaLM(PlainLM):
+    """A module whose model was built on the meta device (no weights on any rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        with torch.device("meta"):
+            self.model = tiny_qwen2()
+
+
+class _MetaOutside(PlainLM):
+    """A module with a meta buffer outside its Hugging Face model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.ones((), device="meta"))
+
+
 def test_refusals(world_of_one: None) -> None:
     from lightning_skrull import SkrullFSDPStrategy
 
@@ -485,6 +656,12 @@ def test_refusals(world_of_one: None) -> None:
         _fit_one(_ExtraParameter())
     with pytest.raises(ValueError, match="fp16 needs a sharded gradient scaler"):
         _fit_one(PlainLM(), precision="16-true")
+    # rank 0 (the only rank here) has no weights to fill the others from: refused, never
+    # initialised at random
+    with pytest.raises(ValueError, match=r"rank 0's model has meta tensors too.*Load the weights"):
+        _fit_one(_MetaLM())
+    with pytest.raises(ValueError, match=r"some outside it \(\['scale'\]"):
+        _fit_one(_MetaOutside())
 
 
 def test_decoder_layers_are_the_no_split_modules() -> None:

@@ -1,5 +1,5 @@
-"""Hugging Face decoders under Skrull: select the attention, check the model, find it, and
-compute the causal-LM loss without the full logits."""
+"""Hugging Face decoders under Skrull: load one once per job, select the attention, check the
+model, find it, and compute the causal-LM loss without the full logits."""
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.chunked_loss import (
@@ -7,6 +7,11 @@ from lightning_skrull.models.chunked_loss import (
     use_chunked_loss,
     use_dense_loss,
     uses_chunked_loss,
+)
+from lightning_skrull.models.loading import (
+    from_pretrained_on_rank_zero,
+    launched_as_rank_zero,
+    loads_weights_here,
 )
 from lightning_skrull.models.patching import (
     SUPPORTED_ARCHITECTURES,
@@ -24,8 +29,11 @@ __all__ = [
     "attention_window",
     "check_model",
     "find_hf_model",
+    "from_pretrained_on_rank_zero",
     "is_prepared",
+    "launched_as_rank_zero",
     "linear_cross_entropy",
+    "loads_weights_here",
     "prepare_model",
     "sequence_length_limit",
     "use_chunked_loss",

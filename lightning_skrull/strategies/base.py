@@ -52,6 +52,7 @@ from lightning_skrull.runtime.memory import (
     auto_bucket_size,
     describe_fit,
 )
+from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, meta_tensor_names
 from lightning_skrull.runtime.process_groups import ParallelLayout, build_process_groups
 from lightning_skrull.scheduling import CostModel
 from lightning_skrull.strategies.calibration import CHECKPOINT_KEY, StepCalibration
@@ -612,10 +613,28 @@ class SkrullStrategyMixin(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_trainer(trainer)
         self._prepare_hf_model()
+        self._refuse_meta_tensors()
         super().setup(trainer)
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
         self._setup_calibration(trainer)
+
+    def _refuse_meta_tensors(self) -> None:
+        """Refuse, on every rank (one all-reduce), a model that some rank built on the meta
+        device: this strategy keeps a full replica per rank and has nothing to fill it from."""
+        hf_model = self._hf_model
+        assert hf_model is not None
+        meta = agree_on_meta_tensors(self._attached_module, hf_model, self.root_device)
+        if meta.anywhere:
+            where = f" ({list(meta.local[:3])} on this rank)" if meta.local else ""
+            raise ValueError(
+                f"{type(self).__name__} keeps a full copy of the model on every rank, but some "
+                f"rank built it on the meta device{where}, without weights (as "
+                "from_pretrained_on_rank_zero does on ranks other than 0). Use "
+                "SkrullFSDPStrategy, which shards the model and fills every rank from rank 0's "
+                "weights, or load the weights on every rank (AutoModelForCausalLM."
+                "from_pretrained; SkrullCausalLM(load_on_rank_zero=False))."
+            )
 
     def _setup_calibration(self, trainer: pl.Trainer) -> None:
         """Start online calibration when fitting with ``calibration="online"`` (last in setup,
@@ -704,6 +723,12 @@ class SkrullStrategyMixin(ParallelStrategy):
             self._calibration.detach()
         self._close_last_context()
         self._stashed_grads = []
+        module = self.lightning_module
+        if module is not None and meta_tensor_names(module):
+            # a model refused at setup for its meta tensors cannot move to the CPU (they hold no
+            # data): let go of it, so Lightning's teardown does not hide the refusal
+            self.model = None
+            self._lightning_module = None
         super().teardown()
 
     # ------------------------------------------------------------------ logging

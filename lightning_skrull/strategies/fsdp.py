@@ -23,7 +23,10 @@ reduce-scatters.
 
 The strategy takes over the part of Lightning's ``ModelParallelStrategy.setup`` that asks the
 LightningModule for ``configure_model``: it applies ``fully_shard`` itself, to each decoder layer
-of the Hugging Face model and to the model as the root, so the LightningModule stays plain.
+of the Hugging Face model and to the model as the root, so the LightningModule stays plain. It
+also replaces Lightning's materialisation of meta tensors (``reset_parameters``, random values):
+a model built on the meta device on ranks other than 0 gets rank 0's weights
+(:mod:`lightning_skrull.runtime.meta_init`), and meta tensors on rank 0 are refused.
 """
 
 from __future__ import annotations
@@ -37,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -52,6 +54,7 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_rank_zero
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -183,7 +186,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
 
     Use it with :class:`~lightning_skrull.SkrullDataModule`; the LightningModule stays plain
     (``training_step`` returns ``self.model(**batch).loss``, no ``configure_model``). Every
-    trainable parameter of the LightningModule must belong to its Hugging Face model.
+    trainable parameter of the LightningModule must belong to its Hugging Face model. A model
+    read on global rank 0 only and built on the meta device elsewhere
+    (:func:`~lightning_skrull.models.from_pretrained_on_rank_zero`) is sharded, and its shards and
+    buffers are filled from rank 0's weights at setup.
 
     Args:
         cp_size, policy, attention_backend, cost_model, calibration, model_attribute,
@@ -205,7 +211,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         process_group_backend, timeout: as for Lightning's ``ModelParallelStrategy``.
 
     Raises:
-        ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``.
+        ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``; at setup,
+            meta tensors on global rank 0 or outside the Hugging Face model.
     """
 
     strategy_name = "skrull_fsdp"
@@ -329,8 +336,11 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         self._prepare_hf_model()
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
+        full_state = self._rank_zero_weights_for_meta_ranks()
         self._shard_model()
-        _materialize_distributed_module(self.model, self.root_device)
+        if full_state is not None:
+            fill_from_rank_zero(cast(nn.Module, self.sharded_model), full_state, self.root_device)
+            del full_state
         self.model_to_device()
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -341,6 +351,38 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         if self._skrull_config.bucket_size == "auto":
             self._measure_bucket_size()
         self._setup_calibration(trainer)
+
+    def _rank_zero_weights_for_meta_ranks(self) -> dict[str, Tensor] | None:
+        """Rank 0's full state dict (``{}`` on the other ranks) when some rank built the model on
+        the meta device; ``None`` when every rank holds its weights. A collective.
+
+        Raises:
+            ValueError: rank 0 itself has meta tensors (nothing to fill the others from), or a
+                rank has some outside the Hugging Face model.
+        """
+        hf_model = self._hf_model
+        assert hf_model is not None
+        meta = agree_on_meta_tensors(self._attached_module, hf_model, self.root_device)
+        if not meta.anywhere:
+            return None
+        if meta.outside_model:
+            raise ValueError(
+                "SkrullFSDPStrategy fills meta tensors of the Hugging Face model only, but the "
+                f"LightningModule has some outside it ({list(meta.local_outside[:5])} on this "
+                "rank); "
+                "they would have no values. Build everything outside the model on a real device."
+            )
+        if meta.on_rank_zero:
+            where = f" ({list(meta.local[:3])} on this rank)" if meta.local else ""
+            raise ValueError(
+                "SkrullFSDPStrategy fills the ranks that built the model on the meta device from "
+                f"global rank 0's weights, but rank 0's model has meta tensors too{where}: there "
+                "are no weights to fill them from (it would otherwise start from random values). "
+                "Load the weights on rank 0: build the model with "
+                "lightning_skrull.models.from_pretrained_on_rank_zero(name_or_path), or with "
+                "AutoModelForCausalLM.from_pretrained on every rank."
+            )
+        return hf_model.state_dict() if self.global_rank == 0 else {}
 
     @staticmethod
     def _fsdp_precision(plugin: Precision) -> FSDPPrecision:
