@@ -1052,8 +1052,8 @@ def _time_compiled(
     (recompiles), the graph breaks, and each micro-batch's times as the eager runs'.
 
     Inductor on CUDA; on CPU dynamo's ``eager`` backend (the same graph capture without code
-    generation, so the run is cheap: a CPU inductor build takes tens of seconds and did not cut
-    the host time there, docs/benchmarks.md). The model's layers are uncompiled and the
+    generation, so the run is cheap: an inductor build on CPU takes over ten seconds even for the
+    tiny model, and did not cut the host time there, docs/benchmarks.md). The model's layers are uncompiled and the
     registered attention restored afterwards.
     """
     from torch._dynamo.utils import counters
@@ -1224,8 +1224,8 @@ def _summary_host_overhead(h: dict[str, Any]) -> list[str]:
     goal = h["goal_ms"]
     lines = [
         f"host overhead per micro-batch at CP=1 (forward + backward, ms, median of {h['reps']} "
-        f"after {h['warmup']}; host = wall time to backward's return, unsynchronised; Skrull "
-        f"with the chunked loss, {h['loss_kernel']} kernel):",
+        f"after {h['warmup']}; host = wall time to backward's return, unsynchronised, CPU times "
+        f"in the JSON; Skrull with the chunked loss, {h['loss_kernel']} kernel):",
         f"  | seqs x tokens | Skrull run | host HF | host Skrull | Skrull's own | kernels HF / "
         f"Skrull | wall HF / Skrull | {f'goal {goal:.0f} ms' if goal else 'goal (0.5B only)'} |",
     ]
