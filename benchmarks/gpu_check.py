@@ -2,7 +2,7 @@
 
 Run through ``benchmarks/gpu_check.sh`` on one NVIDIA GPU (only PyTorch and this package
 needed; the ``flash`` backend runs flash-attn when installed, else PyTorch's own varlen kernel).
-Six checks, one summary block, one JSON file (rewritten after each check):
+Seven checks, one summary block, one JSON file (rewritten after each check):
 
 1. **Backends agree.** The ``flash`` and ``sdpa`` backends give the same attention output and
    input gradients on the same packed layout (local sequences and sequences on the distributed
@@ -28,6 +28,13 @@ Six checks, one summary block, one JSON file (rewritten after each check):
    against what ``"auto"`` picks (:func:`check_cp_bf16`).
 6. **FSDP2 on one GPU.** A few ``bf16-mixed`` steps of ``SkrullFSDPStrategy`` through a
    Lightning Trainer, peak memory against the analytical model states (:func:`check_fsdp`).
+7. **Host overhead.** Forward and backward of small micro-batches (1 x 128 up to 64 x 4
+   tokens, so the fixed cost dominates) through the plain HF model and through the package's
+   path at CP=1 (``sdpa``, and ``flash`` when ``"auto"`` picks it): host ms (wall time to
+   backward's return, unsynchronised), Skrull's own host ms (its minus plain HF's), summed
+   kernel ms from ``torch.profiler`` and synchronised wall ms per micro-batch, against the goal
+   of 10 ms host time at Qwen2.5-0.5B's shape; then the Skrull path with compiled decoder
+   layers when the deadline leaves time for a first compile (:func:`check_host_overhead`).
 
 A check that raises is reported as an error (the run fails) and the others still run.
 ``--device cpu --tiny`` runs every code path with a tiny model on CPU in seconds (the memory
@@ -52,8 +59,9 @@ import statistics
 import sys
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -92,9 +100,23 @@ TINY: dict[str, Any] = {
 """A model for running every code path on CPU in seconds."""
 
 POLICIES = ("skrull", "static")
-SECTIONS = ("backends", "throughput", "memory", "chunked_loss", "cp_bf16", "fsdp")
+SECTIONS = (
+    "backends",
+    "throughput",
+    "memory",
+    "chunked_loss",
+    "cp_bf16",
+    "fsdp",
+    "host_overhead",
+)
 """The report's checks, in the order they run."""
-RESERVED_S = {"memory": 45.0, "chunked_loss": 45.0, "cp_bf16": 30.0, "fsdp": 75.0}
+RESERVED_S = {
+    "memory": 45.0,
+    "chunked_loss": 45.0,
+    "cp_bf16": 30.0,
+    "fsdp": 75.0,
+    "host_overhead": 40.0,
+}
 """Seconds of ``--budget-s`` kept on a GPU for the checks after the throughput loop (which
 stops early to leave them); a check starts only with half its share left."""
 SDPA_RUN = "skrull+sdpa"
@@ -827,6 +849,265 @@ class _StepTimer(Callback):
             trainer.should_stop = True
 
 
+# --------------------------------------------------------------------------- 7. host overhead
+HOST_MICRO_BATCHES = ((1, 128), (4, 32), (16, 16), (64, 4))
+"""The host-overhead check's micro-batches, ``(sequences, tokens each)``: few tokens, so the
+fixed cost of a micro-batch dominates its time."""
+HOST_GOAL_MS = 10.0
+"""The goal for the Skrull path's host time per micro-batch at Qwen2.5-0.5B's shape."""
+HOST_COMPILE_NEED_S = 60.0
+"""Seconds before the deadline the compiled-layers run needs to start: the first compile of a
+24-layer model's decoder layer takes tens of seconds."""
+PLAIN_HF = "plain HF"
+"""The host-overhead check's reference run."""
+
+
+def kernel_ms(events: Iterable[Any]) -> float | None:
+    """Summed device self time of the GPU activities (kernels, copies, fills) of a
+    ``torch.profiler`` trace's events, in ms (the profiler table's "Self CUDA time total");
+    ``None`` when the trace holds none (no CUDA, or the profiler could not record them)."""
+    from torch.autograd import DeviceType
+
+    times = [
+        e.self_device_time_total
+        for e in events
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
+    ]
+    return sum(times) / 1e3 if times else None
+
+
+def _profiled_kernel_ms(step: Callable[[], Any], device: torch.device) -> float | None:
+    """Kernel ms of one ``step()`` under ``torch.profiler``; ``None`` off CUDA."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    _sync(device)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        step()
+        _sync(device)
+    return kernel_ms(prof.events())
+
+
+def time_micro_batches(
+    steps: dict[str, Callable[[], torch.Tensor]], device: torch.device, warmup: int, reps: int
+) -> dict[str, dict[str, float]]:
+    """Median times in ms of each ``step()`` (one micro-batch's forward and backward, returning
+    its loss) over ``reps`` calls after ``warmup``, the steps interleaved (the order rotates).
+
+    Each cell: ``host_ms`` (wall time up to the return of backward, unsynchronised: what the
+    host takes to issue the work when the kernels keep up), ``thread_cpu_ms`` (the main
+    thread's CPU time; on CUDA autograd runs the backward in its own device thread, so this is
+    the forward's share), ``process_cpu_ms`` (every thread of the process), ``wall_ms``
+    (synchronised) and ``loss`` (of the last call; no optimizer step, so every call's).
+    """
+    keys = ("host_ms", "thread_cpu_ms", "process_cpu_ms", "wall_ms")
+    times: dict[str, dict[str, list[float]]] = {name: {k: [] for k in keys} for name in steps}
+    losses: dict[str, float] = {}
+    order = list(steps)
+    for rep in range(warmup + reps):
+        for name in order[rep % len(order) :] + order[: rep % len(order)]:
+            _sync(device)
+            wall, cpu, process = time.perf_counter(), time.thread_time(), time.process_time()
+            loss = steps[name]()
+            host = time.perf_counter() - wall
+            cpu, process = time.thread_time() - cpu, time.process_time() - process
+            _sync(device)
+            elapsed = time.perf_counter() - wall
+            losses[name] = float(loss)
+            if rep >= warmup:
+                for key, value in zip(keys, (host, cpu, process, elapsed)):
+                    times[name][key].append(value * 1e3)
+    return {
+        name: {**{k: statistics.median(v) for k, v in cell.items()}, "loss": losses[name]}
+        for name, cell in times.items()
+    }
+
+
+def check_host_overhead(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """The fixed cost of a micro-batch: forward and backward of small packed micro-batches
+    through the plain HF model and through the package's path at CP=1, host against kernels.
+
+    ``plain HF``: the model with ``attn_implementation="sdpa"`` on the sequences packed in one
+    row, ``position_ids`` restarting per sequence (``benchmarks.overhead.packed_batch``).
+    ``Skrull <backend>``: a copy of the same weights after
+    :func:`~lightning_skrull.models.prepare_model` (the chunked loss, as the strategies run it),
+    the micro-batch of :func:`~lightning_skrull.data.collate.collate_rank` through
+    :func:`~lightning_skrull.runtime.engine.forward_backward` (attention context, dispatch,
+    loss), with the ``sdpa`` backend and, when ``"auto"`` picks it, ``flash``. Both compute the
+    same mean token cross-entropy. Per micro-batch: the times of :func:`time_micro_batches`, the
+    kernel ms of one profiled call on CUDA, and for the Skrull runs their own host ms (theirs
+    minus plain HF's) and the goal (:data:`HOST_GOAL_MS`, for Qwen2.5-0.5B's shape only).
+    Then the Skrull path with compiled decoder layers (:func:`_time_compiled`) when the
+    deadline leaves :data:`HOST_COMPILE_NEED_S`. On CPU with one intra-op thread.
+    """
+    threads = torch.get_num_threads()
+    if device.type == "cpu":  # one thread, as benchmarks/overhead.py: host time, not a thread pool
+        torch.set_num_threads(1)
+    try:
+        return _host_overhead(s, device, deadline)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _host_overhead(s: Settings, device: torch.device, deadline: float) -> dict[str, Any]:
+    """:func:`check_host_overhead`'s measurements."""
+    import copy
+
+    from benchmarks.overhead import packed_batch
+    from lightning_skrull.attention import resolve_backend
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
+    from lightning_skrull.runtime.engine import forward_backward
+    from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
+
+    cuda = device.type == "cuda"
+    warmup, reps = (2, 5) if cuda else (1, 2)
+    auto = resolve_backend("auto", device)
+    backends = ("sdpa", "flash") if auto == "flash" else ("sdpa",)
+    plain = _model(s.model, s.dtype, device, "sdpa")
+    skrull = prepare_model(copy.deepcopy(plain), backend="sdpa", chunked_loss=True)
+    goal = s.model == QWEN2_5_0_5B
+    out: dict[str, Any] = {
+        "warmup": warmup,
+        "reps": reps,
+        "runs": [PLAIN_HF, *(f"Skrull {b}" for b in backends)],
+        "loss_kernel": resolve_loss_kernel("auto", device.type, s.dtype),
+        "goal_ms": HOST_GOAL_MS if goal else None,
+        "micro_batches": {},
+    }
+    g = torch.Generator().manual_seed(0)
+    batches: dict[str, Any] = {}
+    for n, length in HOST_MICRO_BATCHES:
+        key = f"{n} x {length}"
+        if time.monotonic() > deadline:
+            out["micro_batches"][key] = {"skipped": "deadline"}
+            continue
+        rows = torch.randint(0, s.model["vocab_size"], (n, length), generator=g).tolist()
+        samples = [{"input_ids": row, "labels": row} for row in rows]
+        inputs = {k: v.to(device) for k, v in packed_batch(samples).items()}
+        mb = MicroBatchPlan(tuple(range(n)), (0,) * n)
+        plan = GlobalBatchPlan(((mb,),), dp_size=1, cp_size=1, bucket_size=n * length,
+                               policy="skrull")  # fmt: skip
+        batch = batches[key] = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1).to(
+            device
+        )
+        steps: dict[str, Callable[[], torch.Tensor]] = {
+            PLAIN_HF: partial(_plain_step, plain, inputs)
+        }
+        for b in backends:
+            steps[f"Skrull {b}"] = partial(
+                forward_backward, skrull, batch, cp_group=None, backend=b
+            )
+        cell: dict[str, Any] = {"tokens": n * length}
+        cell.update(time_micro_batches(steps, device, warmup, reps))
+        reference = cell[PLAIN_HF]
+        for name, step in steps.items():
+            cell[name]["kernel_ms"] = _profiled_kernel_ms(step, device)
+            if name != PLAIN_HF:
+                cell[name]["own_host_ms"] = cell[name]["host_ms"] - reference["host_ms"]
+                cell[name]["loss_rel_diff"] = abs(cell[name]["loss"] / reference["loss"] - 1.0)
+                cell[name]["goal_met"] = cell[name]["host_ms"] <= HOST_GOAL_MS if goal else None
+        out["micro_batches"][key] = cell
+    del plain
+    try:
+        out["compiled"] = _time_compiled(skrull, batches, auto, device, deadline, warmup, reps)
+    except Exception as err:  # an unshipped path: reported beside the eager numbers
+        traceback.print_exc()
+        out["compiled"] = {"error": f"{type(err).__name__}: {str(err)[:500]}"}
+    out["ok"] = "error" not in out["compiled"] and _all_finite(out)
+    return out
+
+
+def _plain_step(model: Any, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Forward and backward of a plain HF model; returns the loss."""
+    loss = model(**inputs).loss
+    loss.backward()
+    return loss.detach()
+
+
+def _all_finite(value: Any) -> bool:
+    """No NaN or infinity anywhere in a report's (nested) numbers."""
+    if isinstance(value, dict):
+        return all(_all_finite(v) for v in value.values())
+    if isinstance(value, (list, tuple)):
+        return all(_all_finite(v) for v in value)
+    return not isinstance(value, float) or math.isfinite(value)
+
+
+def _time_compiled(
+    model: Any,
+    batches: dict[str, Any],
+    backend: str,
+    device: torch.device,
+    deadline: float,
+    warmup: int,
+    reps: int,
+) -> dict[str, Any]:
+    """The Skrull path with compiled decoder layers: every layer ``layer.compile(dynamic=True)``
+    (one layer class, so one compiled code serves all), the attention function excluded with
+    ``torch.compiler.disable`` (so the graph breaks only there, at the context variable); then
+    the seconds of the first call (the compile), the graphs made and those made after it
+    (recompiles), the graph breaks, and each micro-batch's times as the eager runs'.
+
+    Inductor on CUDA; on CPU dynamo's ``eager`` backend (the same graph capture without code
+    generation, so the run is cheap: an inductor build on CPU takes over ten seconds even for the
+    tiny model, and did not cut the host time there, docs/benchmarks.md). The model's layers are uncompiled and the
+    registered attention restored afterwards.
+    """
+    from torch._dynamo.utils import counters
+    from transformers import AttentionInterface
+
+    from lightning_skrull.attention.dispatch import skrull_attention_forward
+    from lightning_skrull.models import ATTENTION_NAME
+    from lightning_skrull.runtime.engine import forward_backward
+
+    left = deadline - time.monotonic()
+    if left < HOST_COMPILE_NEED_S:
+        return {
+            "skipped": f"deadline: {left:.0f} s of --budget-s left, a first compile needs "
+            f"about {HOST_COMPILE_NEED_S:.0f}"
+        }
+    compiler = "inductor" if device.type == "cuda" else "eager"
+    layers = model.model.layers
+    out: dict[str, Any] = {
+        "compiler": compiler,
+        "attention_backend": backend,
+        "layers": len(layers),
+        "micro_batches": {},
+    }
+    torch._dynamo.reset()
+    counters.clear()
+    AttentionInterface.register(ATTENTION_NAME, torch.compiler.disable(skrull_attention_forward))
+    try:
+        for layer in layers:
+            layer.compile(dynamic=True, backend=compiler)
+        for key, batch in batches.items():
+            if time.monotonic() > deadline:
+                out["micro_batches"][key] = {"skipped": "deadline"}
+                continue
+            step = partial(forward_backward, model, batch, cp_group=None, backend=backend)
+            if "first_call_s" not in out:
+                _sync(device)
+                start = time.perf_counter()
+                step()
+                _sync(device)
+                out["first_call_s"] = time.perf_counter() - start
+                out["graphs_after_first_call"] = counters["stats"]["unique_graphs"]
+            cell = time_micro_batches({"c": step}, device, warmup, reps)["c"]
+            out["micro_batches"][key] = {**cell, "kernel_ms": _profiled_kernel_ms(step, device)}
+        out["graphs"] = counters["stats"]["unique_graphs"]
+        out["recompiles"] = out["graphs"] - out.get("graphs_after_first_call", 0)
+        out["graph_breaks"] = sum(counters["graph_break"].values())
+    finally:
+        AttentionInterface.register(ATTENTION_NAME, skrull_attention_forward)
+        for layer in layers:
+            layer._compiled_call_impl = None
+        torch._dynamo.reset()
+    return out
+
+
 # --------------------------------------------------------------------------- report
 def summary(report: dict[str, Any]) -> str:
     """The human-readable block printed at the end."""
@@ -838,6 +1119,7 @@ def summary(report: dict[str, Any]) -> str:
         "chunked_loss": _summary_chunked_loss,
         "cp_bf16": _summary_cp_bf16,
         "fsdp": _summary_fsdp,
+        "host_overhead": _summary_host_overhead,
     }
     for name, part in parts.items():
         section = report.get(name)
@@ -933,6 +1215,58 @@ def _summary_fsdp(f: dict[str, Any]) -> list[str]:
         f"{_gib(f['estimate_model_state_bytes'])} with the head untied) + activations "
         f"{_gib(f['estimate_activation_bytes'])} at {f['largest_micro_batch_tokens']} tokens",
     ]
+
+
+def _summary_host_overhead(h: dict[str, Any]) -> list[str]:
+    def ms(x: Any) -> str:
+        return f"{x:.2f}" if isinstance(x, (int, float)) else "n/a"
+
+    goal = h["goal_ms"]
+    lines = [
+        f"host overhead per micro-batch at CP=1 (forward + backward, ms, median of {h['reps']} "
+        f"after {h['warmup']}; host = wall time to backward's return, unsynchronised, CPU times "
+        f"in the JSON; Skrull with the chunked loss, {h['loss_kernel']} kernel):",
+        f"  | seqs x tokens | Skrull run | host HF | host Skrull | Skrull's own | kernels HF / "
+        f"Skrull | wall HF / Skrull | {f'goal {goal:.0f} ms' if goal else 'goal (0.5B only)'} |",
+    ]
+    for key, cell in h["micro_batches"].items():
+        if "skipped" in cell:
+            lines.append(f"  | {key} | skipped ({cell['skipped']}) |")
+            continue
+        plain = cell[PLAIN_HF]
+        for run in h["runs"][1:]:
+            c = cell[run]
+            met = "n/a" if c["goal_met"] is None else "met" if c["goal_met"] else "missed"
+            lines.append(
+                f"  | {key} | {run.removeprefix('Skrull ')} | {ms(plain['host_ms'])} | "
+                f"{ms(c['host_ms'])} | {c['own_host_ms']:+.2f} | {ms(plain['kernel_ms'])} / "
+                f"{ms(c['kernel_ms'])} | {ms(plain['wall_ms'])} / {ms(c['wall_ms'])} | {met} |"
+            )
+    c = h["compiled"]
+    if "skipped" in c or "error" in c:
+        what = f"skipped ({c['skipped']})" if "skipped" in c else f"ERROR ({c['error']})"
+        return [*lines, f"  compiled decoder layers: {what}"]
+    lines.append(
+        f"  compiled decoder layers ({c['compiler']}, {c['layers']} layers, "
+        f"{c['attention_backend']} attention outside): first call "
+        f"{c.get('first_call_s', math.nan):.1f} s, {c['graphs']} graphs, "
+        f"{c['recompiles']} after the first call, {c['graph_breaks']} graph breaks"
+    )
+    eager = f"Skrull {c['attention_backend']}"
+    lines.append("  | seqs x tokens | host compiled / eager | kernels | wall |")
+    for key, m in c["micro_batches"].items():
+        if "skipped" in m:
+            lines.append(f"  | {key} | skipped ({m['skipped']}) |")
+            continue
+        e = h["micro_batches"][key][eager]
+        lines.append(
+            "  | "
+            + " | ".join(
+                [key, *(f"{ms(m[k])} / {ms(e[k])}" for k in ("host_ms", "kernel_ms", "wall_ms"))]
+            )
+            + " |"
+        )
+    return lines
 
 
 def _summary_backends(b: dict[str, Any]) -> list[str]:
@@ -1062,6 +1396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     section("chunked_loss", lambda: check_chunked_loss(s, device, end))
     section("cp_bf16", lambda: check_cp_bf16(s, device, end))
     section("fsdp", lambda: check_fsdp(s, device, end))
+    section("host_overhead", lambda: check_host_overhead(s, device, end))
     report["passed"] = passed(report)
     report["wall_s"] = time.monotonic() - start
     return report
@@ -1069,7 +1404,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def passed(report: dict[str, Any]) -> bool:
     """Every check that ran agrees, and nothing failed with an error (a check skipped at the
-    deadline is reported as skipped, not failed; the throughput runs must each have run)."""
+    deadline is reported as skipped, not failed; the throughput runs must each have run). The
+    host-overhead check fails only on an error or a non-finite number: its goal is reported,
+    met or missed, not enforced."""
     b, t = report["backends"], report["throughput"]
     if any("error" in report[name] for name in SECTIONS):
         return False
@@ -1081,6 +1418,7 @@ def passed(report: dict[str, Any]) -> bool:
         and not any("bucket_error" in line for line in chunked.values())
         and report["cp_bf16"].get("outputs_agree") is not False
         and report["fsdp"].get("ok") is not False
+        and report["host_overhead"].get("ok") is not False
     )
 
 

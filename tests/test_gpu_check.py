@@ -64,6 +64,7 @@ def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
     assert "passed: True" in printed
     assert "partial" not in report  # the final report, not one written after a check
     _assert_new_sections(report, printed)
+    _assert_host_overhead(report, printed)
 
 
 def _assert_new_sections(report: dict, printed: str) -> None:
@@ -110,6 +111,111 @@ def _assert_new_sections(report: dict, printed: str) -> None:
     assert "FSDP2 on one device, mesh (1, 1), bf16-mixed" in printed
 
 
+def _assert_host_overhead(report: dict, printed: str) -> None:
+    """The host-overhead section of a tiny CPU run: every micro-batch timed through both paths
+    with positive, finite times, both paths computing the same loss, and the compiled-layers run
+    (dynamo's eager backend on CPU) complete, with the registered attention restored after it."""
+    from transformers import AttentionInterface
+
+    from lightning_skrull.attention.dispatch import skrull_attention_forward
+
+    h = report["host_overhead"]
+    assert h["ok"] is True
+    assert h["runs"] == ["plain HF", "Skrull sdpa"]  # flash needs CUDA
+    assert h["goal_ms"] is None  # the 10 ms goal is for Qwen2.5-0.5B's shape, not the tiny model
+    assert list(h["micro_batches"]) == ["1 x 128", "4 x 32", "16 x 16", "64 x 4"]
+    for key, cell in h["micro_batches"].items():
+        sequences, length = map(int, key.split(" x "))
+        assert cell["tokens"] == sequences * length
+        plain, skrull = cell["plain HF"], cell["Skrull sdpa"]
+        for name, c in cell.items():
+            if name == "tokens":
+                continue
+            for k in ("host_ms", "thread_cpu_ms", "process_cpu_ms", "wall_ms"):
+                assert math.isfinite(c[k]) and c[k] > 0, (key, name, k)
+            assert c["wall_ms"] >= c["host_ms"]  # the same start; the sync comes after
+            assert c["kernel_ms"] is None, (key, name)  # profiled on CUDA only
+        # The same computation: float32, both paths sum the same per-token losses in another
+        # order (attention per sequence against a block-diagonal mask, the chunked loss against
+        # the dense one); measured up to 2.6e-7 relative, tolerance FP32_LOSS_RTOL = 1e-5.
+        assert skrull["loss"] == pytest.approx(plain["loss"], rel=gpu_check.FP32_LOSS_RTOL), key
+        assert skrull["loss_rel_diff"] <= gpu_check.FP32_LOSS_RTOL
+        assert skrull["own_host_ms"] == pytest.approx(skrull["host_ms"] - plain["host_ms"])
+        assert skrull["goal_met"] is None
+    c = h["compiled"]
+    assert c["compiler"] == "eager" and c["layers"] == 2 and c["attention_backend"] == "sdpa"
+    assert c["first_call_s"] > 0
+    assert c["graphs"] >= c["graphs_after_first_call"] >= 1
+    assert c["recompiles"] == c["graphs"] - c["graphs_after_first_call"]
+    assert c["graph_breaks"] >= 1  # at the excluded attention
+    assert list(c["micro_batches"]) == list(h["micro_batches"])
+    for key, m in c["micro_batches"].items():
+        assert math.isfinite(m["host_ms"]) and m["host_ms"] > 0 and m["kernel_ms"] is None
+        # the compiled layers run the same operations (dynamo's eager backend): the same loss
+        eager = h["micro_batches"][key]["Skrull sdpa"]["loss"]
+        assert m["loss"] == pytest.approx(eager, rel=gpu_check.FP32_LOSS_RTOL), key
+    assert AttentionInterface._global_mapping["skrull"] is skrull_attention_forward
+    assert "host overhead per micro-batch at CP=1" in printed
+    assert "| 64 x 4 | sdpa | " in printed
+    assert "compiled decoder layers (eager, 2 layers, sdpa attention outside)" in printed
+
+
+def test_kernel_ms_sums_the_device_activities_only() -> None:
+    from types import SimpleNamespace
+
+    from torch.autograd import DeviceType
+
+    def event(device: DeviceType, us: float, annotation: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(
+            device_type=device, self_device_time_total=us, is_user_annotation=annotation
+        )
+
+    events = [
+        event(DeviceType.CUDA, 1500.0),
+        event(DeviceType.CUDA, 250.0),
+        event(DeviceType.CPU, 9000.0),  # a CPU op's time is host time, not a kernel's
+        event(DeviceType.CUDA, 4000.0, annotation=True),  # a range around kernels, not one
+    ]
+    assert gpu_check.kernel_ms(events) == pytest.approx(1.75)
+    assert gpu_check.kernel_ms(events[2:]) is None  # no kernel recorded: n/a, not 0 ms
+
+
+def test_host_overhead_summary_reports_the_goal() -> None:
+    def times(host: float, kernels: float, **extra: object) -> dict:
+        return {"host_ms": host, "kernel_ms": kernels, "wall_ms": host + 1.0, **extra}
+
+    cell = {
+        "tokens": 128,
+        "plain HF": times(8.0, 3.0),
+        "Skrull sdpa": times(12.5, 3.1, own_host_ms=4.5, goal_met=False),
+        "Skrull flash": times(9.5, 2.9, own_host_ms=1.5, goal_met=True),
+    }
+    h = {
+        "warmup": 2,
+        "reps": 5,
+        "runs": ["plain HF", "Skrull sdpa", "Skrull flash"],
+        "loss_kernel": "chunked",
+        "goal_ms": 10.0,
+        "micro_batches": {"1 x 128": cell, "64 x 4": {"skipped": "deadline"}},
+        "compiled": {
+            "compiler": "inductor", "attention_backend": "flash", "layers": 24,
+            "first_call_s": 41.0, "graphs": 5, "recompiles": 1, "graph_breaks": 5,
+            "micro_batches": {"1 x 128": times(6.0, 2.0)},
+        },
+        "ok": True,
+    }  # fmt: skip
+    text = "\n".join(gpu_check._summary_host_overhead(h))
+    assert "goal 10 ms" in text
+    assert "| 1 x 128 | sdpa | 8.00 | 12.50 | +4.50 | 3.00 / 3.10 | 9.00 / 13.50 | missed |" in text
+    assert "| 1 x 128 | flash | 8.00 | 9.50 | +1.50 | 3.00 / 2.90 | 9.00 / 10.50 | met |" in text
+    assert "| 64 x 4 | skipped (deadline) |" in text
+    assert "first call 41.0 s, 5 graphs, 1 after the first call" in text
+    assert "| 1 x 128 | 6.00 / 9.50 | 2.00 / 2.90 | 7.00 / 10.50 |" in text  # against eager flash
+    h["compiled"] = {"skipped": "deadline: 20 s of --budget-s left, a first compile needs about 60"}
+    text = "\n".join(gpu_check._summary_host_overhead(h))
+    assert "compiled decoder layers: skipped (deadline: 20 s" in text
+
+
 def test_summary_flags_a_mismatch() -> None:
     report: dict = {
         "device_name": "test",
@@ -126,6 +232,7 @@ def test_summary_flags_a_mismatch() -> None:
         "chunked_loss": {"error": "RuntimeError: out of memory"},
         "cp_bf16": {"skipped": "deadline: 3 s of --budget-s left, 15 needed"},
         "fsdp": {"error": "ValueError: x"},
+        "host_overhead": {"skipped": "deadline: 5 s of --budget-s left, 20 needed"},
         "passed": False,
         "wall_s": 1.0,
     }
@@ -134,12 +241,16 @@ def test_summary_flags_a_mismatch() -> None:
     assert "skrull loss (sdpa) vs plain HF: MISMATCH" in text
     assert "chunked_loss: ERROR (RuntimeError: out of memory)" in text
     assert "cp_bf16: skipped (deadline" in text
+    assert "host_overhead: skipped (deadline" in text
     assert "passed: False" in text
     # a check that failed with an error fails the run; one skipped at the deadline does not
     report["backends"] = {"flash_vs_sdpa_ok": None, "sdpa_loss_ok": True}
     assert gpu_check.passed(report) is False
     report["chunked_loss"] = report["fsdp"] = {"skipped": "deadline"}
     assert gpu_check.passed(report) is True
+    # the host-overhead goal is reported, not enforced; a non-finite number fails the run
+    report["host_overhead"] = {"ok": False}
+    assert gpu_check.passed(report) is False
 
 
 @pytest.mark.skipif(
