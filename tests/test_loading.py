@@ -163,27 +163,21 @@ def test_cli_loads_on_rank_zero_under_the_fsdp_strategy(
         "model": {"model": str(saved)},
     }
     path.write_text(yaml.safe_dump(recipe))
-    cli = SkrullCLI(
-        SkrullCausalLM,
-        SkrullDataModule,
-        trainer_defaults=dict(TINY_CPU_TRAINER),
-        seed_everything_default=0,
-        save_config_callback=None,
-        run=False,
-        args=["--config", str(path)],
-    )
-    assert cli.model.hparams.load_on_rank_zero is expected
-    # an explicit choice is kept
-    cli = SkrullCLI(
-        SkrullCausalLM,
-        SkrullDataModule,
-        trainer_defaults=dict(TINY_CPU_TRAINER),
-        seed_everything_default=0,
-        save_config_callback=None,
-        run=False,
-        args=["--config", str(path), "--model.load_on_rank_zero=false"],
-    )
-    assert cli.model.hparams.load_on_rank_zero is False
+
+    def load_on_rank_zero(*args: str) -> bool | None:
+        cli = SkrullCLI(
+            SkrullCausalLM,
+            SkrullDataModule,
+            trainer_defaults=dict(TINY_CPU_TRAINER),
+            seed_everything_default=0,
+            save_config_callback=None,
+            run=False,
+            args=["--config", str(path), *args],
+        )
+        return cli.model.hparams.load_on_rank_zero  # type: ignore[no-any-return]
+
+    assert load_on_rank_zero() is expected
+    assert load_on_rank_zero("--model.load_on_rank_zero=false") is False  # an explicit choice
 
 
 # ----------------------------------------------------------------------------- refusals

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
 import torch
 from helpers import (
@@ -201,6 +202,13 @@ class CheckpointedLM(PlainLM):
         )
 
 
+class _TrainedWith(L.Callback):
+    """The module the strategy trains (a DDP wrapper or the LightningModule itself)."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        self.trained_with = trainer.strategy.model
+
+
 @pytest.mark.parametrize("module_cls", [PlainLM, CheckpointedLM])
 def test_world_of_one_fit_equals_single_process(
     world_of_one: None, module_cls: type[PlainLM]
@@ -209,7 +217,10 @@ def test_world_of_one_fit_equals_single_process(
     model = module_cls()
     # one rank holds whole sequences (up to 69 tokens); 80 tokens make 4-5 micro-batches a step
     # plan statistics reach callback_metrics on Lightning's logging steps: every step here
-    trainer = cpu_trainer(SkrullStrategy(bucket_size=80), max_steps=steps, log_every_n_steps=1)
+    wrapper = _TrainedWith()
+    trainer = cpu_trainer(
+        SkrullStrategy(bucket_size=80), max_steps=steps, log_every_n_steps=1, callbacks=[wrapper]
+    )
     data = _data(test_data=make_data(5, seed=2))
     trainer.fit(model, data)
     ref, losses = reference_training(steps)
@@ -219,6 +230,8 @@ def test_world_of_one_fit_equals_single_process(
     # several micro-batches per step, so the gradient stash across zero_grad was exercised
     assert trainer.callback_metrics["skrull/micro_batches_max"] >= 2
     assert trainer.callback_metrics["tokens_per_s"] > 0
+    # one process: no DDP wrapper (its all-reduce would be the identity)
+    assert wrapper.trained_with is model
     # trainer.test runs the test_step per micro-batch; test_loss is the token mean of the set
     test_loss = trainer.test(model, data, verbose=False)[0]["test_loss"]
     assert test_loss == pytest.approx(reference_loss(params, make_data(5, seed=2)), rel=1e-5)

@@ -762,7 +762,7 @@ class SkrullStrategyMixin(ParallelStrategy):
             on_step=on_step,
             on_epoch=not on_step,
             prog_bar=True,
-            sync_dist=True,
+            sync_dist=self.world_size > 1,  # one process: its share is the loss, no collective
             batch_size=max(rank_batch.num_supervised_tokens, 1),
         )
         if stage != "train" or stats is None:

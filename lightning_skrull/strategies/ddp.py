@@ -146,6 +146,18 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         self._build_parallel_layout()
 
     @override
+    def configure_ddp(self) -> None:
+        """Wrap the module in DDP, except in a world of one process without a communication hook.
+
+        There the gradient all-reduce is the identity, and DDP's reducer (its gradient buckets,
+        hooks and a one-rank all-reduce) is pure overhead: 2-4 ms of a 20 ms step of four short
+        sequences on CPU (docs/benchmarks.md). Lightning does not wrap a single-device run either.
+        """
+        if self.world_size == 1 and self._ddp_comm_hook is None and self._ddp_comm_state is None:
+            return
+        super().configure_ddp()
+
+    @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
         return self.block_backward_sync()
 
