@@ -19,7 +19,10 @@ global batch. A step is timed from one ``on_train_batch_end`` to the next, so it
 the loader does (plan and collate for Skrull) and the move to the device; the table shows the
 median over the timed steps of its wall time and of the main thread's CPU time
 (``time.thread_time``, which a loaded machine inflates far less than wall time), and the ratio of
-each Skrull variant to plain HF. Targets: at most 1.5x plain HF at 64 sequences, 1.2x at 4.
+each Skrull variant to plain HF. Each cell runs ``--repeats`` times (3 by default), plain HF and
+the variants interleaved, so a change in the machine's load hits them alike; a time is the median
+over the repeats, and the range of the CPU ratio over the repeats shows the noise. Targets: at
+most 1.5x plain HF at 64 sequences, 1.2x at 4.
 
 The fixed cost of a local sequence: the same 1024 tokens as 16, 64 and 256 sequences of mixed
 lengths (no two neighbours of one length, so no batched call), Skrull's defaults; the slope of
@@ -230,6 +233,11 @@ def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     )
 
 
+def _median_pair(pairs: Sequence[tuple[float, float]]) -> tuple[float, float]:
+    """Element-wise median of ``(wall, cpu)`` pairs."""
+    return statistics.median(p[0] for p in pairs), statistics.median(p[1] for p in pairs)
+
+
 TARGETS = {4: 1.2, 64: 1.5}
 """Largest step-time ratio to plain HF, by sequences per micro-batch."""
 
@@ -244,6 +252,13 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps per run")
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="runs of each kind per cell, interleaved (plain, variants, plain, ...); each time is "
+        "the median over the repeats of each run's median, the ratio range is over the repeats",
+    )
+    parser.add_argument(
         "--per-sequence",
         type=int,
         nargs="*",
@@ -254,7 +269,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parser.parse_args(argv)
     if args.smoke:
         args.sequences, args.lengths, args.layers, args.steps, args.warmup = [4], [4], 2, 2, 1
-        args.per_sequence = [2, 3]
+        args.per_sequence, args.repeats = [2, 3], 1
     torch.set_num_threads(1)
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore")
@@ -266,11 +281,12 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
 
     print(
         f"Qwen2, {args.layers} layers, hidden 32, 4/2 heads of 8, float32, 1 thread; median of "
-        f"{args.steps} steps after {args.warmup}; ms per step wall / CPU, ratio to plain HF "
-        "(wall / CPU)"
+        f"{args.steps} steps after {args.warmup}, median over {args.repeats} interleaved "
+        "repeats; ms per step wall / CPU, ratio to plain HF (wall / CPU) and the range of the "
+        "CPU ratio over the repeats"
     )
     cells = [f"{'seqs x tokens':>13}", f"{'plain HF ms':>13}"]
-    cells += [f"{name + ' ms':>13} | {'ratio':>11}" for name in args.variants]
+    cells += [f"{name + ' ms':>13} | {'ratio':>11} | {'range':>11}" for name in args.variants]
     cells += [f"{'target':>6}"]
     header = "| " + " | ".join(cells) + " |"
     print(header)
@@ -284,13 +300,24 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     for length in args.lengths:
         for n in args.sequences:
             samples = make_samples(n, length)
-            plain = medians(time_plain(samples, args.layers, total))
+            runs: dict[str, list[tuple[float, float]]] = {
+                "plain": [],
+                **{v: [] for v in args.variants},
+            }
+            for _ in range(args.repeats):  # interleaved, so a change in machine load hits all
+                runs["plain"].append(medians(time_plain(samples, args.layers, total)))
+                for name in args.variants:
+                    times = time_skrull(samples, args.layers, total, *VARIANTS[name])
+                    runs[name].append(medians(times))
+            plain = _median_pair(runs["plain"])
             row: dict[str, Any] = {"sequences": n, "length": length, "plain": plain}
             line = [f"{f'{n} x {length}':>13}", f"{plain[0] * 1e3:>6.1f} / {plain[1] * 1e3:>4.1f}"]
             for name in args.variants:
-                got = row[name] = medians(time_skrull(samples, args.layers, total, *VARIANTS[name]))
+                got = row[name] = _median_pair(runs[name])
+                ratios = [v[1] / p[1] for v, p in zip(runs[name], runs["plain"], strict=True)]
                 line.append(f"{got[0] * 1e3:>6.1f} / {got[1] * 1e3:>4.1f}")
                 line.append(f"{got[0] / plain[0]:>4.2f} / {got[1] / plain[1]:>4.2f}")
+                line.append(f"{min(ratios):>4.2f}-{max(ratios):>4.2f}")
             target = TARGETS.get(n)
             line.append(f"{f'{target:.1f}x' if target else '':>6}")
             rows.append(row)

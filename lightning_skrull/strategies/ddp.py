@@ -73,7 +73,8 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             process_group_backend, timeout, start_method: as for Lightning's ``DDPStrategy``.
         **ddp_kwargs: passed to ``DistributedDataParallel``. The per-forward buffer sync
             (``forward_sync_buffers`` / ``broadcast_buffers``) is turned off: DP ranks may run
-            different numbers of forwards per step.
+            different numbers of forwards per step. A run of one process is not wrapped in DDP
+            (its all-reduce would be the identity) unless a DDP communication hook is given.
 
     Raises:
         ValueError: a bad option (see :class:`~lightning_skrull.config.SkrullConfig`), or
