@@ -44,7 +44,8 @@ from lightning_skrull.runtime.launch import spawn
 
 STEPS = 2
 ONE_MICRO_BATCH = 400  # tokens per rank: a DP rank's share of each global batch fits at once
-SEVERAL_MICRO_BATCHES = 70  # just above the longest sample: 3 to 4 micro-batches per rank
+SEVERAL_MICRO_BATCHES = 70  # just above the longest sample: 3 to 4 micro-batches per rank, the
+# two DP ranks' plans 4 and 3 in the first step (asserted)
 
 CASES: list[tuple[int, str, str | None]] = [
     *(
@@ -135,6 +136,7 @@ def _fit_case(
         "optimizer": master.optimizer,
         "released": master.zero_grad_released,
         "micro_batches": [step["run"] for step in recorder.steps],
+        "planned": [step["planned"] for step in recorder.steps],
     }
 
 
@@ -223,6 +225,11 @@ def test_update_equals_single_process_with_one_or_several_micro_batches(
         assert dist_one <= tol, (dist_one, tol)
         assert dist_several <= tol, (dist_several, tol)
         assert _relative_distance(update_several, update_one) <= tol
+    # the DP ranks' plans differ in micro-batch count (4 and 3 in the first step), and ZeRO pads
+    # the shorter one with empty micro-batches, so both run the same count
+    several = [out[(*case, SEVERAL_MICRO_BATCHES)] for out in zero_runs]
+    assert several[0]["planned"] != several[1]["planned"]
+    assert several[0]["micro_batches"] == several[1]["micro_batches"]
 
 
 def test_held_zero_grad_keeps_gradients_until_released() -> None:
