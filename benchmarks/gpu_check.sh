@@ -9,15 +9,20 @@
 # loss against the chunked one (the "auto" bucket of each, beside the analytical estimate),
 # times one attention layer under autocast(bf16) at an emulated CP=4 with sdpa against the
 # backend "auto" picks, and runs a few bf16-mixed steps of SkrullFSDPStrategy on one GPU through
-# a Lightning Trainer (peak memory against the analytical model states), and splits the fixed
-# cost of a small micro-batch into plain HF's host time, Skrull's own and the kernels' (also
-# with compiled decoder layers when time is left). Prints one summary block and writes JSON to
-# $OUT/gpu_check.json (or benchmarks/out/gpu_check.json, or --json PATH), also after each
-# check, so a check that hangs does not lose the ones before it.
+# a Lightning Trainer (peak memory against the analytical model states), tests the fused loss
+# kernels against a float64 loss and times them beside the dense and chunked losses at
+# Qwen2.5's head, and splits the fixed cost of a small micro-batch into plain HF's host time,
+# Skrull's own and the kernels' (also with compiled decoder layers when time is left). Prints
+# one summary block and writes JSON to $OUT/gpu_check.json (or benchmarks/out/gpu_check.json,
+# or --json PATH), also after each check, so a check that hangs does not lose the ones before it.
 #
 #   bash benchmarks/gpu_check.sh                     # on a GPU machine
 #   bash benchmarks/gpu_check.sh --json /tmp/g.json  # other arguments go to benchmarks.gpu_check
 #   bash benchmarks/gpu_check.sh --device cpu --tiny # every code path on CPU, in seconds
+#
+# The fused loss kernels are tested only when their packages are importable here:
+# pip install "lightning-skrull[fused]" (Liger Kernel) and pip install cut-cross-entropy
+# beforehand; one that is missing is reported as not installed, not failed.
 #
 # The Python interpreter is $PYTHON when set (e.g. PYTHON=/path/to/venv/bin/python: no need to
 # activate the environment), else python3 from PATH.

@@ -64,6 +64,7 @@ def test_tiny_cpu_run_reports_every_check(tmp_path: Path, capsys) -> None:
     assert "passed: True" in printed
     assert "partial" not in report  # the final report, not one written after a check
     _assert_new_sections(report, printed)
+    _assert_fused_kernels(report, printed)
     _assert_host_overhead(report, printed)
 
 
@@ -109,6 +110,39 @@ def _assert_new_sections(report: dict, printed: str) -> None:
     assert f["estimate_peak_bytes"] > f["estimate_model_state_bytes_tied"]
     assert not dist.is_initialized()
     assert "FSDP2 on one device, mesh (1, 1), bf16-mixed" in printed
+
+
+def _assert_fused_kernels(report: dict, printed: str) -> None:
+    """The fused-kernels section of a tiny CPU run: what is installed, what "auto" picks (the
+    chunked path off CUDA), every fused kernel reported as needing CUDA, the chunked path
+    against the float64 reference, and the dense and chunked paths timed."""
+    from lightning_skrull.models.chunked_loss import installed_fused_kernels
+
+    f = report["fused_kernels"]
+    assert f["ok"] is True
+    assert f["installed"] == list(installed_fused_kernels())
+    assert f["auto_kernel"] == "chunked" and f["compute_dtype"] == "torch.bfloat16"
+    assert set(f["kernels"]) == {"liger", "cce"}
+    for name, cell in f["kernels"].items():
+        assert cell == {"installed": name in f["installed"], "skipped": "needs CUDA"}, name
+    # 256 tokens: the first 32 (a prompt) and every fifth after them are -100
+    assert f["tokens"] == 256 and f["ignored_tokens"] == 32 + len(range(35, 256, 5))
+    # the chunked path in bf16 against float64: measured 3.1e-5 absolute on a loss of 5.66 and
+    # 2.6e-3 norm-relative on both gradients (about one bf16 unit roundoff, 2^-9); the bounds
+    # are one bf16 rounding of the loss (2^-8 relative) and 2^-6 on the gradients
+    c = f["chunked"]
+    assert c["ok"] is True
+    assert c["loss_abs_err"] <= 2**-8 * f["reference_loss"]
+    assert 0 < c["grad_hidden_rel_err"] <= 2**-6 and 0 < c["grad_weight_rel_err"] <= 2**-6
+    assert list(f["timing"]) == ["dense", "chunked"]  # no fused kernel runs on CPU
+    for cell in f["timing"].values():
+        assert math.isfinite(cell["ms"]) and cell["ms"] > 0
+        assert cell["peak_bytes"].startswith("n/a")
+    dense = f["timing"]["dense"]
+    assert dense["time_over_chunked"] == pytest.approx(dense["ms"] / f["timing"]["chunked"]["ms"])
+    assert "fused loss kernels: installed " in printed
+    assert "  liger: needs CUDA" in printed and "  cce: needs CUDA" in printed
+    assert "| dense | " in printed and "| chunked | " in printed
 
 
 def _assert_host_overhead(report: dict, printed: str) -> None:
@@ -216,6 +250,69 @@ def test_host_overhead_summary_reports_the_goal() -> None:
     assert "compiled decoder layers: skipped (deadline: 20 s" in text
 
 
+def _fused_report() -> dict:
+    """A fused-kernels section as a GPU with Liger Kernel installed would report it."""
+    mib = 2**20
+    return {
+        "installed": ["liger"], "compute_dtype": "torch.bfloat16", "auto_kernel": "liger",
+        "tokens": 4096, "vocab": 151_936, "hidden": 896, "ignored_tokens": 1229, "reps": 5,
+        "reference_loss": 12.5,
+        "chunked": {"loss": 12.5001, "loss_abs_err": 1e-4, "grad_hidden_rel_err": 2e-3,
+                    "grad_weight_rel_err": 2.5e-3, "ok": True},
+        "kernels": {
+            "liger": {"installed": True, "loss": 12.5002, "loss_abs_err": 2e-4,
+                      "grad_hidden_rel_err": 3e-3, "grad_weight_rel_err": 9e-3},
+            "cce": {"installed": False, "skipped": "not installed (no module 'cut_cross_entropy')"},
+        },
+        "timing": {
+            "dense": {"ms": 20.0, "peak_bytes": 8000 * mib, "time_over_chunked": 0.8,
+                      "peak_over_chunked": 10.0},
+            "chunked": {"ms": 25.0, "peak_bytes": 800 * mib},
+            "liger": {"skipped": "deadline"},
+        },
+        "ok": False,
+    }  # fmt: skip
+
+
+def test_fused_kernels_summary_reports_each_kernel() -> None:
+    f = _fused_report()
+    # the head's gradient past its tolerance (2 x 2.5e-3 + 2^-8 = 8.9e-3) fails the kernel; the
+    # loss and the hidden states' gradient are within theirs (2 x 1e-4 + 2^-8 x 12.5, and
+    # 2 x 2e-3 + 2^-8)
+    liger = f["kernels"]["liger"]
+    verdict = gpu_check.judge_fused_kernel(liger, f["chunked"], f["reference_loss"])
+    assert verdict["loss_tolerance"] == pytest.approx(2e-4 + 12.5 / 256)
+    assert verdict["grad_hidden_tolerance"] == pytest.approx(4e-3 + 1 / 256)
+    assert verdict["grad_weight_tolerance"] == pytest.approx(5e-3 + 1 / 256)
+    assert verdict["ok"] is False
+    liger.update(verdict)
+    assert gpu_check.judge_fused_kernel(
+        liger | {"grad_weight_rel_err": 8.8e-3}, f["chunked"], f["reference_loss"]
+    )["ok"]
+    text = "\n".join(gpu_check._summary_fused_kernels(f))
+    assert 'installed liger; "auto" in bf16 here: liger; 4096 tokens (1229 labels -100)' in text
+    assert "vocab 151,936 x hidden 896" in text
+    assert "  chunked: loss 1.00e-04, grad hidden 2.00e-03, grad weight 2.50e-03" in text
+    assert ("  liger: loss 2.00e-04 (tolerance 4.90e-02), grad hidden 3.00e-03 (7.91e-03), "
+            "grad weight 9.00e-03 (8.91e-03): MISMATCH") in text  # fmt: skip
+    assert "  cce: not installed (no module 'cut_cross_entropy')" in text
+    assert "median of 5 after 1" in text
+    assert "  | dense | 20.00 | 8000.000 MiB | 0.80x | 10.00x |" in text
+    assert "  | chunked | 25.00 | 800.000 MiB | 1 | 1 |" in text
+    assert "  | liger | skipped (deadline) |" in text
+    # a failed comparison fails the run; a kernel that is not installed does not
+    report = {name: {} for name in gpu_check.SECTIONS} | {
+        "backends": {"flash_vs_sdpa_ok": None, "sdpa_loss_ok": True},
+        "fused_kernels": f,
+    }
+    assert gpu_check.passed(report) is False
+    f["kernels"]["liger"] = {"installed": False, "skipped": "not installed (no module 'x')"}
+    f["timing"].pop("liger")
+    f["ok"] = True
+    assert gpu_check.passed(report) is True
+    assert "  liger: not installed" in "\n".join(gpu_check._summary_fused_kernels(f))
+
+
 def test_summary_flags_a_mismatch() -> None:
     report: dict = {
         "device_name": "test",
@@ -232,6 +329,7 @@ def test_summary_flags_a_mismatch() -> None:
         "chunked_loss": {"error": "RuntimeError: out of memory"},
         "cp_bf16": {"skipped": "deadline: 3 s of --budget-s left, 15 needed"},
         "fsdp": {"error": "ValueError: x"},
+        "fused_kernels": {"skipped": "deadline: 9 s of --budget-s left, 15 needed"},
         "host_overhead": {"skipped": "deadline: 5 s of --budget-s left, 20 needed"},
         "passed": False,
         "wall_s": 1.0,
@@ -241,6 +339,7 @@ def test_summary_flags_a_mismatch() -> None:
     assert "skrull loss (sdpa) vs plain HF: MISMATCH" in text
     assert "chunked_loss: ERROR (RuntimeError: out of memory)" in text
     assert "cp_bf16: skipped (deadline" in text
+    assert "fused_kernels: skipped (deadline" in text
     assert "host_overhead: skipped (deadline" in text
     assert "passed: False" in text
     # a check that failed with an error fails the run; one skipped at the deadline does not
