@@ -129,6 +129,30 @@ def test_fused_adapter_equals_the_dense_loss(
         assert torch.allclose(a.grad, b.grad, rtol=FP32_REL, atol=1e-7)
     (call,) = fake_kernels[kernel].calls
     assert call["dtypes"] == (torch.float32, torch.float32) and not call["autocast"]
+    # Liger sums the head's gradient over its chunks in float32, as the chunked path does
+    assert call.get("accum_dtype") == (torch.float32 if kernel == "liger" else None)
+
+
+def test_an_older_liger_without_accum_dtype_is_called_without_it(
+    fake_kernels: dict[str, _Recorder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def old_liger(
+        hidden: Any, weight: Any, target: Any, bias: Any = None, ignore_index: int = -100,
+        reduction: str = "mean",
+    ) -> torch.Tensor:  # fmt: skip
+        calls.append({"reduction": reduction, "ignore_index": ignore_index})
+        return _dense_sum(hidden, weight, target, bias)
+
+    module = sys.modules["liger_kernel.transformers.functional"]
+    monkeypatch.setattr(module, "liger_fused_linear_cross_entropy", old_liger)
+    monkeypatch.setattr(chunked_loss, "resolve_loss_kernel", lambda *a, **k: "liger")
+    hidden, weight = torch.randn(5, 8), torch.randn(20, 8)
+    target = torch.randint(0, 20, (5,))
+    loss = linear_cross_entropy(hidden, weight, target, kernel="liger")
+    assert calls == [{"reduction": "sum", "ignore_index": -100}]
+    assert float(loss) == pytest.approx(float(_dense_sum(hidden, weight, target) / 5), rel=FP32_REL)
 
 
 def test_fused_adapter_runs_in_the_autocast_dtype_with_autocast_off(

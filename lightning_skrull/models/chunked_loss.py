@@ -147,8 +147,18 @@ def _fused_summed_loss(
     """The summed token loss of a fused kernel (inputs already in the compute dtype)."""
     if kernel == "liger":
         functional = importlib.import_module("liger_kernel.transformers.functional")
-        loss = functional.liger_fused_linear_cross_entropy(
-            hidden, weight, target, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum"
+        fused = functional.liger_fused_linear_cross_entropy
+        # the head's gradient summed over the kernel's chunks in float32, as the chunked path
+        # sums it (Liger's default sums in the weight's dtype: bf16 rounding per chunk)
+        accumulate = {"accum_dtype": torch.float32} if _takes(fused, "accum_dtype") else {}
+        loss = fused(
+            hidden,
+            weight,
+            target,
+            bias=bias,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            **accumulate,
         )
     else:
         cce = importlib.import_module("cut_cross_entropy")
@@ -161,6 +171,16 @@ def _fused_summed_loss(
                 hidden, weight, target, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum"
             )
     return cast(Tensor, loss).float()
+
+
+def _takes(function: Any, name: str) -> bool:
+    """Whether ``function`` accepts the keyword argument ``name`` (older package versions may
+    not)."""
+    try:
+        parameters = inspect.signature(function).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == name or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def default_chunk_tokens(vocab_size: int) -> int:
