@@ -171,6 +171,7 @@ def test_fused_adapter_runs_in_the_autocast_dtype_with_autocast_off(
     assert weight.grad.dtype == torch.float32
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels run on CUDA only")
 @pytest.mark.parametrize("kernel", ["liger", "cce"])
 def test_real_fused_kernel_on_cuda_is_as_close_as_the_chunked_path(kernel: str) -> None:
