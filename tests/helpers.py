@@ -483,3 +483,20 @@ def predicted_seconds(model: dict[str, Any]) -> float:
 
     m = CostModel.from_dict(model)
     return m.local_seconds(64) + m.micro_batch_overhead_s + m.per_sequence_seconds
+
+
+def built_cli(*args: str) -> Any:
+    """``skrull-finetune <args>`` with the tiny CPU Trainer defaults, its classes built and
+    nothing run (``SkrullCLI(..., run=False)``)."""
+    from lightning_skrull import SkrullDataModule
+    from lightning_skrull.cli import TINY_CPU_TRAINER, SkrullCausalLM, SkrullCLI
+
+    return SkrullCLI(
+        SkrullCausalLM,
+        SkrullDataModule,
+        trainer_defaults=dict(TINY_CPU_TRAINER),
+        seed_everything_default=0,
+        save_config_callback=None,
+        run=False,
+        args=list(args),
+    )

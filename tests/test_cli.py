@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import built_cli
 
 from lightning_skrull import SkrullDataModule
 from lightning_skrull.cli import (
@@ -173,14 +174,6 @@ def test_a_calibrated_cost_model_pins_in_yaml(tmp_path: Path) -> None:
     }
     path = tmp_path / "pinned.yaml"
     path.write_text(yaml.safe_dump({"trainer": {"strategy": strategy}}))
-    cli = SkrullCLI(
-        SkrullCausalLM,
-        SkrullDataModule,
-        trainer_defaults=dict(TINY_CPU_TRAINER),
-        seed_everything_default=0,
-        save_config_callback=None,
-        run=False,
-        args=["--config", str(path)],
-    )
+    cli = built_cli("--config", str(path))
     assert cli.trainer.strategy.skrull_config.cost_model == calibrated
     assert cli.trainer.strategy.skrull_config.calibration == "off"

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import BUCKET, GLOBAL_BATCH, PlainLM, cpu_trainer, make_data, tiny_qwen2
+from helpers import BUCKET, GLOBAL_BATCH, PlainLM, built_cli, cpu_trainer, make_data, tiny_qwen2
 
 from lightning_skrull import (
     SkrullDataModule,
@@ -19,7 +19,7 @@ from lightning_skrull import (
     SkrullStrategy,
     SkrullZero2Strategy,
 )
-from lightning_skrull.cli import TINY_CPU_TRAINER, SkrullCausalLM, SkrullCLI, is_fsdp_strategy
+from lightning_skrull.cli import SkrullCausalLM, is_fsdp_strategy
 from lightning_skrull.models import (
     from_pretrained_on_rank_zero,
     launched_as_rank_zero,
@@ -165,15 +165,7 @@ def test_cli_loads_on_rank_zero_under_the_fsdp_strategy(
     path.write_text(yaml.safe_dump(recipe))
 
     def load_on_rank_zero(*args: str) -> bool | None:
-        cli = SkrullCLI(
-            SkrullCausalLM,
-            SkrullDataModule,
-            trainer_defaults=dict(TINY_CPU_TRAINER),
-            seed_everything_default=0,
-            save_config_callback=None,
-            run=False,
-            args=["--config", str(path), *args],
-        )
+        cli = built_cli("--config", str(path), *args)
         return cli.model.hparams.load_on_rank_zero  # type: ignore[no-any-return]
 
     assert load_on_rank_zero() is expected
