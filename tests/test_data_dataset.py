@@ -117,6 +117,45 @@ def test_getitem_indexing() -> None:
     assert dataset.num_tokens == 14
 
 
+def test_batch_build_benchmark_smoke() -> None:
+    from benchmarks import batch_build
+
+    (row,) = batch_build.main(["--smoke"])
+    assert row["sequences"] == 16 and row["lists_ms"] > 0 and row["arrays_ms"] > 0
+
+
+def test_arrays_hold_the_same_sample_as_getitem_and_collate_the_same() -> None:
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.scheduling import plan_global_batch
+
+    # with and without labels: a sample without them supervises every token
+    dataset = load_sft_data([*SAMPLES, {"input_ids": [4, 5, 6]}])
+    for i in range(-len(dataset), len(dataset)):
+        got = dataset.arrays(i)
+        assert {k: v.tolist() for k, v in got.items()} == dataset[i]
+        assert all(v.dtype == np.int64 and v.flags.writeable for v in got.values())
+    with pytest.raises(IndexError, match="sample index 5 out of range"):
+        dataset.arrays(5)
+    # the collate step makes the very same rank batch (tokens, labels, checksum) from either
+    lengths = [len(dataset[i]["input_ids"]) for i in range(len(dataset))]
+    plan = plan_global_batch(lengths, dp_size=2, cp_size=2, bucket_size=8)
+    for dp_rank in range(2):
+        batches = [
+            collate_rank(samples, plan, dp_rank=dp_rank, cp_rank=1, world_size=4)
+            for samples in (
+                [dataset[i] for i in range(len(dataset))],
+                [dataset.arrays(i) for i in range(len(dataset))],
+            )
+        ]
+        assert batches[0].fingerprint == batches[1].fingerprint
+        assert batches[0].num_supervised_tokens == batches[1].num_supervised_tokens
+        for a, b in zip(batches[0].micro_batches, batches[1].micro_batches, strict=True):
+            assert a.inputs.keys() == b.inputs.keys()
+            for key in a.inputs:
+                assert a.inputs[key].dtype == b.inputs[key].dtype
+                assert bool((a.inputs[key] == b.inputs[key]).all()), key
+
+
 # ------------------------------------------------------------ structural errors
 @pytest.mark.parametrize(
     ("samples", "message"),

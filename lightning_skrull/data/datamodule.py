@@ -20,6 +20,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 import lightning.pytorch as pl
+import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -83,7 +84,7 @@ class GlobalBatchStream(IterableDataset):
         planner = self.planner
         if self.schedule is not None:
             planner = planner.with_cost_model(self.schedule.model_for(epoch, index))
-        samples = [self.dataset[i] for i in indices]
+        samples = [self.dataset.arrays(i) for i in indices]
         return planner(samples, indices, epoch, index)
 
     def __len__(self) -> int:
@@ -230,6 +231,10 @@ class SampleView(torch.utils.data.Dataset):
 
     def __getitem__(self, index: int) -> dict[str, list[int]]:
         return self.base[self.indices[index]]
+
+    def arrays(self, index: int) -> dict[str, np.ndarray]:
+        """Sample ``index`` as arrays (:meth:`SFTDataset.arrays`)."""
+        return self.base.arrays(self.indices[index])
 
 
 def split_dataset(

@@ -361,7 +361,9 @@ class SFTDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self._offsets) - 1
 
-    def __getitem__(self, index: int) -> dict[str, list[int]]:
+    def _span(self, index: int) -> tuple[int, int]:
+        """``(start, end)`` of sample ``index`` in the flat storage (negative indices count from
+        the end)."""
         try:
             i = operator.index(index)
         except TypeError:
@@ -374,10 +376,27 @@ class SFTDataset(torch.utils.data.Dataset):
         if not 0 <= i < n:
             raise IndexError(f"sample index {index} out of range for a dataset of {n} samples")
         start = int(self._offsets[i])
-        end = start + int(self._sizes[i])
+        return start, start + int(self._sizes[i])
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        start, end = self._span(index)
         ids = self._input_ids[start:end].tolist()
         labels = self._labels[start:end].tolist() if self._labels is not None else list(ids)
         return {"input_ids": ids, "labels": labels}
+
+    def arrays(self, index: int) -> dict[str, np.ndarray]:
+        """Sample ``index`` as int64 arrays (writable copies) rather than lists: what the data
+        module hands the collate step.
+
+        Every rank turns the whole global batch into tensors (for its supervised token count
+        and checksum); from arrays that is a copy, from lists a per-token Python conversion:
+        512 sequences of 400K tokens plan and collate in 17 ms instead of 107 ms, and the
+        ``tolist`` here is saved too (docs/data.md).
+        """
+        start, end = self._span(index)
+        ids = np.array(self._input_ids[start:end], dtype=np.int64)
+        stored = self._labels[start:end] if self._labels is not None else ids
+        return {"input_ids": ids, "labels": np.array(stored, dtype=np.int64)}
 
     def __repr__(self) -> str:
         return (
