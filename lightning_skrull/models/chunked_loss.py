@@ -173,9 +173,10 @@ def _fused_summed_loss(
     return cast(Tensor, loss).float()
 
 
+@functools.cache
 def _takes(function: Any, name: str) -> bool:
     """Whether ``function`` accepts the keyword argument ``name`` (older package versions may
-    not)."""
+    not); cached, since the loss asks in every forward."""
     try:
         parameters = inspect.signature(function).parameters.values()
     except (TypeError, ValueError):

@@ -45,6 +45,10 @@ class MetaTensors:
     local: tuple[str, ...]
     local_outside: tuple[str, ...]
 
+    def on_this_rank(self) -> str:
+        """`` ([first names] on this rank)`` for an error message, or ``""`` when none."""
+        return f" ({list(self.local[:3])} on this rank)" if self.local else ""
+
 
 def agree_on_meta_tensors(module: nn.Module, model: nn.Module, device: torch.device) -> MetaTensors:
     """Find meta tensors in ``module`` (``model`` inside it) on every rank: one all-reduce.

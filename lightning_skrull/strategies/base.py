@@ -626,10 +626,9 @@ class SkrullStrategyMixin(ParallelStrategy):
         assert hf_model is not None
         meta = agree_on_meta_tensors(self._attached_module, hf_model, self.root_device)
         if meta.anywhere:
-            where = f" ({list(meta.local[:3])} on this rank)" if meta.local else ""
             raise ValueError(
                 f"{type(self).__name__} keeps a full copy of the model on every rank, but some "
-                f"rank built it on the meta device{where}, without weights (as "
+                f"rank built it on the meta device{meta.on_this_rank()}, without weights (as "
                 "from_pretrained_on_rank_zero does on ranks other than 0). Use "
                 "SkrullFSDPStrategy, which shards the model and fills every rank from rank 0's "
                 "weights, or load the weights on every rank (AutoModelForCausalLM."

@@ -373,10 +373,9 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
                 "they would have no values. Build everything outside the model on a real device."
             )
         if meta.on_rank_zero:
-            where = f" ({list(meta.local[:3])} on this rank)" if meta.local else ""
             raise ValueError(
                 "SkrullFSDPStrategy fills the ranks that built the model on the meta device from "
-                f"global rank 0's weights, but rank 0's model has meta tensors too{where}: there "
+                f"global rank 0's weights, but rank 0's model has meta tensors too{meta.on_this_rank()}: there "
                 "are no weights to fill them from (it would otherwise start from random values). "
                 "Load the weights on rank 0: build the model with "
                 "lightning_skrull.models.from_pretrained_on_rank_zero(name_or_path), or with "
