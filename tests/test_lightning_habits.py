@@ -259,12 +259,14 @@ def _monitored_fit(checkpoint_dir: str) -> dict[str, Any]:
         shuffle=False,
     )
     trainer.fit(module, data)
+    best = checkpoint.best_model_score
+    assert best is not None
     return {
         "train": recorder.train,
         "val_losses": validations.val_losses,
         "global_step": trainer.global_step,
         "stopped_epoch": stopping.stopped_epoch,
-        "best_score": float(checkpoint.best_model_score),
+        "best_score": float(best),
         "best_path": os.path.basename(checkpoint.best_model_path),
         "checkpoints": sorted(os.listdir(checkpoint_dir)),
         "params": {
@@ -375,7 +377,9 @@ def monitored_reference() -> dict[str, Any]:
         total, tokens, _ = _batch_terms(model, data[batch * size : (batch + 1) * size])
         optimizer.zero_grad()
         (total / tokens).backward()
-        grads = torch.cat([p.grad.abs().flatten() for p in model.parameters()])
+        grads = torch.cat(
+            [p.grad.abs().flatten() for p in model.parameters() if p.grad is not None]
+        )
         clipped.append(int((grads > CLIP_VALUE).sum()))
         kept.append(int(((grads > 0) & (grads < CLIP_VALUE)).sum()))
         torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)

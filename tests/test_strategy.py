@@ -189,7 +189,7 @@ def test_zero2_refuses_fp16_on_cpu_at_setup(world_of_one: None, precision: str) 
     precision comes as the Trainer's flag or as a plugin."""
     from lightning.pytorch.plugins.precision import MixedPrecision
 
-    plugins = {
+    plugins: dict[str, dict[str, Any]] = {
         "flag": {"precision": precision},
         "plugin": {"plugins": [MixedPrecision("16-mixed", device="cpu")]},
     }
