@@ -50,6 +50,7 @@ from helpers import (
     tiny_qwen2,
     token_loss_sum,
 )
+from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_skrull.runtime.launch import spawn
 
@@ -654,8 +655,15 @@ def test_refusals(world_of_one: None) -> None:
         SkrullFSDPStrategy(cp_size=1, shard="node")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="trainable parameters outside it: \\['scale'\\]"):
         _fit_one(_ExtraParameter())
+    # fp16 in every form: "16-true", and "16-mixed" as a plugin (the CPU route of
+    # SkrullStrategy); the "16-mixed" flag Lightning itself refuses for the strategy's base
+    # class when the Trainer is built
     with pytest.raises(ValueError, match="fp16 needs a sharded gradient scaler"):
         _fit_one(PlainLM(), precision="16-true")
+    with pytest.raises(ValueError, match="got '16-mixed'; fp16 needs a sharded gradient scaler"):
+        _fit_one(PlainLM(), plugins=[MixedPrecision("16-mixed", device="cpu")])
+    with pytest.raises(ValueError, match=r"does not support .*precision='16-mixed'"):
+        _fit_one(PlainLM(), precision="16-mixed")
     # rank 0 (the only rank here) has no weights to fill the others from: refused, never
     # initialised at random
     with pytest.raises(ValueError, match=r"rank 0's model has meta tensors too.*Load the weights"):

@@ -1,5 +1,7 @@
-"""Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping, callbacks'
-outputs and torchmetrics, with DP ranks that run different numbers of micro-batches.
+"""Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping (by norm
+and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelCheckpoint`` on
+``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``), with DP
+ranks that run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed``; the bytes the CP groups exchange are counted in both. The data is built so that
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import lightning.pytorch as L
@@ -29,6 +32,7 @@ from helpers import (
     reference_model,
     tiny_qwen2,
 )
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
 from lightning.pytorch.loggers import Logger
 from transformers import Qwen2ForCausalLM
 
@@ -40,6 +44,17 @@ micro-batches (one 60-token sequence each, sharded) and DP rank 1 one (a 60-toke
 sharded, the two short ones whole on one CP rank each)."""
 CP, BUCKET, STEPS, LR = 2, 32, 2, 0.5
 CLIP = 0.05  # below the gradient norm of these steps (asserted), so clipping changes the update
+# gradient_clip_algorithm="value": between the smallest and the largest gradient entry of every
+# step (asserted), so the clip changes some entries and leaves others
+CLIP_VALUE = 1e-3
+# the monitored run: 2 training batches per epoch (limit_train_batches of 3 in the data), a
+# validation after every step; the validation loss falls after step 2 and rises after step 3
+# (asserted), so EarlyStopping(patience=1) stops after step 3 and the best checkpoint is step 2's
+MONITORED_BATCHES, MONITORED_LIMIT, BEST, STOP_AFTER = 3, 2, 2, 3
+# the smallest change between the validation losses the decisions rest on (measured 3.3e-4
+# and 7.6e-4), far above the difference between the run's synced loss and the reference's
+# (VALUE_REL): the decisions cannot flip on summation order
+DECISION_MARGIN = 1e-4
 # float32: the packed, sharded computation sums the same terms in another order than the
 # reference and DDP averages over 4 ranks; parameters agree to a few ulps (measured ~3e-8).
 PARAM_ATOL = 2e-6
@@ -205,8 +220,63 @@ def _data() -> Any:
     )
 
 
-def _habit_cases(rank: int, world_size: int) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+class ValidationRecorder(L.Callback):
+    """The synced ``val_loss`` of every validation, with the step it followed."""
+
+    def __init__(self) -> None:
+        self.val_losses: list[tuple[int, float]] = []
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        self.val_losses.append((trainer.global_step, float(trainer.callback_metrics["val_loss"])))
+
+
+def _monitored_fit(checkpoint_dir: str) -> dict[str, Any]:
+    """Clip by value, stop early and keep the best checkpoint on ``val_loss``, with an epoch
+    cut short by ``limit_train_batches`` and a validation after every step."""
+    from lightning_skrull import SkrullDataModule
+
+    recorder, validations = Recorder(), ValidationRecorder()
+    # checked after every validation (with val_check_interval=1 Lightning would check at the
+    # epochs' ends only)
+    stopping = EarlyStopping(monitor="val_loss", patience=1, check_on_train_epoch_end=False)
+    checkpoint = ModelCheckpoint(dirpath=checkpoint_dir, monitor="val_loss", save_top_k=1)
+    module = HabitsLM()
+    trainer = _trainer(
+        max_epochs=MONITORED_BATCHES,
+        limit_train_batches=MONITORED_LIMIT,
+        val_check_interval=1,
+        limit_val_batches=1,
+        gradient_clip_val=CLIP_VALUE,
+        gradient_clip_algorithm="value",
+        callbacks=[recorder, validations, stopping, checkpoint],
+        enable_checkpointing=True,
+    )
+    data = SkrullDataModule(
+        train_data=make_data(MONITORED_BATCHES, seed=0),
+        val_data=make_data(1, seed=1),
+        global_batch_size=len(LENGTHS),
+        val_global_batch_size=len(LENGTHS),
+        shuffle=False,
+    )
+    trainer.fit(module, data)
+    best = checkpoint.best_model_score
+    assert best is not None
+    return {
+        "train": recorder.train,
+        "val_losses": validations.val_losses,
+        "global_step": trainer.global_step,
+        "stopped_epoch": stopping.stopped_epoch,
+        "best_score": float(best),
+        "best_path": os.path.basename(checkpoint.best_model_path),
+        "checkpoints": sorted(os.listdir(checkpoint_dir)),
+        "params": {
+            k: v.detach().float().numpy().copy() for k, v in module.model.state_dict().items()
+        },
+    }
+
+
+def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
+    out: dict[str, Any] = {"monitored": _monitored_fit(checkpoint_dir)}
     for precision in ("32-true", "bf16-mixed"):
         recorder, logger = Recorder(), MemoryLogger()
         module = HabitsLM()
@@ -292,6 +362,36 @@ def reference() -> dict[str, Any]:
     }
 
 
+@functools.cache
+def monitored_reference() -> dict[str, Any]:
+    """What the monitored run does on one process: the epoch's first ``MONITORED_LIMIT``
+    global batches again and again, each step clipped by value (``clip_grad_value_``), the
+    validation loss after every step, ``STOP_AFTER`` steps."""
+    data = make_data(MONITORED_BATCHES, seed=0)
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    size = len(LENGTHS)
+    val_losses, clipped, kept = [], [], []
+    for step in range(STOP_AFTER + 1):  # one step past the stop: the stop must be the decision
+        batch = step % MONITORED_LIMIT
+        total, tokens, _ = _batch_terms(model, data[batch * size : (batch + 1) * size])
+        optimizer.zero_grad()
+        (total / tokens).backward()
+        grads = torch.cat(
+            [p.grad.abs().flatten() for p in model.parameters() if p.grad is not None]
+        )
+        clipped.append(int((grads > CLIP_VALUE).sum()))
+        kept.append(int(((grads > 0) & (grads < CLIP_VALUE)).sum()))
+        torch.nn.utils.clip_grad_value_(model.parameters(), CLIP_VALUE)
+        optimizer.step()
+        if step == STOP_AFTER - 1:
+            params = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+        with torch.no_grad():
+            val_total, val_tokens, _ = _batch_terms(model, make_data(1, seed=1))
+        val_losses.append(float(val_total) / val_tokens)
+    return {"params": params, "val_losses": val_losses, "clipped": clipped, "kept": kept}
+
+
 def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     assert a.keys() == b.keys()
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
@@ -299,8 +399,9 @@ def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
 
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    return spawn(_habit_cases, 4, timeout=600)
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    checkpoint_dir = str(tmp_path_factory.mktemp("habits_checkpoints"))
+    return spawn(_habit_cases, 4, checkpoint_dir, timeout=600)
 
 
 @pytest.mark.multiprocess
@@ -420,6 +521,45 @@ def test_all_gather_inside_a_step_is_refused_not_hung(ranks: list[dict[str, Any]
     for out in ranks:
         assert out["gather_error"] is not None
         assert "all_gather" in out["gather_error"] and "sync_dist=True" in out["gather_error"]
+
+
+@pytest.mark.multiprocess
+def test_monitored_callbacks_clip_by_value_and_short_epochs(ranks: list[dict[str, Any]]) -> None:
+    """``EarlyStopping`` and ``ModelCheckpoint`` on ``val_loss`` decide alike on every rank and
+    as on one process; ``gradient_clip_algorithm="value"`` clips the whole averaged gradient once
+    per step; ``limit_train_batches`` ends each epoch after its batches and ``val_check_interval``
+    validates mid-epoch."""
+    ref = monitored_reference()
+    losses = ref["val_losses"]
+    # after step 1 a first value, after step 2 better (the best), after step 3 worse: stop
+    assert losses[0] - losses[1] > DECISION_MARGIN
+    assert losses[2] - losses[1] > DECISION_MARGIN
+    for step in range(STOP_AFTER):
+        assert ref["clipped"][step] > 0 and ref["kept"][step] > 0  # the clip changes the update
+    for out in ranks:
+        run = out["monitored"]
+        # DP rank 0 ran 2 micro-batches per step and DP rank 1 one (asserted for every rank's
+        # steps in test_micro_batch_counts_differ_between_dp_ranks)
+        assert [(s["max"], s["min"]) for s in run["train"]] == [(2, 1)] * STOP_AFTER
+        # a validation after every step, the one after step 2 at the start of the second epoch:
+        # the epoch ended after limit_train_batches = 2 of the 3 batches
+        assert [step for step, _ in run["val_losses"]] == list(range(1, STOP_AFTER + 1))
+        assert run["stopped_epoch"] == 1  # stopped in the second epoch
+        # the synced val_loss is the single-process value; the stop came at its first rise
+        assert [loss for _, loss in run["val_losses"]] == pytest.approx(
+            losses[:STOP_AFTER], rel=VALUE_REL
+        )
+        assert run["global_step"] == STOP_AFTER
+        # the best checkpoint is step 2's (the end of the first epoch), the only one kept
+        assert run["best_score"] == pytest.approx(losses[BEST - 1], rel=VALUE_REL)
+        assert run["best_path"] == f"epoch=0-step={BEST}.ckpt"
+        assert run["checkpoints"] == [run["best_path"]]
+        # value clipping of the averaged gradient, batches 0, 1, 0: the single-process update
+        assert _max_diff(run["params"], ref["params"]) < PARAM_ATOL
+    runs = [[s["run"] for s in out["monitored"]["train"]] for out in ranks]
+    assert runs[0] != runs[2]
+    for key in ("val_losses", "best_score"):  # the very same value on every rank
+        assert len({repr(out["monitored"][key]) for out in ranks}) == 1
 
 
 # ----------------------------------------------------------------------------- one process

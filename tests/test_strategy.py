@@ -183,6 +183,24 @@ def test_batches_not_from_the_data_module_are_refused(world_of_one: None) -> Non
         trainer.fit(PlainLM(), train_dataloaders=loader)
 
 
+@pytest.mark.parametrize("precision", ["16-mixed", "16-true"])
+def test_zero2_refuses_fp16_on_cpu_at_setup(world_of_one: None, precision: str) -> None:
+    """DeepSpeed has no fp16 on CPU; the strategy says so before DeepSpeed starts, whether the
+    precision comes as the Trainer's flag or as a plugin."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    plugins: dict[str, dict[str, Any]] = {
+        "flag": {"precision": precision},
+        "plugin": {"plugins": [MixedPrecision("16-mixed", device="cpu")]},
+    }
+    for kwargs in plugins.values() if precision == "16-mixed" else [plugins["flag"]]:
+        trainer = cpu_trainer(SkrullZero2Strategy(bucket_size=BUCKET), max_steps=1, **kwargs)
+        module = PlainLM()
+        with pytest.raises(ValueError, match=rf"precision '{precision}' on cpu.*CUDA only"):
+            trainer.fit(module, _data())
+        assert trainer.global_step == 0
+
+
 def test_too_small_bucket_is_refused_before_training(world_of_one: None) -> None:
     longest = max(len(s["input_ids"]) for s in make_data())
     trainer = cpu_trainer(SkrullStrategy(bucket_size=longest - 1), max_steps=1)

@@ -56,6 +56,9 @@ if TYPE_CHECKING:
 
     from lightning_skrull.scheduling.cost_model import CostModel
 
+FP16_PRECISIONS = ("16-mixed", "16-true")
+"""Lightning ``precision`` values that turn on DeepSpeed's fp16 (CUDA only)."""
+
 SHM_OP_NAME = "deepspeed_shm_comm"
 """DeepSpeed's shared-memory communication op (CPU inference all-reduce), skipped on CPU."""
 
@@ -241,6 +244,19 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             with _without_shm_comm_op():
                 self._init_deepspeed_distributed()
         self._build_parallel_layout()
+
+    @override
+    def _check_trainer(self, trainer: pl.Trainer) -> None:
+        super()._check_trainer(trainer)
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        if precision in FP16_PRECISIONS and not self._on_cuda:
+            raise ValueError(
+                f"{type(self).__name__} got precision {precision!r} on "
+                f"{self.root_device.type}, but DeepSpeed runs fp16 on CUDA only (its engine "
+                "refuses fp16 on CPU). On CPU use precision='bf16-mixed', 'bf16-true' or "
+                "'32-true'; for fp16 on CPU, SkrullStrategy runs Lightning's "
+                "MixedPrecision('16-mixed', device='cpu') plugin."
+            )
 
     def _device_rank(self) -> int:
         index = self.root_device.index
