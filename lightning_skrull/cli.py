@@ -28,6 +28,7 @@ from torchmetrics import Metric
 from lightning_skrull.data.batch import SkrullBatch
 from lightning_skrull.data.datamodule import SkrullDataModule
 from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.models.adapters import apply_lora
 from lightning_skrull.models.loading import from_pretrained_on_rank_zero
 from lightning_skrull.strategies.ddp import SkrullStrategy
 from lightning_skrull.strategies.fsdp import SkrullFSDPStrategy
@@ -108,10 +109,18 @@ class SkrullCausalLM(pl.LightningModule):
             ``skrull-finetune`` sets it to whether the Trainer's strategy is
             ``SkrullFSDPStrategy``; outside the CLI, ``False``. A config dict ignores it (every
             rank initialises the same random weights from the seed).
+        lora: train LoRA adapters instead of every weight: the arguments of peft's
+            ``LoraConfig`` (``r``, ``lora_alpha``, ``target_modules``, ...; ``task_type``
+            defaults to ``"CAUSAL_LM"``), applied with ``get_peft_model`` once the model is
+            built; ``self.model`` is then the ``PeftModel``, and only the adapters train. Keep
+            ``lm_head`` out of ``target_modules`` under the chunked loss (docs/models.md).
+            Needs peft (``pip install "lightning-skrull[peft]"``). ``None``: full fine-tuning.
 
     Raises:
-        ValueError: a config dict without ``model_type``, or a bad number.
+        ValueError: a config dict without ``model_type``, a bad number, or ``lora`` arguments
+            that are not a causal-LM ``LoraConfig``.
         TypeError: ``model`` is neither a string nor a dict.
+        ImportError: ``lora`` is given and peft is not installed.
     """
 
     def __init__(
@@ -124,6 +133,7 @@ class SkrullCausalLM(pl.LightningModule):
         torch_dtype: str | None = None,
         gradient_checkpointing: bool = False,
         load_on_rank_zero: bool | None = None,
+        lora: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         if not isinstance(model, (str, dict)):
@@ -136,11 +146,12 @@ class SkrullCausalLM(pl.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         self.save_hyperparameters()
-        self.model = self._build_model(model, torch_dtype, bool(load_on_rank_zero))
+        hf_model = self._build_model(model, torch_dtype, bool(load_on_rank_zero))
         if gradient_checkpointing:
-            self.model.gradient_checkpointing_enable(
+            hf_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
+        self.model: torch.nn.Module = hf_model if lora is None else apply_lora(hf_model, lora)
         self.val_perplexity = TokenPerplexity()
 
     @staticmethod
@@ -178,10 +189,12 @@ class SkrullCausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        """AdamW with an optional linear warm-up."""
+        """AdamW over the trainable parameters (the adapters under ``lora``), with an optional
+        linear warm-up."""
         hp = cast("AttributeDict", self.hparams)  # save_hyperparameters() made it one
+        trainable = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
-            self.parameters(), lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
+            trainable, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
         )
         if not hp.warmup_steps:
             return optimizer

@@ -1,7 +1,8 @@
 """Hugging Face decoders under Skrull: load one once per job, select the attention, check the
-model, find it, and compute the causal-LM loss without the full logits."""
+model, find it (inside a peft adapter model too), and compute the causal-LM loss without the full logits."""
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
+from lightning_skrull.models.adapters import apply_lora, find_peft_model
 from lightning_skrull.models.chunked_loss import (
     linear_cross_entropy,
     use_chunked_loss,
@@ -26,9 +27,11 @@ from lightning_skrull.models.patching import (
 __all__ = [
     "ATTENTION_NAME",
     "SUPPORTED_ARCHITECTURES",
+    "apply_lora",
     "attention_window",
     "check_model",
     "find_hf_model",
+    "find_peft_model",
     "from_pretrained_on_rank_zero",
     "is_prepared",
     "launched_as_rank_zero",

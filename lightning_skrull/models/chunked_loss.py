@@ -352,7 +352,7 @@ def _chunked_forward(
         return original(*args, **kwargs)
     arguments.pop("logits_to_keep", None)
     decoder = cast(nn.Module, model.model)  # checked by check_chunked_loss_supported
-    head = cast(nn.Linear, model.lm_head)
+    head = active_lm_head(model)
     outputs = decoder(**arguments, **extra)
     loss = linear_cross_entropy(
         outputs.last_hidden_state,
@@ -376,12 +376,81 @@ def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fn)
 
 
+def _from_peft(module: nn.Module) -> bool:
+    return type(module).__module__.split(".")[0] == "peft"
+
+
+def _saved_copies(head: nn.Module) -> tuple[nn.Module, nn.ModuleDict] | None:
+    """``(original_module, modules_to_save)`` of peft's ``ModulesToSaveWrapper`` (a trainable
+    copy of a whole module per adapter, ``modules_to_save=["lm_head"]``), else ``None``."""
+    original = getattr(head, "original_module", None)
+    copies = getattr(head, "modules_to_save", None)
+    if type(head).__name__ != "ModulesToSaveWrapper" or not _from_peft(head):
+        return None
+    if not isinstance(original, nn.Module) or not isinstance(copies, nn.ModuleDict):
+        return None
+    return original, copies
+
+
+def active_lm_head(model: nn.Module) -> nn.Linear:
+    """The ``nn.Linear`` that computes ``model``'s logits now.
+
+    ``model.lm_head`` itself, or, when peft wrapped it in a ``ModulesToSaveWrapper``
+    (``modules_to_save=["lm_head"]``), the copy its forward would call: the active adapter's
+    trainable copy, or the original head while adapters are disabled (peft's own rule).
+
+    Raises:
+        ValueError: the head is neither (see :func:`check_chunked_loss_supported`).
+    """
+    head = getattr(model, "lm_head", None)
+    saved = _saved_copies(head) if isinstance(head, nn.Module) else None
+    if saved is not None:
+        original, copies = saved
+        active = list(getattr(head, "active_adapters", ()))
+        if getattr(head, "disable_adapters", False) or not active or active[0] not in copies:
+            head = original
+        else:
+            head = copies[active[0]]
+    if not isinstance(head, nn.Linear):
+        check_chunked_loss_supported(model)  # raises, naming the head
+        raise ValueError(f"{type(model).__name__}'s lm_head is not an nn.Linear.")
+    return head
+
+
+def _head_problem(model: nn.Module) -> str | None:
+    """Why ``model.lm_head`` cannot be computed from an ``nn.Linear`` weight, or ``None``."""
+    head = getattr(model, "lm_head", None)
+    if not isinstance(head, nn.Module):
+        return "it has no nn.Linear lm_head"
+    saved = _saved_copies(head)
+    if saved is not None:
+        original, copies = saved
+        if all(isinstance(m, nn.Linear) for m in (original, *copies.values())):
+            return None
+    elif isinstance(head, nn.Linear) and not _from_peft(head):
+        return None
+    if not _from_peft(head):
+        return f"its lm_head is a {type(head).__name__}, not an nn.Linear"
+    cls = type(head)
+    return (
+        f"its lm_head is a peft adapter layer ({cls.__module__}.{cls.__qualname__}), and the "
+        "chunked loss computes the head from a plain nn.Linear weight, so it would skip the "
+        "adapter; leave lm_head out of the peft config's target_modules (modules_to_save="
+        "['lm_head'] is supported)"
+    )
+
+
 def check_chunked_loss_supported(model: nn.Module) -> None:
     """Raise unless ``model``'s causal-LM forward can be routed through the chunked loss.
 
+    The head must be an ``nn.Linear``, or peft's ``ModulesToSaveWrapper`` around one
+    (``modules_to_save=["lm_head"]``: :func:`active_lm_head` picks the copy in use); a peft
+    adapter layer on the head (LoRA in ``target_modules``) is refused.
+
     Raises:
         ValueError: the architecture is not one of :data:`CHUNKED_LOSS_MODEL_TYPES`, or the
-            model has no ``model`` decoder / ``lm_head`` linear head.
+            model has no ``model`` decoder / ``lm_head`` linear head; the message names the head
+            and the fixes.
     """
     config = getattr(model, "config", None)
     model_type = getattr(config, "model_type", None)
@@ -391,14 +460,16 @@ def check_chunked_loss_supported(model: nn.Module) -> None:
             f"model_type {model_type!r} is not one whose forward is exactly decoder -> lm_head "
             f"-> cross-entropy ({', '.join(CHUNKED_LOSS_MODEL_TYPES)})"
         )
-    if not isinstance(getattr(model, "lm_head", None), nn.Linear):
-        reasons.append("it has no nn.Linear lm_head")
+    head_problem = _head_problem(model)
+    if head_problem is not None:
+        reasons.append(head_problem)
     if not isinstance(getattr(model, "model", None), nn.Module):
         reasons.append("it has no `model` decoder attribute")
     if reasons:
         raise ValueError(
             f"{type(model).__name__} cannot use the chunked loss: {'; '.join(reasons)}. Pass "
-            "chunked_loss=False to compute the loss from the full logits."
+            "chunked_loss=False (to the strategy, or to prepare_model) to compute the loss from "
+            "the full logits."
         )
 
 
@@ -446,6 +517,7 @@ __all__ = [
     "IGNORE_INDEX",
     "LOSS_KERNELS",
     "LossKernel",
+    "active_lm_head",
     "check_chunked_loss_supported",
     "check_loss_kernel",
     "default_chunk_tokens",

@@ -40,6 +40,7 @@ from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
 from lightning_skrull.data.batch import CostModelSchedule, PlanStats, SkrullBatch
 from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.models.adapters import check_checkpointing_gradients
 from lightning_skrull.models.chunked_loss import check_loss_kernel
 from lightning_skrull.models.patching import find_hf_model, prepare_model
 from lightning_skrull.runtime.engine import check_same_plan, micro_batch_context
@@ -265,6 +266,7 @@ class SkrullStrategyMixin(ParallelStrategy):
             chunked_loss=config.chunked_loss,
             loss_kernel=config.loss_kernel,
         )
+        check_checkpointing_gradients(hf_model)
         if self._skrull_config.cost_model is not None:
             self._skrull_cost_model = self._skrull_config.cost_model
         else:

@@ -1,0 +1,505 @@
+"""LoRA (peft) fine-tuning under every Skrull strategy equals single-process PEFT training.
+
+One spawn of 4 processes, DP=2 x CP=2, runs every multi-process case, 2 SGD steps each over the
+trainable (LoRA) parameters, on the same global batches (dataset order):
+
+- ``SkrullStrategy`` (DDP), ``SkrullZero2Strategy`` and ``SkrullFSDPStrategy`` (``shard="cp"``,
+  with ``activation_checkpointing=True``) in float32; the FSDP run's adapter is written by
+  ``save_pretrained`` in peft's format;
+- ``bf16-mixed`` under ``SkrullStrategy``, within the 16-bit rule of docs/precision.md;
+- transformers' reentrant activation checkpointing with ``modules_to_save=["lm_head"]`` (a
+  trainable head copy after the layers: the setting in which adapters without gradients would
+  go unnoticed) under ``SkrullStrategy``;
+- a saved model read on rank 0 only (``from_pretrained_on_rank_zero``) and wrapped by
+  ``get_peft_model`` on every rank, ranks 1-3 on the meta device, under ``SkrullFSDPStrategy``.
+
+The reference is independent of the package: the same ``PeftModel`` on one process with eager
+attention, one sequence at a time, summed token cross-entropy divided by the global batch's
+supervised tokens, then ``torch.optim.SGD`` over the trainable parameters.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    LR,
+    BatchRecorder,
+    built_cli,
+    cpu_trainer,
+    make_data,
+    tiny_qwen2,
+    token_loss_sum,
+)
+
+from lightning_skrull.runtime.launch import spawn
+
+peft = pytest.importorskip("peft")  # a dev dependency; the package itself does not need it
+
+STEPS = 2
+LORA: dict[str, Any] = {
+    "r": 4,
+    "lora_alpha": 8,
+    "target_modules": ["q_proj", "v_proj", "gate_proj"],
+    "task_type": "CAUSAL_LM",
+}
+# Float32: the packed, sharded run sums the same token terms in another order than the
+# one-sequence-at-a-time reference, and the strategies average the gradients over 4 ranks; the
+# LoRA parameters after 2 SGD steps of lr 0.5 agree to float32 rounding: measured max
+# difference 7.5e-9 under DDP, ZeRO-2 and FSDP alike (the LoRA weights move by up to 3.5e-3).
+# The bound is the full fine-tuning tests' (tests/helpers.py, PARAM_ATOL).
+PARAM_ATOL = 2e-6
+# The first step's gradient of each trainable parameter under activation checkpointing, relative
+# to that parameter's largest reference gradient (they range from 4e-5, the q_proj adapters, to
+# 1e-2): float32 sums in another order (measured at most 4.9e-7).
+GRAD_RTOL = 1e-5
+# docs/precision.md's 16-bit rule (reasons in tests/test_precision_matrix.py): the relative
+# distance of the update to the float32 reference's, at most RATIO x that of single-process
+# bf16-mixed (autocast) PEFT training, plus FLOOR. Measured over the LoRA parameters: the
+# DDP bf16-mixed run 7.5e-3, the single-process autocast reference 8.1e-3, bound 1.7e-2; an
+# update 5% off the float32 one would be at 5.0e-2.
+RATIO = 2.0
+FLOOR = 1e-3
+CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero")
+
+
+def init_lora(model: torch.nn.Module) -> None:
+    """Give every LoRA weight seeded random values (both A and B: peft starts B at zero, which
+    would leave A without a gradient in the first step), the same in every process."""
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in sorted(model.named_parameters()):
+            if "lora_" in name:
+                values = torch.randn(p.shape, generator=g) * 0.05
+                if not p.is_meta:
+                    p.copy_(values)
+
+
+def lora_model(base: torch.nn.Module | None = None, **overrides: Any) -> Any:
+    """``get_peft_model`` of :func:`tiny_qwen2` (or ``base``) with :data:`LORA`."""
+    model = peft.get_peft_model(
+        base if base is not None else tiny_qwen2(), peft.LoraConfig(**{**LORA, **overrides})
+    )
+    init_lora(model)
+    return model
+
+
+def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """Every parameter as a full float64 array (a collective for DTensors: every rank calls it
+    in the same order)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p
+        out[name] = full.detach().double().numpy().copy()
+    return out
+
+
+def trainable_names(model: torch.nn.Module) -> list[str]:
+    return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+class LoraLM(L.LightningModule):
+    """The plain module of the documentation over a ``PeftModel``; SGD over what trains."""
+
+    def __init__(self, model: torch.nn.Module | None = None) -> None:
+        super().__init__()
+        self.model = model if model is not None else lora_model()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        trainable = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.SGD(trainable, lr=LR)
+
+
+class Recorder(BatchRecorder):
+    """Records the parameters a run starts from and the first step's gradients."""
+
+    def __init__(self, grads: bool) -> None:
+        super().__init__()
+        self.before: dict[str, np.ndarray] = {}
+        self.grads: dict[str, np.ndarray | None] | None = {} if grads else None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.before = full_params(module.model)
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        from torch.distributed.tensor import DTensor
+
+        if self.grads is None or self.grads or trainer.global_step != 0:
+            return
+        for name, p in module.model.named_parameters():
+            if not p.requires_grad:
+                continue
+            grad = p.grad
+            if isinstance(grad, DTensor):
+                grad = grad.full_tensor()
+            self.grads[name] = None if grad is None else grad.double().numpy().copy()
+
+
+def _fit(
+    strategy_name: str,
+    module: LoraLM,
+    *,
+    grads: bool = False,
+    precision: str = "32-true",
+    **strategy_kwargs: Any,
+) -> tuple[L.Trainer, Recorder]:
+    from lightning_skrull import (
+        SkrullDataModule,
+        SkrullFSDPStrategy,
+        SkrullStrategy,
+        SkrullZero2Strategy,
+    )
+
+    classes = {"ddp": SkrullStrategy, "zero2": SkrullZero2Strategy, "fsdp": SkrullFSDPStrategy}
+    recorder = Recorder(grads)
+    trainer = cpu_trainer(
+        classes[strategy_name](cp_size=2, bucket_size=BUCKET, **strategy_kwargs),
+        precision=precision,
+        max_steps=STEPS,
+        callbacks=[recorder],
+    )
+    data = SkrullDataModule(
+        train_data=make_data(GLOBAL_BATCH * STEPS), global_batch_size=GLOBAL_BATCH, shuffle=False
+    )
+    trainer.fit(module, data)
+    return trainer, recorder
+
+
+def _result(module: LoraLM, recorder: Recorder) -> dict[str, Any]:
+    return {
+        "before": recorder.before,
+        "after": full_params(module.model),
+        "trainable": trainable_names(module.model),
+        "grads": recorder.grads,
+        "steps": recorder.steps,
+    }
+
+
+def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    from lightning_skrull.models import from_pretrained_on_rank_zero
+
+    out: dict[str, Any] = {}
+    for name in ("ddp", "zero2"):
+        module = LoraLM()
+        _, recorder = _fit(name, module)
+        out[name] = _result(module, recorder)
+
+    module = LoraLM()
+    trainer, recorder = _fit("fsdp", module, grads=True, activation_checkpointing=True)
+    out["fsdp"] = _result(module, recorder)
+    out["fsdp"]["checkpointing"] = module.model.base_model.model.is_gradient_checkpointing
+    trainer.strategy.save_pretrained(os.path.join(tmp, "adapter"))
+
+    module = LoraLM()
+    _, recorder = _fit("ddp", module, precision="bf16-mixed")
+    out["bf16"] = _result(module, recorder)
+
+    model = lora_model(modules_to_save=["lm_head"])
+    model.base_model.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": True}
+    )
+    module = LoraLM(model)
+    _, recorder = _fit("ddp", module, grads=True)
+    out["reentrant"] = _result(module, recorder)
+    out["reentrant"]["checkpointing"] = model.base_model.model.is_gradient_checkpointing
+
+    base = from_pretrained_on_rank_zero(os.path.join(tmp, "base"))
+    module = LoraLM(lora_model(base))
+    held = {n: not p.is_meta for n, p in module.model.named_parameters()}
+    _, recorder = _fit("fsdp", module)
+    out["rank_zero"] = _result(module, recorder)
+    out["rank_zero"]["held"] = held
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny_qwen2().save_pretrained(os.path.join(tmp, "base"))
+        results = spawn(_cases, 4, tmp, timeout=900)
+        adapter = Path(tmp, "adapter")
+        results[0]["adapter_files"] = sorted(p.name for p in adapter.iterdir())
+        results[0]["adapter_config"] = json.loads((adapter / "adapter_config.json").read_text())
+        loaded = peft.PeftModel.from_pretrained(tiny_qwen2(attn_implementation="eager"), adapter)
+        results[0]["loaded"] = full_params(loaded)
+        results[0]["loaded_loss"] = _loss(loaded, make_data(11, seed=1))
+    return results
+
+
+# ----------------------------------------------------------------------------- reference
+def _loss(model: torch.nn.Module, samples: list[dict[str, list[int]]]) -> float:
+    """Mean token loss of ``samples`` under ``model``, one sequence at a time."""
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            loss, n = token_loss_sum(model, sample)
+            total, tokens = total + float(loss), tokens + n
+    return total / tokens
+
+
+@functools.cache
+def reference(
+    kind: str = "float32", modules_to_save: bool = False
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(parameters before, after, first step's gradients of the trainable ones)`` of
+    single-process PEFT training; ``kind`` ``"autocast"`` runs the forward under
+    ``torch.autocast("cpu", bfloat16)`` (Lightning's bf16-mixed)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each spawned rank runs (tiny ops; see test_precision_matrix)
+    try:
+        extra = {"modules_to_save": ["lm_head"]} if modules_to_save else {}
+        model = lora_model(tiny_qwen2(attn_implementation="eager"), **extra)
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        optimizer = torch.optim.SGD(trainable, lr=LR)
+        before = full_params(model)
+        data = make_data(GLOBAL_BATCH * STEPS)
+        grads: dict[str, np.ndarray] = {}
+        for step in range(STEPS):
+            total, tokens = torch.zeros(()), 0
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=kind == "autocast"):
+                for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
+                    loss, n = token_loss_sum(model, sample)
+                    total, tokens = total + loss, tokens + n
+            optimizer.zero_grad()
+            (total / tokens).backward()
+            if step == 0:
+                grads = {
+                    n: p.grad.double().numpy().copy()
+                    for n, p in model.named_parameters()
+                    if p.grad is not None
+                }
+            optimizer.step()
+        return before, full_params(model), grads
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray], keys: list[str]) -> float:
+    return max(float(np.abs(a[k] - b[k]).max()) for k in keys)
+
+
+def _update(before: dict[str, np.ndarray], after: dict[str, np.ndarray], keys: list[str]) -> Any:
+    return np.concatenate([(after[k] - before[k]).ravel() for k in sorted(keys)])
+
+
+def _distance(delta: np.ndarray, delta_fp32: np.ndarray) -> float:
+    return float(np.linalg.norm(delta - delta_fp32) / np.linalg.norm(delta_fp32))
+
+
+# ----------------------------------------------------------------------------- 4 ranks
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", CASES)
+def test_dp_ranks_ran_different_micro_batch_counts(runs: list[dict[str, Any]], case: str) -> None:
+    by_dp: dict[int, list[int]] = {}
+    for out in runs:
+        steps = out[case]["steps"]
+        assert len(steps) == STEPS
+        by_dp[steps[0]["dp_rank"]] = [s["planned"] for s in steps]
+    # the plan gives the two DP ranks different micro-batch counts (ZeRO-2 then pads the
+    # fewer with empty ones; DDP and FSDP over the CP group run them as planned)
+    assert by_dp[0] != by_dp[1], by_dp
+    if case != "zero2":
+        ran = {
+            out[case]["steps"][0]["dp_rank"]: [s["run"] for s in out[case]["steps"]] for out in runs
+        }
+        assert ran[0] != ran[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["ddp", "zero2", "fsdp", "reentrant", "rank_zero"])
+def test_float32_strategies_equal_single_process_peft(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    before, after, _ = reference(modules_to_save=case == "reentrant")
+    trainable = sorted(runs[0][case]["trainable"])
+    assert trainable == sorted(k for k in before if "lora_" in k or "modules_to_save" in k)
+    frozen = [k for k in before if k not in trainable]
+    # the LoRA weights moved by far more than the tolerance
+    assert _max_diff(after, before, trainable) > 1e3 * PARAM_ATOL
+    for out in runs:
+        got = out[case]
+        # the same start (rank 0's weights on the meta ranks of the "rank_zero" case)
+        assert _max_diff(got["before"], before, list(before)) == 0.0
+        assert _max_diff(got["after"], after, trainable) < PARAM_ATOL, case
+        # frozen base weights: exactly as they started
+        assert _max_diff(got["after"], before, frozen) == 0.0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", ["fsdp", "reentrant"])
+def test_activation_checkpointing_gives_lora_the_reference_gradients(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    _, _, grads = reference(modules_to_save=case == "reentrant")
+    for out in runs:
+        got = out[case]
+        assert got["checkpointing"]
+        assert sorted(got["grads"]) == sorted(grads)
+        for name, grad in got["grads"].items():
+            assert grad is not None, f"{name} got no gradient under activation checkpointing"
+            scale = float(np.abs(grads[name]).max())
+            assert float(np.abs(grad - grads[name]).max()) <= GRAD_RTOL * scale, name
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_as_close_to_float32_as_single_process_peft(
+    runs: list[dict[str, Any]],
+) -> None:
+    before, fp32_after, _ = reference()
+    _, autocast_after, _ = reference("autocast")
+    trainable = runs[0]["bf16"]["trainable"]
+    delta_fp32 = _update(before, fp32_after, trainable)
+    ref_distance = _distance(_update(before, autocast_after, trainable), delta_fp32)
+    assert ref_distance > FLOOR  # the reference's own bf16 rounding shows: the bound is not vacuous
+    for out in runs:
+        got = out["bf16"]
+        assert _max_diff(got["before"], before, list(before)) == 0.0
+        distance = _distance(_update(got["before"], got["after"], trainable), delta_fp32)
+        assert distance <= RATIO * ref_distance + FLOOR, (distance, ref_distance)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_save_pretrained_writes_a_peft_adapter(runs: list[dict[str, Any]]) -> None:
+    out = runs[0]
+    assert "adapter_model.safetensors" in out["adapter_files"]
+    assert "adapter_config.json" in out["adapter_files"]
+    assert "config.json" not in out["adapter_files"]  # not a (broken) full HF checkpoint
+    assert out["adapter_config"]["r"] == LORA["r"]
+    trained = out["fsdp"]["after"]
+    # the adapter loaded onto a fresh base model is the trained model, weight for weight
+    assert out["loaded"].keys() == trained.keys()
+    assert _max_diff(out["loaded"], trained, list(trained)) == 0.0
+    # and gives its loss: the same float32 numbers through the same operations (measured 0)
+    model = lora_model(tiny_qwen2(attn_implementation="eager"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(trained[name]))
+    assert out["loaded_loss"] == pytest.approx(_loss(model, make_data(11, seed=1)), abs=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_rank_zero_weights_fill_the_lora_layers_of_meta_ranks(runs: list[dict[str, Any]]) -> None:
+    for rank, out in enumerate(runs):
+        held = out["rank_zero"]["held"]
+        lora = [n for n in held if "lora_" in n]
+        # ranks 1-3 built the base model and its LoRA layers on the meta device
+        assert all(held[n] == (rank == 0) for n in held), rank
+        assert lora
+
+
+# ----------------------------------------------------------------------------- one process
+def test_lora_on_lm_head_is_refused_at_setup(world_of_one: None) -> None:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    module = LoraLM(lora_model(target_modules=["q_proj", "lm_head"]))
+    trainer = cpu_trainer(SkrullStrategy(cp_size=1, bucket_size=80), max_steps=1)
+    data = SkrullDataModule(train_data=make_data(8), global_batch_size=GLOBAL_BATCH)
+    with pytest.raises(ValueError) as refused:
+        trainer.fit(module, data)
+    message = str(refused.value)
+    assert "peft adapter layer (peft.tuners.lora.layer.Linear)" in message
+    assert "plain nn.Linear weight" in message
+    assert "leave lm_head out of the peft config's target_modules" in message
+    assert "chunked_loss=False" in message
+
+
+def test_lora_on_lm_head_trains_with_the_dense_loss(world_of_one: None) -> None:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    module = LoraLM(lora_model(target_modules=["q_proj", "lm_head"]))
+    head = module.model.base_model.model.lm_head
+    before = head.lora_B["default"].weight.detach().clone()
+    trainer = cpu_trainer(
+        SkrullStrategy(cp_size=1, bucket_size=80, chunked_loss=False), max_steps=1
+    )
+    trainer.fit(module, SkrullDataModule(train_data=make_data(8), global_batch_size=8))
+    assert float((head.lora_B["default"].weight.detach() - before).abs().max()) > 1e-3
+
+
+def test_modules_to_save_head_resolves_the_active_copy() -> None:
+    from lightning_skrull.models.chunked_loss import active_lm_head, check_chunked_loss_supported
+
+    model = lora_model(modules_to_save=["lm_head"])
+    hf = model.base_model.model
+    check_chunked_loss_supported(hf)
+    wrapper = hf.lm_head
+    assert active_lm_head(hf) is wrapper.modules_to_save["default"]
+    with model.disable_adapter():
+        assert active_lm_head(hf) is wrapper.original_module
+
+
+def test_reentrant_checkpointing_without_input_gradients_is_refused(world_of_one: None) -> None:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    model = lora_model()
+    hf = model.base_model.model
+    hf.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    hf.disable_input_require_grads()
+    trainer = cpu_trainer(SkrullStrategy(cp_size=1, bucket_size=80), max_steps=1)
+    data = SkrullDataModule(train_data=make_data(8), global_batch_size=GLOBAL_BATCH)
+    with pytest.raises(ValueError, match=r"reentrant activation checkpointing.*no gradient"):
+        trainer.fit(LoraLM(model), data)
+
+
+def test_cli_lora_recipe_trains_only_the_adapters() -> None:
+    from lightning_skrull.cli import TINY_QWEN2_5
+
+    recipe = Path(__file__).parent.parent / "examples" / "configs" / "qwen2.5-7b-lora.yaml"
+    cli = built_cli(
+        "--config",
+        str(recipe),
+        "--model.model",
+        json.dumps(TINY_QWEN2_5),
+        "--model.torch_dtype",
+        "float32",
+        "--trainer.accelerator=cpu",
+        "--trainer.devices=1",
+        "--trainer.num_nodes=1",
+        "--data.train_data=bundled:mixed_tiny",
+        "--data.tokenizer=null",
+    )
+    model = cli.model.model
+    assert isinstance(model, peft.PeftModel)
+    assert model.peft_config["default"].task_type == "CAUSAL_LM"
+    trainable = trainable_names(model)
+    assert trainable and all("lora_" in n for n in trainable)
+    # every projection named in the recipe got an adapter, the head none
+    targets = {n.split(".")[-4] for n in trainable}
+    assert targets == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    optimizer = cli.model.configure_optimizers()["optimizer"]
+    stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    assert stepped == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+def test_cli_lora_needs_peft(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_skrull.cli import TINY_QWEN2_5, SkrullCausalLM
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
+    with pytest.raises(ImportError, match=r"peft is not installed: pip install peft"):
+        SkrullCausalLM(model=TINY_QWEN2_5, lora={"r": 4})
+    with pytest.raises(ValueError, match="task_type"):
+        monkeypatch.delitem(sys.modules, "peft")
+        SkrullCausalLM(model=TINY_QWEN2_5, lora={"r": 4, "task_type": "SEQ_CLS"})
+
+
+def test_importing_the_package_does_not_import_peft() -> None:
+    code = "import sys, lightning_skrull, lightning_skrull.cli; assert 'peft' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ})
