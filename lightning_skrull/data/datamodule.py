@@ -189,12 +189,38 @@ class SkrullDataLoader(DataLoader):
             return self._handed_out[1]
         return None
 
+    def _num_tokens(self) -> int:
+        """Tokens of all the samples this loader draws from (after any truncation)."""
+        stream: GlobalBatchStream = self.dataset  # type: ignore[assignment]
+        return sum(stream.dataset.lengths)
+
     def state_dict(self) -> dict[str, Any]:
-        """The sampler's state with the number of global batches trained in this epoch."""
-        return self.global_batch_sampler.state_dict(batches_consumed=self._batches_trained())
+        """The sampler's state with the number of global batches trained in this epoch, and
+        the samples' total token count (``num_tokens``)."""
+        state = self.global_batch_sampler.state_dict(batches_consumed=self._batches_trained())
+        state["num_tokens"] = self._num_tokens()
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Continue from a saved position (checked against this run's data and batch size)."""
+        """Continue from a saved position (checked against this run's data and batch size).
+
+        The state holds no rank or layout: a run resumed on another number of processes or
+        another ``cp_size`` continues with the same global batches.
+
+        Raises:
+            ValueError: the sampler's settings differ (see
+                :meth:`GlobalBatchSampler.load_state_dict`), or the samples hold another total
+                of tokens than in the saved run (other data, or ``truncate=True`` under another
+                ``cp_size * bucket_size``).
+        """
+        saved = state.get("num_tokens")  # absent from checkpoints of earlier versions
+        if saved is not None and int(saved) != self._num_tokens():
+            raise ValueError(
+                f"Cannot resume: the saved run's training samples held {int(saved)} tokens in "
+                f"all, this run's hold {self._num_tokens()}, so the remaining global batches "
+                "would hold other tokens. Resume with the same data; with truncate=True, also "
+                "with the same cp_size * bucket_size (the length samples are cut to)."
+            )
         self.global_batch_sampler.load_state_dict(state)
 
 

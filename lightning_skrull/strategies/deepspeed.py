@@ -27,6 +27,7 @@ CUDA index). DeepSpeed's shared-memory all-reduce op, which it JIT-compiles at s
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
@@ -41,6 +42,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -63,8 +65,25 @@ SHM_OP_NAME = "deepspeed_shm_comm"
 """DeepSpeed's shared-memory communication op (CPU inference all-reduce), skipped on CPU."""
 
 
+ZERO_PARTITION_FILE = re.compile(r"(?:bf16_)?zero_pp_rank_(\d+)_mp_rank_\d+_optim_states\.pt")
+"""A ZeRO optimizer partition in a DeepSpeed checkpoint's tag folder (one per process)."""
+
 _MISSING = object()
 """Marks an optimizer that had no ``zero_grad`` of its own before it was held."""
+
+
+def saved_zero_partitions(checkpoint_dir: str | Path) -> int | None:
+    """Optimizer partitions in a DeepSpeed checkpoint directory, i.e. the processes of the run
+    that wrote it (``None``: no ``latest`` tag or no partition file to count)."""
+    directory = Path(checkpoint_dir)
+    latest = directory / "latest"
+    if not latest.is_file():
+        return None
+    folder = directory / latest.read_text().strip()
+    if not folder.is_dir():
+        return None
+    ranks = {m.group(1) for f in folder.iterdir() if (m := ZERO_PARTITION_FILE.fullmatch(f.name))}
+    return len(ranks) or None
 
 
 def _keep_gradients(*args: Any, **kwargs: Any) -> None:
@@ -138,7 +157,9 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             ``reduce_bucket_size``, ``offload_optimizer``, ...). ``stage`` is fixed to 2.
 
     Raises:
-        ValueError: a bad Skrull option, ``stage`` other than 2, or a config with ZeRO-3.
+        ValueError: a bad Skrull option, ``stage`` other than 2, or a config with ZeRO-3; when
+            fitting from ``ckpt_path``, a checkpoint written by another number of processes
+            (its optimizer partitions cannot be split anew; ``cp_size`` may change).
     """
 
     strategy_name = "skrull_zero2"
@@ -302,6 +323,39 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             dist_init_required=False,
         )
         self.model = engine
+
+    # ------------------------------------------------------------------ checkpoints
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._refuse_other_partition_count(checkpoint_path)
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
+    def _refuse_other_partition_count(self, checkpoint_path: Any) -> None:
+        """Refuse to resume training from optimizer partitions of another process count.
+
+        ZeRO-2 splits the optimizer state over every process (DP x CP ranks), and DeepSpeed
+        reads partition ``i`` back on process ``i`` only; it cannot split it anew.
+        """
+        engine = self.deepspeed_engine
+        if engine is None or engine.load_universal_checkpoint():
+            return
+        saved = saved_zero_partitions(checkpoint_path)
+        current = int(engine.seq_dp_world_size)
+        if saved is None or saved == current:
+            return
+        layout = self.parallel_layout
+        raise ValueError(
+            f"Cannot resume {type(self).__name__} from {checkpoint_path}: its optimizer state is "
+            f"split into {saved} ZeRO-2 partitions, one per process of the run that wrote it "
+            "(ZeRO-2 partitions over every process, DP x CP ranks), but this run has "
+            f"{current} processes (DP={layout.dp_size} x CP={layout.cp_size}), and DeepSpeed "
+            "does not split a ZeRO-2 optimizer state anew. Resume on "
+            f"{saved} processes (any cp_size that divides {saved}: the partitions follow the "
+            "process count, not the DP size). Runs that must change their process count train "
+            "with SkrullStrategy or SkrullFSDPStrategy, whose checkpoints resume on any layout."
+        )
 
     # ------------------------------------------------------------------ micro-batches
     def _set_boundary(self, is_boundary: bool) -> None:
