@@ -12,6 +12,11 @@ trainable (LoRA) parameters, on the same global batches (dataset order):
   go unnoticed) under ``SkrullStrategy``;
 - a saved model read on rank 0 only (``from_pretrained_on_rank_zero``) and wrapped by
   ``get_peft_model`` on every rank, ranks 1-3 on the meta device, under ``SkrullFSDPStrategy``.
+- a bf16 base model with float32 adapters (``get_peft_model``'s default
+  ``autocast_adapter_dtype=True``), as a checkpoint loaded with ``torch_dtype=torch.bfloat16``
+  is, under ``bf16-mixed`` on each of the three strategies: the 16-bit rule against single-process
+  autocast training of the same model, the dtypes each strategy keeps, and FSDP's shards of the
+  frozen base in bf16.
 
 The reference is independent of the package: the same ``PeftModel`` on one process with eager
 attention, one sequence at a time, summed token cross-entropy divided by the global batch's
@@ -71,9 +76,22 @@ GRAD_RTOL = 1e-5
 # bf16-mixed (autocast) PEFT training, plus FLOOR. Measured over the LoRA parameters: the
 # DDP bf16-mixed run 7.5e-3, the single-process autocast reference 8.1e-3, bound 1.7e-2; an
 # update 5% off the float32 one would be at 5.0e-2.
+# The bf16-base cases (bf16 base, float32 adapters) against the same model trained on one
+# process: under bf16-mixed DDP and FSDP 8.5e-3 (the same number), ZeRO-2's float32 master copy
+# 8.8e-3, the autocast reference 8.2e-3, bound 1.7e-2; FSDP under 32-true 8.0e-3 against
+# 6.5e-3 for one process without autocast, bound 1.4e-2. ZeRO-2's bf16 adapters in the model
+# are at 1.3e-1 (the bf16 rounding of the reference's float32 adapters at 1.6e-1), so its
+# master copy is what is compared.
 RATIO = 2.0
 FLOOR = 1e-3
-CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero")
+BF16_BASE = {
+    "bf16_base_ddp": ("ddp", "bf16-mixed"),
+    "bf16_base_zero2": ("zero2", "bf16-mixed"),
+    "bf16_base_fsdp": ("fsdp", "bf16-mixed"),
+    "bf16_base_fsdp_32": ("fsdp", "32-true"),
+}
+"""The cases that train the bf16-base LoRA model: ``(strategy, precision)``."""
+CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero", *BF16_BASE)
 
 
 def init_lora(model: torch.nn.Module) -> None:
@@ -89,7 +107,8 @@ def init_lora(model: torch.nn.Module) -> None:
 
 
 def lora_model(base: torch.nn.Module | None = None, **overrides: Any) -> Any:
-    """``get_peft_model`` of :func:`tiny_qwen2` (or ``base``) with :data:`LORA`."""
+    """``get_peft_model`` of :func:`tiny_qwen2` (or ``base``) with :data:`LORA`; the adapters
+    are float32 whatever the base's dtype (peft's ``autocast_adapter_dtype=True``)."""
     model = peft.get_peft_model(
         base if base is not None else tiny_qwen2(), peft.LoraConfig(**{**LORA, **overrides})
     )
@@ -111,6 +130,40 @@ def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
 
 def trainable_names(model: torch.nn.Module) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
+
+
+def dtypes(model: torch.nn.Module) -> dict[str, str]:
+    return {n: str(p.dtype) for n, p in model.named_parameters()}
+
+
+def local_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the parameters this rank holds (its shards of DTensors), frozen and trainable."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"frozen": 0, "trainable": 0}
+    for p in model.parameters():
+        local = p.to_local() if isinstance(p, DTensor) else p
+        out["trainable" if p.requires_grad else "frozen"] += local.numel() * local.element_size()
+    return out
+
+
+def zero2_master(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """ZeRO-2's float32 master copy of each trainable parameter, gathered from the partitions
+    (a collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            master = safe_get_full_fp32_param(p)
+            assert master is not None and master.dtype == torch.float32, name
+            out[name] = master.double().numpy().copy()
+    return out
+
+
+def stepped_dtypes(optimizer: Any) -> list[str]:
+    """The dtypes of the tensors the optimizer steps (ZeRO-2's: its float32 partitions)."""
+    return sorted({str(p.dtype) for group in optimizer.param_groups for p in group["params"]})
 
 
 class LoraLM(L.LightningModule):
@@ -227,6 +280,28 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     _, recorder = _fit("fsdp", module)
     out["rank_zero"] = _result(module, recorder)
     out["rank_zero"]["held"] = held
+
+    for case, (name, precision) in BF16_BASE.items():
+        module = LoraLM(lora_model(tiny_qwen2().to(torch.bfloat16)))
+        loaded = dtypes(module.model)
+        trainer, recorder = _fit(name, module, precision=precision)
+        out[case] = _result(module, recorder)
+        out[case]["loaded"] = loaded
+        out[case]["dtypes"] = dtypes(module.model)
+        out[case]["bytes"] = local_bytes(module.model)
+        out[case]["stepped"] = stepped_dtypes(trainer.optimizers[0])
+        if name == "zero2":
+            out[case]["master"] = zero2_master(module.model)
+
+    # a frozen base loaded in bf16 on ranks 0-1 and in float32 on ranks 2-3
+    from lightning_skrull.strategies.fsdp import check_frozen_dtypes_agree
+
+    model = lora_model(tiny_qwen2().to(torch.bfloat16 if rank < 2 else torch.float32))
+    try:
+        check_frozen_dtypes_agree(model, torch.device("cpu"))
+        out["mixed_dtypes"] = None
+    except ValueError as err:
+        out["mixed_dtypes"] = str(err)
     return out
 
 
@@ -257,16 +332,18 @@ def _loss(model: torch.nn.Module, samples: list[dict[str, list[int]]]) -> float:
 
 @functools.cache
 def reference(
-    kind: str = "float32", modules_to_save: bool = False
+    kind: str = "float32", modules_to_save: bool = False, bf16_base: bool = False
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(parameters before, after, first step's gradients of the trainable ones)`` of
     single-process PEFT training; ``kind`` ``"autocast"`` runs the forward under
-    ``torch.autocast("cpu", bfloat16)`` (Lightning's bf16-mixed)."""
+    ``torch.autocast("cpu", bfloat16)`` (Lightning's bf16-mixed); ``bf16_base`` casts the base
+    model to bf16 before ``get_peft_model`` (float32 adapters)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs (tiny ops; see test_precision_matrix)
     try:
         extra = {"modules_to_save": ["lm_head"]} if modules_to_save else {}
-        model = lora_model(tiny_qwen2(attn_implementation="eager"), **extra)
+        base = tiny_qwen2(attn_implementation="eager")
+        model = lora_model(base.to(torch.bfloat16) if bf16_base else base, **extra)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=LR)
         before = full_params(model)
@@ -316,7 +393,7 @@ def test_dp_ranks_ran_different_micro_batch_counts(runs: list[dict[str, Any]], c
     # the plan gives the two DP ranks different micro-batch counts (ZeRO-2 then pads the
     # fewer with empty ones; DDP and FSDP over the CP group run them as planned)
     assert by_dp[0] != by_dp[1], by_dp
-    if case != "zero2":
+    if not case.endswith("zero2"):
         ran = {
             out[case]["steps"][0]["dp_rank"]: [s["run"] for s in out[case]["steps"]] for out in runs
         }
@@ -374,6 +451,89 @@ def test_bf16_mixed_as_close_to_float32_as_single_process_peft(
         assert _max_diff(got["before"], before, list(before)) == 0.0
         distance = _distance(_update(got["before"], got["after"], trainable), delta_fp32)
         assert distance <= RATIO * ref_distance + FLOOR, (distance, ref_distance)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", BF16_BASE)
+def test_bf16_base_lora_as_close_to_float32_as_single_process_peft(
+    runs: list[dict[str, Any]], case: str
+) -> None:
+    name, precision = BF16_BASE[case]
+    fp32_before, fp32_after, _ = reference()
+    # the same bf16-base model on one process: under autocast for bf16-mixed, without for
+    # 32-true (the bf16 base layers then run in bf16, the adapters in float32)
+    kind = "autocast" if precision == "bf16-mixed" else "float32"
+    before, ref_after, _ = reference(kind, bf16_base=True)
+    trainable = sorted(runs[0][case]["trainable"])
+    assert trainable == sorted(k for k in before if "lora_" in k)
+    frozen = [k for k in before if k not in trainable]
+    delta_fp32 = _update(fp32_before, fp32_after, trainable)
+    ref_distance = _distance(_update(before, ref_after, trainable), delta_fp32)
+    assert ref_distance > FLOOR  # the reference's own bf16 rounding shows: the bound is not vacuous
+    for out in runs:
+        got = out[case]
+        # as loaded: the base in bf16, the adapters in float32
+        assert {got["loaded"][k] for k in frozen} == {"torch.bfloat16"}
+        assert {got["loaded"][k] for k in trainable} == {"torch.float32"}
+        # the same start: the bf16 base exactly, the adapters exactly (ZeRO-2: their bf16 cast,
+        # from which DeepSpeed makes its float32 master copy)
+        assert _max_diff(got["before"], before, frozen) == 0.0
+        start = {k: _bf16(before[k]) if name == "zero2" else before[k] for k in trainable}
+        assert _max_diff(got["before"], start, trainable) == 0.0
+        # what training holds: the float32 adapters (ZeRO-2: its float32 master copy, of which
+        # the model's bf16 adapters are the rounding)
+        trained = got["after"]
+        if name == "zero2":
+            trained = got["master"]
+            assert (
+                _max_diff(got["after"], {k: _bf16(v) for k, v in trained.items()}, trainable) == 0
+            )
+        distance = _distance(_update(got["before"], trained, trainable), delta_fp32)
+        assert distance <= RATIO * ref_distance + FLOOR, (distance, ref_distance)
+        # the frozen base: unchanged, and still bf16
+        assert _max_diff(got["after"], before, frozen) == 0.0
+        assert {got["dtypes"][k] for k in frozen} == {"torch.bfloat16"}
+        # the adapters: float32 (ZeRO-2: DeepSpeed's bf16 copy of its float32 master
+        # partitions); the optimizer steps float32 under every strategy
+        adapter = "torch.bfloat16" if name == "zero2" else "torch.float32"
+        assert {got["dtypes"][k] for k in trainable} == {adapter}
+        assert got["stepped"] == ["torch.float32"]
+
+
+def _bf16(values: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(values).to(torch.bfloat16).double().numpy()
+
+
+@pytest.mark.multiprocess
+def test_fsdp_shards_the_frozen_bf16_base_in_bf16(runs: list[dict[str, Any]]) -> None:
+    before, _, _ = reference("autocast", bf16_base=True)
+    frozen = [k for k in before if "lora_" not in k]
+    trainable = [k for k in before if "lora_" in k]
+    base_bf16 = sum(before[k].size for k in frozen) * 2
+    adapters_fp32 = sum(before[k].size for k in trainable) * 4
+    for out in runs:
+        for case in ("bf16_base_fsdp", "bf16_base_fsdp_32"):
+            held = out[case]["bytes"]
+            # each rank holds 1/cp_size of the base in bf16 (not 2x that in float32) and of
+            # the float32 adapters
+            assert held["frozen"] == base_bf16 // 2, (case, held, base_bf16)
+            assert held["trainable"] == adapters_fp32 // 2, (case, held, adapters_fp32)
+        # DDP and ZeRO-2 hold the whole base, in bf16
+        assert out["bf16_base_ddp"]["bytes"]["frozen"] == base_bf16
+        assert out["bf16_base_zero2"]["bytes"]["frozen"] == base_bf16
+
+
+@pytest.mark.multiprocess
+def test_fsdp_refuses_frozen_dtypes_that_differ_between_ranks(
+    runs: list[dict[str, Any]],
+) -> None:
+    for rank, out in enumerate(runs):
+        message = out["mixed_dtypes"]
+        assert message is not None, rank
+        assert "frozen parameters in the dtype they were loaded in" in message
+        here = "'bfloat16'" if rank < 2 else "'float32'"
+        assert f"frozen elements per dtype on this rank: {{{here}" in message, message
+        assert "Load the model with the same dtype on every rank" in message
 
 
 @pytest.mark.multiprocess
@@ -487,6 +647,23 @@ def test_cli_lora_recipe_trains_only_the_adapters() -> None:
     optimizer = cli.model.configure_optimizers()["optimizer"]
     stepped = {id(p) for group in optimizer.param_groups for p in group["params"]}
     assert stepped == {id(p) for p in model.parameters() if p.requires_grad}
+
+
+def test_cli_bf16_lora_keeps_a_bf16_base_and_float32_adapters(tmp_path: Path) -> None:
+    from lightning_skrull.cli import SkrullCausalLM
+
+    tiny_qwen2().save_pretrained(tmp_path)  # a float32 checkpoint, loaded in bf16
+    module = SkrullCausalLM(model=str(tmp_path), torch_dtype="bfloat16", lora=LORA)
+    model = module.model
+    assert isinstance(model, peft.PeftModel)
+    frozen = {str(p.dtype) for p in model.parameters() if not p.requires_grad}
+    trainable = {str(p.dtype) for p in model.parameters() if p.requires_grad}
+    assert frozen == {"torch.bfloat16"}
+    assert trainable == {"torch.float32"}
+    # the base holds the checkpoint's weights rounded to bf16
+    saved = tiny_qwen2().model.layers[0].self_attn.q_proj.weight
+    base = model.base_model.model.model.layers[0].self_attn.q_proj.base_layer.weight
+    assert torch.equal(base, saved.to(torch.bfloat16))
 
 
 def test_cli_lora_needs_peft(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -74,6 +75,9 @@ FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 
 MESH_AXES = {"cp": ("dp", "cp"), "world": ("world",)}
 """Names of the device-mesh axes per ``shard``."""
+
+FLOAT_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+"""Floating-point parameter dtypes whose frozen elements ranks compare before sharding."""
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
@@ -124,11 +128,48 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
     return norm
 
 
-def _cast_unsharded_parameters(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast ``module``'s floating-point parameters that are not sharded yet to ``dtype``."""
+def _cast_unsharded_trainable_parameters(module: nn.Module, dtype: torch.dtype) -> None:
+    """Cast ``module``'s trainable floating-point parameters that are not sharded yet to
+    ``dtype``; frozen ones keep the dtype they were loaded in."""
     for p in module.parameters():
-        if not isinstance(p, DTensor) and p.is_floating_point() and p.dtype != dtype:
+        if (
+            not isinstance(p, DTensor)
+            and p.requires_grad
+            and p.is_floating_point()
+            and p.dtype != dtype
+        ):
             p.data = p.data.to(dtype)
+
+
+def check_frozen_dtypes_agree(model: nn.Module, device: torch.device) -> None:
+    """Refuse a model whose frozen parameters have other dtypes on some rank (a collective).
+
+    Frozen parameters are sharded in the dtype they were loaded in, so FSDP2 all-gathers the
+    ranks' shards as they are: a rank holding a frozen weight in float32 while the others hold
+    it in bf16 would gather shards of different sizes. The frozen elements of each floating
+    dtype are counted and the counts compared across ranks (one all-reduce of a few numbers).
+
+    Raises:
+        ValueError: the counts differ; the message gives this rank's.
+    """
+    counts = torch.zeros(len(FLOAT_DTYPES), dtype=torch.int64, device=device)
+    for p in model.parameters():
+        if not p.requires_grad and p.dtype in FLOAT_DTYPES:
+            counts[FLOAT_DTYPES.index(p.dtype)] += p.numel()
+    low, high = counts.clone(), counts.clone()
+    dist.all_reduce(low, op=dist.ReduceOp.MIN)
+    dist.all_reduce(high, op=dist.ReduceOp.MAX)
+    if torch.equal(low, high):
+        return
+    here = {str(d).removeprefix("torch."): int(n) for d, n in zip(FLOAT_DTYPES, counts) if n}
+    raise ValueError(
+        "SkrullFSDPStrategy shards frozen parameters in the dtype they were loaded in, and the "
+        "ranks hold them in different dtypes (frozen elements per dtype on this rank: "
+        f"{here}), so their shards cannot be gathered. Load the model with the same dtype on "
+        "every rank (from_pretrained(..., dtype=torch.bfloat16) everywhere, or "
+        "lightning_skrull.models.from_pretrained_on_rank_zero, which builds the other ranks' "
+        "meta model in the checkpoint's dtype)."
+    )
 
 
 class FSDPPrecision(Precision):
@@ -140,12 +181,18 @@ class FSDPPrecision(Precision):
       float32; each all-gather casts to bf16, forward and backward run in bf16 (no autocast),
       gradients are reduced in float32.
 
-    Under both, parameters loaded in another dtype (``from_pretrained(...,
-    torch_dtype=torch.bfloat16)``) are cast to float32 one FSDP unit at a time as it is sharded,
-    so a rank never holds more than the loaded model and one float32 layer; the float32 shards
-    are the master weights.
     - ``"bf16-true"``: the module is cast to bf16 before it is sharded; parameters, gradients,
       reductions and the optimizer step are bf16.
+
+    Under ``"32-true"`` and ``"bf16-mixed"``, trainable parameters loaded in another dtype
+    (``from_pretrained(..., torch_dtype=torch.bfloat16)``) are cast to float32 one FSDP unit at
+    a time as it is sharded, so a rank never holds more than the loaded model and one float32
+    layer; the float32 shards are the master weights. Frozen parameters (``requires_grad=False``
+    at setup: a LoRA model's base) keep the dtype they were loaded in: a bf16 base stays bf16
+    shards, which ``param_dtype=bfloat16`` gathers without a cast (FSDP2 needs one dtype among
+    the *trainable* parameters of a unit only). Under ``"32-true"`` such a model then runs as it
+    does on one process: the bf16 base layers in bf16, the float32 adapters in float32 (peft
+    casts their input and output).
 
     Gradient clipping by norm works on the DTensor gradients (:func:`clip_grad_norm_`).
     """
@@ -411,15 +458,16 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         assert isinstance(precision, FSDPPrecision)
         policy = precision.mixed_precision_policy
         mesh: DeviceMesh = self.device_mesh
+        check_frozen_dtypes_agree(hf_model, self.root_device)
         for layer in decoder_layers(hf_model):
-            _cast_unsharded_parameters(layer, precision.master_dtype)
+            _cast_unsharded_trainable_parameters(layer, precision.master_dtype)
             fully_shard(
                 layer,
                 mesh=mesh,
                 mp_policy=policy,
                 reshard_after_forward=self._reshard_after_forward,
             )
-        _cast_unsharded_parameters(hf_model, precision.master_dtype)
+        _cast_unsharded_trainable_parameters(hf_model, precision.master_dtype)
         fully_shard(hf_model, mesh=mesh, mp_policy=policy)
         self._sharded_model = hf_model
 
