@@ -456,16 +456,21 @@ def reference_training(
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}, losses
 
 
-def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[int]]]) -> float:
-    """Mean token loss of ``samples`` under ``params``, one process."""
-    model = reference_model()
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+def mean_token_loss(model: nn.Module, samples: list[dict[str, list[int]]]) -> float:
+    """Mean token loss of ``samples`` under ``model``, one sequence at a time."""
     total, tokens = 0.0, 0
     with torch.no_grad():
         for sample in samples:
             loss, n = token_loss_sum(model, sample)
             total, tokens = total + float(loss), tokens + n
     return total / tokens
+
+
+def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[int]]]) -> float:
+    """Mean token loss of ``samples`` under ``params``, one process."""
+    model = reference_model()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+    return mean_token_loss(model, samples)
 
 
 MIN_SLOWDOWN = 1.2

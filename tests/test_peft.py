@@ -46,6 +46,7 @@ from helpers import (
     built_cli,
     cpu_trainer,
     make_data,
+    mean_token_loss,
     tiny_qwen2,
     token_loss_sum,
 )
@@ -315,21 +316,11 @@ def runs() -> list[dict[str, Any]]:
         results[0]["adapter_config"] = json.loads((adapter / "adapter_config.json").read_text())
         loaded = peft.PeftModel.from_pretrained(tiny_qwen2(attn_implementation="eager"), adapter)
         results[0]["loaded"] = full_params(loaded)
-        results[0]["loaded_loss"] = _loss(loaded, make_data(11, seed=1))
+        results[0]["loaded_loss"] = mean_token_loss(loaded, make_data(11, seed=1))
     return results
 
 
 # ----------------------------------------------------------------------------- reference
-def _loss(model: torch.nn.Module, samples: list[dict[str, list[int]]]) -> float:
-    """Mean token loss of ``samples`` under ``model``, one sequence at a time."""
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for sample in samples:
-            loss, n = token_loss_sum(model, sample)
-            total, tokens = total + float(loss), tokens + n
-    return total / tokens
-
-
 @functools.cache
 def reference(
     kind: str = "float32", modules_to_save: bool = False, bf16_base: bool = False
@@ -552,7 +543,9 @@ def test_fsdp_save_pretrained_writes_a_peft_adapter(runs: list[dict[str, Any]]) 
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(torch.from_numpy(trained[name]))
-    assert out["loaded_loss"] == pytest.approx(_loss(model, make_data(11, seed=1)), abs=1e-6)
+    assert out["loaded_loss"] == pytest.approx(
+        mean_token_loss(model, make_data(11, seed=1)), abs=1e-6
+    )
 
 
 @pytest.mark.multiprocess
