@@ -277,8 +277,9 @@ def reference_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits [T, V] in float32, shifted target [T])`` of one sample through a plain HF model,
     one sequence alone (the independent reference of the parity tests)."""
-    ids = torch.tensor(sample["input_ids"])[None]
-    labels = torch.tensor(sample["labels"])
+    device = next(model.parameters()).device
+    ids = torch.tensor(sample["input_ids"], device=device)[None]
+    labels = torch.tensor(sample["labels"], device=device)
     target = torch.full_like(labels, -100)
     target[:-1] = labels[1:]
     return model(ids).logits[0].float(), target

@@ -91,7 +91,7 @@ def _cell_id(value: str) -> str:
 
 def _params(model: torch.nn.Module) -> dict[str, np.ndarray]:
     """Every parameter as float64 (exact for bf16 and float32 values)."""
-    return {k: v.detach().double().numpy().copy() for k, v in model.named_parameters()}
+    return {k: v.detach().double().cpu().numpy() for k, v in model.named_parameters()}
 
 
 # ----------------------------------------------------------------------------- 4 ranks
@@ -301,23 +301,28 @@ def reference_training(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.n
 
 
 @functools.cache
-def reference_run(kind: str, steps: int, skipped: frozenset[int] = frozenset()) -> ReferenceRun:
-    """The reference of ``kind`` over ``steps`` global batches; in the steps ``skipped`` the
-    loss gets an infinite gradient under ``"fp16_autocast"`` (the scaler then skips the step
-    and lowers the scale), and no update under the other kinds (the same skip, by hand)."""
+def reference_run(
+    kind: str, steps: int, skipped: frozenset[int] = frozenset(), device: str = "cpu"
+) -> ReferenceRun:
+    """The reference of ``kind`` over ``steps`` global batches on ``device``; in the steps
+    ``skipped`` the loss gets an infinite gradient under ``"fp16_autocast"`` (the scaler then
+    skips the step and lowers the scale), and no update under the other kinds (the same skip,
+    by hand)."""
     threads = torch.get_num_threads()
     # one thread, as each spawned rank runs: these tiny ops gain nothing from two, and on a
     # busy machine the second thread's waits made the references 10x slower
     torch.set_num_threads(1)
     try:
-        return _train_reference(kind, steps, skipped)
+        return _train_reference(kind, steps, skipped, device)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train_reference(kind: str, steps: int, skipped: frozenset[int]) -> ReferenceRun:
+def _train_reference(
+    kind: str, steps: int, skipped: frozenset[int], device: str = "cpu"
+) -> ReferenceRun:
     data = make_data(GLOBAL_BATCH * steps)
-    model = reference_model()
+    model = reference_model().to(device)
     if kind in ("bf16", "bf16_fp32_master"):
         model.to(torch.bfloat16)
     elif kind == "bf16_params_fp32_master":
@@ -326,12 +331,12 @@ def _train_reference(kind: str, steps: int, skipped: frozenset[int]) -> Referenc
     params = list(model.parameters())
     master = [p.detach().float().clone() for p in params] if "master" in kind else None
     optimizer = torch.optim.SGD(master if master is not None else params, lr=LR)
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, enabled=kind == "fp16_autocast")
+    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE, enabled=kind == "fp16_autocast")
     autocast_dtype = {"autocast": torch.bfloat16, "fp16_autocast": torch.float16}.get(kind)
     run = ReferenceRun(_params(model), [], [])
     for step in range(steps):
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=autocast_dtype, enabled=autocast_dtype is not None):
+        total, tokens = torch.zeros((), device=device), 0
+        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
             for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
                 loss, n = token_loss_sum(model, sample)
                 total, tokens = total + loss, tokens + n
@@ -521,3 +526,48 @@ def test_16_mixed_overflow_skips_the_step_on_every_rank_and_lowers_the_scale_onc
         )
         cell = update(runs[0]["before"], runs[0]["params"][step])
         assert relative_distance(cell, delta_fp32) <= RATIO * ref_distance + FP16_FLOOR
+
+
+# ----------------------------------------------------------------------------- CUDA
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_mixed_precision_flags_on_cuda(world_of_one: None, precision: str) -> None:
+    """The Trainer's own precision flag on a GPU (Lightning turns ``"16-mixed"`` into bf16 only
+    on CPU): one process, the default attention backend (flash where PyTorch's varlen kernel
+    runs), against the same plain-HF references on CUDA by the 16-bit rule of the CPU cells."""
+    import lightning.pytorch as L
+
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    recorder = Recorder()
+    trainer = L.Trainer(
+        strategy=SkrullStrategy(bucket_size=2 * BUCKET),
+        accelerator="gpu",
+        devices=1,
+        precision=precision,
+        max_steps=STEPS,
+        callbacks=[recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+    )
+    module = PlainLM()
+    data = SkrullDataModule(
+        train_data=make_data(NUM_SAMPLES), global_batch_size=GLOBAL_BATCH, shuffle=False
+    )
+    trainer.fit(module, data)
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if precision == "16-mixed":
+        assert isinstance(scaler, torch.amp.GradScaler) and scaler.get_scale() == INIT_SCALE
+    kind = {"16-mixed": "fp16_autocast", "bf16-mixed": "autocast"}[precision]
+    fp32 = reference_run("float32", STEPS, device="cuda")
+    reference = reference_run(kind, STEPS, device="cuda")
+    assert max_diff(recorder.before, fp32.before) == 0.0
+    delta_fp32 = update(fp32.before, fp32.after)
+    ref_distance = relative_distance(update(reference.before, reference.after), delta_fp32)
+    cell_distance = relative_distance(update(recorder.before, _params(module.model)), delta_fp32)
+    floor = FP16_FLOOR if precision == "16-mixed" else FLOOR
+    assert 0.0 < cell_distance <= RATIO * ref_distance + floor
