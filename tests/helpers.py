@@ -205,8 +205,8 @@ Pass as ``tiny_model(arch, rope_parameters=rope_parameters("yarn"))``."""
 ROPE_SENSITIVE: dict[str, Any] = {"initializer_range": 0.2}
 """Config overrides that make a tiny model's loss depend on the rotary frequencies: at the default
 initializer_range 0.02 the attention is nearly uniform and linear scaling moves the loss of
-:data:`ROPE_SCALINGS`' test batches by 2e-5 (yarn by 4e-7); at 0.2 every scaling moves it by
-1e-2 to 1e-1."""
+:data:`ROPE_SCALINGS`' test batches by 2e-5 (yarn by 4e-7); at 0.2 the scalings move it by
+2.8e-3 to 1.2e-1 (``test_rope_scaling.py``, ``test_engine.py``)."""
 
 
 def rope_parameters(kind: str, **overrides: Any) -> dict[str, Any]:
