@@ -175,6 +175,45 @@ def tiny_model(arch: str = "qwen2", *, seed: int = 0, **overrides: Any) -> nn.Mo
     return AutoModelForCausalLM.from_config(tiny_config(arch, **overrides)).float()
 
 
+ROPE_SCALINGS: dict[str, dict[str, Any]] = {
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "yarn": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "original_max_position_embeddings": 16,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+    },
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0, 1.5, 2.0, 3.0],
+        "long_factor": [2.0, 4.0, 8.0, 16.0],
+        "original_max_position_embeddings": 32,
+    },
+}
+"""RoPE scalings of :data:`TINY_QWEN2`'s head dim 8 (four frequencies, ``rope_theta`` 1e4) that
+change the frequencies for sequences of up to 69 tokens: linear divides all four by 4; YaRN
+(pretrained on 32 positions, 256 / 32 = its factor 8) interpolates the three slowest and scales
+cos / sin by 1.21; Llama-3 (pretrained on 16) divides the three whose wavelength exceeds 16 and
+smooths the fastest. ``"dynamic"`` (NTK beyond ``max_position_embeddings``) and ``"longrope"``
+(short factors up to 32 positions, long beyond) depend on the batch's largest position.
+Pass as ``tiny_model(arch, rope_parameters=rope_parameters("yarn"))``."""
+
+
+ROPE_SENSITIVE: dict[str, Any] = {"initializer_range": 0.2}
+"""Config overrides that make a tiny model's loss depend on the rotary frequencies: at the default
+initializer_range 0.02 the attention is nearly uniform and linear scaling moves the loss of
+:data:`ROPE_SCALINGS`' test batches by 2e-5 (yarn by 4e-7); at 0.2 the scalings move it by
+2.8e-3 to 1.2e-1 (``test_rope_scaling.py``, ``test_engine.py``)."""
+
+
+def rope_parameters(kind: str, **overrides: Any) -> dict[str, Any]:
+    """A fresh copy of :data:`ROPE_SCALINGS`' ``kind`` (``rope_theta`` 1e4), with ``overrides``."""
+    return {**ROPE_SCALINGS[kind], "rope_theta": 10_000.0, **overrides}
+
+
 # ----------------------------------------------------------------------------- data
 def make_data(n: int = 24, seed: int = 0, *, longest: int = 69) -> list[dict[str, list[int]]]:
     """``n`` samples of 3..``longest`` tokens; a random prompt prefix of each (up to half of it)

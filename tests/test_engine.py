@@ -5,8 +5,10 @@ DP=2 x CP=2 on a hand-made plan that mixes a distributed sequence longer than th
 sequences of 1 and 2 tokens, masked prompts, a fully masked sample and DP ranks with 3 and 1
 micro-batches (padded to 3); four SGD steps through ``train_step`` (in the last, DP rank 1
 gets no sequence); a global batch without supervised token; the four supported architectures
-at CP=2; and CP=3 (DP=1) on ranks 0-2 with empty CP ranks and distributed sequences shorter
-than ``2 * cp_size``.
+at CP=2; scaled RoPE at CP=2 (linear, YaRN and Llama-3 on Qwen2 and Llama with sequences past
+their pretraining length, longrope and dynamic NTK within their threshold; about 2 s); and
+CP=3 (DP=1) on ranks 0-2 with empty CP ranks and distributed sequences shorter than
+``2 * cp_size``.
 
 Tolerances: float32 everywhere, atol 1e-5 on losses, gradients and parameters. The Skrull path
 computes the same sums in another order (packed local sequences, attention over gathered K/V,
@@ -26,11 +28,13 @@ import torch
 import torch.distributed as dist
 from helpers import (
     ARCHITECTURES,
+    ROPE_SENSITIVE,
     make_samples,
     max_grad_diff,
     max_param_diff,
     reference_loss_and_grads,
     reference_sgd_step,
+    rope_parameters,
     tiny_model,
 )
 
@@ -52,6 +56,7 @@ from lightning_skrull.runtime.process_groups import (
 from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
 D = DISTRIBUTED
+STATIC_ROPES = ("linear", "yarn", "llama3")
 ATOL = 1e-5
 LR = 0.5
 
@@ -105,17 +110,38 @@ CP3_PLAN_GROUPED = dataclasses.replace(
 )
 
 
+# RoPE scaling at CP=2 (plan_global_batch keeps some sequences local and shards the others):
+# the static types with sequences of up to 69 tokens, past their pretraining lengths (16, 32);
+# longrope and dynamic NTK with sequences no longer than their threshold (32), as promised to
+# prepare_model with max_sequence_length.
+ROPE_LONG = [69, 5, 33, 2, 17, 9, 41, 3]
+ROPE_SHORT = [32, 5, 30, 2, 17, 9, 25, 3]
+ROPE_CASES: list[tuple[str, str, list[int], int, dict[str, int]]] = [
+    *[(arch, kind, ROPE_LONG, 40, {}) for arch in ("qwen2", "llama") for kind in STATIC_ROPES],
+    ("qwen2", "longrope", ROPE_SHORT, 20, {}),
+    ("llama", "dynamic", ROPE_SHORT, 20, {"max_position_embeddings": 32}),
+]
+
+
 def _hand_samples(lengths: list[int], seed: int) -> list[dict[str, list[int]]]:
     # prompts masked on samples 0 and 3, sample 5 fully masked
     return make_samples(lengths, seed=seed, prompt={0: 8, 3: 2}, fully_masked=(5,))
 
 
 def _grad_case(
-    arch: str, samples: list[dict[str, list[int]]], plan: GlobalBatchPlan, layout: ParallelLayout
+    arch: str,
+    samples: list[dict[str, list[int]]],
+    plan: GlobalBatchPlan,
+    layout: ParallelLayout,
+    *,
+    max_sequence_length: int | None = None,
+    **overrides: Any,
 ) -> dict[str, Any]:
     """Skrull loss/gradients of one global batch vs the single-process reference."""
-    ref = tiny_model(arch, seed=11)
-    model = prepare_model(copy.deepcopy(ref), backend="sdpa")
+    ref = tiny_model(arch, seed=11, **overrides)
+    model = prepare_model(
+        copy.deepcopy(ref), backend="sdpa", max_sequence_length=max_sequence_length
+    )
     ref_loss, ref_grads = reference_loss_and_grads(ref, samples)
     most = max(plan.num_micro_batches(d) for d in range(plan.dp_size))
     batch = collate_rank(
@@ -139,6 +165,7 @@ def _grad_case(
         "micro_batches": len(batch),
         "planned": batch.num_planned_micro_batches,
         "distributed": sum(len(mb.distributed_ids) for r in plan.micro_batches for mb in r),
+        "local": sum(p != D for r in plan.micro_batches for mb in r for p in mb.placement),
     }
 
 
@@ -212,6 +239,22 @@ def _engine_worker(rank: int, world_size: int) -> dict[str, Any]:
     arch_plan = plan_global_batch([17, 2, 5, 1, 9, 4], dp_size=2, cp_size=2, bucket_size=10)
     for arch in ARCHITECTURES:
         out[f"arch_{arch}"] = _grad_case(arch, arch_samples, arch_plan, layout)
+    for arch, kind, lengths, bucket, config in ROPE_CASES:
+        rope_samples = make_samples(lengths, seed=51, prompt={0: 6, 2: 3})
+        rope_plan = plan_global_batch(lengths, dp_size=2, cp_size=2, bucket_size=bucket)
+        case = _grad_case(
+            arch,
+            rope_samples,
+            rope_plan,
+            layout,
+            max_sequence_length=max(lengths),
+            rope_parameters=rope_parameters(kind),
+            **config,
+            **ROPE_SENSITIVE,
+        )
+        unscaled = tiny_model(arch, seed=11, **config, **ROPE_SENSITIVE)
+        case["unscaled_loss"] = reference_loss_and_grads(unscaled, rope_samples)[0]
+        out[f"rope_{arch}_{kind}"] = case
 
     # CP=3, DP=1 on ranks 0-2 (new_group is collective: every rank creates it).
     cp3_group = dist.new_group([0, 1, 2])
@@ -307,6 +350,30 @@ def test_each_architecture_gradients_equal_single_process_at_cp2(
         case = res[f"arch_{arch}"]
         assert case["distributed"] > 0
         _assert_grad_case(case)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("arch", "kind"),
+    [(arch, kind) for arch, kind, *_ in ROPE_CASES],
+    ids=[f"{arch}-{kind}" for arch, kind, *_ in ROPE_CASES],
+)
+def test_rope_scaling_loss_and_gradients_equal_single_process_at_cp2(
+    engine_results: list[dict[str, Any]], arch: str, kind: str
+) -> None:
+    # Sequences kept local and sharded; the static types at lengths past their pretraining
+    # length, longrope and dynamic NTK within their threshold. Same tolerance as the other
+    # cases (measured <= 5e-7); the scaling moves the reference loss by 2.8e-3 (Llama, linear)
+    # to 9e-2, so a path that ignored it would fail (dynamic NTK within its threshold keeps the
+    # base frequencies: the unscaled loss, bit for bit).
+    for res in engine_results:
+        case = res[f"rope_{arch}_{kind}"]
+        assert case["distributed"] > 0 and case["local"] > 0
+        _assert_grad_case(case)
+        if kind == "dynamic":
+            assert case["ref_loss"] == case["unscaled_loss"]
+        else:
+            assert abs(case["ref_loss"] - case["unscaled_loss"]) > 1e-3
 
 
 @pytest.mark.multiprocess

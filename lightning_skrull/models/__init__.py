@@ -22,10 +22,14 @@ from lightning_skrull.models.patching import (
     is_prepared,
     prepare_model,
     sequence_length_limit,
+    sequence_length_rule,
 )
+from lightning_skrull.models.rope import BATCH_DEPENDENT_ROPE_TYPES, STATIC_ROPE_TYPES
 
 __all__ = [
     "ATTENTION_NAME",
+    "BATCH_DEPENDENT_ROPE_TYPES",
+    "STATIC_ROPE_TYPES",
     "SUPPORTED_ARCHITECTURES",
     "apply_lora",
     "attention_window",
@@ -39,6 +43,7 @@ __all__ = [
     "loads_weights_here",
     "prepare_model",
     "sequence_length_limit",
+    "sequence_length_rule",
     "use_chunked_loss",
     "use_dense_loss",
     "uses_chunked_loss",

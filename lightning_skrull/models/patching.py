@@ -10,7 +10,9 @@ one whose result under Skrull equals its result on one process:
 - a decoder-only causal LM of an allow-listed architecture (:data:`SUPPORTED_ARCHITECTURES`);
 - every decoder layer's attention applies RoPE (from ``position_ids``) and then calls the
   function registered with the ``AttentionInterface``;
-- causal, without attention dropout, and without an active sliding window.
+- causal, without attention dropout, and without an active sliding window;
+- a RoPE whose frequencies depend on the config only, or on the batch only beyond a length no
+  sequence reaches (:mod:`lightning_skrull.models.rope`).
 
 Anything else raises ``ValueError`` naming the model class and every reason at once.
 """
@@ -35,6 +37,7 @@ from lightning_skrull.models.chunked_loss import (
     use_chunked_loss,
     use_dense_loss,
 )
+from lightning_skrull.models.rope import rope_length_limit, rope_problems
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -81,10 +84,42 @@ def sequence_length_limit(model: nn.Module) -> int | None:
     """Longest sequence the prepared model runs exactly under Skrull (``None``: no limit).
 
     The Skrull attention is full causal attention; a model with a sliding window ``W`` gives the
-    same result only for sequences of at most ``W`` tokens. The engine checks every global batch
-    against this limit.
+    same result only for sequences of at most ``W`` tokens. A ``"dynamic"`` or ``"longrope"``
+    RoPE keeps the frequencies one process uses only up to its threshold length
+    (:func:`~lightning_skrull.models.rope.rope_length_limit`). The engine checks every global
+    batch against the smaller limit.
     """
-    return attention_window(model)
+    rule = sequence_length_rule(model)
+    return None if rule is None else rule[0]
+
+
+def sequence_length_rule(model: nn.Module) -> tuple[int, str] | None:
+    """``(limit, what sets it)`` of :func:`sequence_length_limit`, or ``None`` without a limit.
+
+    ``what sets it`` completes "more than ...": the sliding window, or the RoPE threshold.
+    """
+    name = type(model).__name__
+    rules: list[tuple[int, str]] = []
+    window = attention_window(model)
+    if window is not None:
+        rules.append(
+            (
+                window,
+                f"the {window}-token sliding attention window of {name}; the Skrull attention is "
+                "full causal attention and would differ from the model's",
+            )
+        )
+    rope = rope_length_limit(model)
+    if rope is not None:
+        rope_type, limit = rope
+        rules.append(
+            (
+                limit,
+                f"the {limit} tokens up to which the {rope_type!r} RoPE of {name} keeps its "
+                "frequencies; beyond, they would depend on the other sequences of the rank",
+            )
+        )
+    return min(rules, key=lambda rule: rule[0]) if rules else None
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -133,7 +168,8 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
     Args:
         model: a Hugging Face ``PreTrainedModel``.
         max_sequence_length: longest sequence you will train on; only needed to accept a model
-            with a sliding window (it must not exceed the window).
+            with a sliding window (it must not exceed the window) or a ``"dynamic"`` /
+            ``"longrope"`` RoPE (it must not exceed the rope's threshold length).
 
     Raises:
         TypeError: ``model`` is not a transformers ``PreTrainedModel``.
@@ -189,6 +225,7 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
             "attention if the checkpoint was trained so, or promise sequences no longer than "
             f"the window with prepare_model(..., max_sequence_length<={window}))"
         )
+    reasons.extend(rope_problems(model, max_sequence_length))
     if reasons:
         raise ValueError(
             f"{name} cannot be trained with Skrull context parallelism: " + "; ".join(reasons) + "."
@@ -218,7 +255,7 @@ def prepare_model(
         backend: attention kernel the engine will use: ``"auto"``, ``"sdpa"`` or ``"flash"``
             (checked here so a missing flash-attn fails before training starts).
         max_sequence_length: longest sequence you will train on; needed only for a model with a
-            sliding window (see :func:`check_model`).
+            sliding window or a ``"dynamic"`` / ``"longrope"`` RoPE (see :func:`check_model`).
         chunked_loss: route the forward with ``labels`` through the chunked LM head and
             cross-entropy (:func:`~lightning_skrull.models.chunked_loss.use_chunked_loss`): the
             ``[tokens, vocab]`` logits are never held, and ``logits`` comes back ``None``.

@@ -28,7 +28,7 @@ from torch.distributed import ProcessGroup
 from lightning_skrull.attention.context import SkrullAttentionContext, attention_context
 from lightning_skrull.data.collate import MicroBatch, RankBatch, collate_rank, sample_length
 from lightning_skrull.data.dataset import IGNORE_INDEX
-from lightning_skrull.models.patching import is_prepared, sequence_length_limit
+from lightning_skrull.models.patching import is_prepared, sequence_length_rule
 from lightning_skrull.runtime.process_groups import ParallelLayout
 from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, Policy, plan_global_batch
 
@@ -226,20 +226,20 @@ def check_token_ids(
 
 
 def check_sequence_lengths(model: nn.Module, lengths: Sequence[int]) -> None:
-    """Refuse sequences that the model's sliding window would treat differently.
+    """Refuse sequences that the model's sliding window or batch-dependent RoPE would treat
+    differently (:func:`~lightning_skrull.models.patching.sequence_length_rule`).
 
     Raises:
-        ValueError: a sequence is longer than the model's attention window.
+        ValueError: a sequence is longer than the model runs exactly under Skrull.
     """
-    limit = sequence_length_limit(model)
-    if limit is None:
+    rule = sequence_length_rule(model)
+    if rule is None:
         return
+    limit, why = rule
     for index, length in enumerate(lengths):
         if length > limit:
             raise ValueError(
-                f"sequence {index} has {length} tokens, more than the {limit}-token sliding "
-                f"attention window of {type(model).__name__}; the Skrull attention is full causal "
-                "attention and would differ from the model's. Truncate it or drop it."
+                f"sequence {index} has {length} tokens, more than {why}. Truncate it or drop it."
             )
 
 
