@@ -306,6 +306,14 @@ def test_named_sets_keep_the_mapping_order() -> None:
     assert dm.val_datasets["long"].lengths == [len(s["input_ids"]) for s in long]
     assert dm.val_datasets["short"].lengths == [len(s["input_ids"]) for s in short]
     assert list(dm.test_datasets) == ["only"] and dm.test_dataset is None
+    # a datasets.DatasetDict is a mapping of sets too
+    from datasets import Dataset, DatasetDict
+
+    splits = DatasetDict({"b": Dataset.from_list(short), "a": Dataset.from_list(long)})
+    from_dict = SkrullDataModule(val_data=splits)
+    from_dict.setup("validate")
+    assert list(from_dict.val_datasets) == ["b", "a"]
+    assert from_dict.val_datasets["a"].lengths == [len(s["input_ids"]) for s in long]
     # one unnamed set: as before
     single = SkrullDataModule(val_data=long)
     single.setup("validate")

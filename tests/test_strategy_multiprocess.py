@@ -53,7 +53,7 @@ VAL_BATCH = 6
 SHORT = make_data(12, seed=4, longest=40)
 LONG = make_data(8, seed=102, longest=80)
 # The per-set losses must differ by far more than the 1e-5 tolerance for the test to tell the
-# sets apart (measured: 2.5e-2 relative under the trained weights).
+# sets apart (measured: 6.1e-3 relative under the trained weights: 4.1636 and 4.1888).
 SETS_APART = 1e-3
 
 
