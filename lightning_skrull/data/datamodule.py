@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -351,12 +351,12 @@ def _is_sized(value: Any) -> bool:
     return hasattr(value, "__len__") and not isinstance(value, (str, bytes, os.PathLike))
 
 
-def _in_set(label: str, err: Exception) -> Exception:
-    """``err`` with ``label`` (e.g. ``val_data['long']``) in front of its message, when its
-    type allows it; otherwise ``err`` itself."""
-    if type(err) in (ValueError, TypeError):
-        return type(err)(f"{label}: {err}")
-    return err
+def _raise_in_set(label: str, err: Exception) -> NoReturn:
+    """Raise ``err`` again with ``label`` (e.g. ``val_data['long']``) in front of its message
+    when it is a plain ``ValueError`` or ``TypeError`` (other types keep their message)."""
+    if type(err) not in (ValueError, TypeError):
+        raise err
+    raise type(err)(f"{label}: {err}") from err
 
 
 class SkrullDataModule(pl.LightningDataModule):
@@ -556,7 +556,7 @@ class SkrullDataModule(pl.LightningDataModule):
             try:
                 loaded[name] = self._load(data)
             except (ValueError, TypeError) as err:
-                raise _in_set(f"{argument}[{name!r}]", err) from err
+                _raise_in_set(f"{argument}[{name!r}]", err)
         return loaded
 
     def _check_monitors(self) -> None:
@@ -683,7 +683,7 @@ class SkrullDataModule(pl.LightningDataModule):
             if name is None:
                 raise
             argument = "val_data" if hook == "val_dataloader" else "test_data"
-            raise _in_set(f"{argument}[{name!r}]", err) from err
+            _raise_in_set(f"{argument}[{name!r}]", err)
         planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
         schedule = None
         if hook == "train_dataloader":
