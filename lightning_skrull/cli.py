@@ -153,6 +153,10 @@ class SkrullCausalLM(pl.LightningModule):
             )
         self.model: torch.nn.Module = hf_model if lora is None else apply_lora(hf_model, lora)
         self.val_perplexity = TokenPerplexity()
+        # one per validation loader when there are several (built when validation starts)
+        self.val_perplexities = torch.nn.ModuleList()
+        self._val_loaders = 1
+        self._val_ppl_names: tuple[str, ...] = ()
 
     @staticmethod
     def _build_model(
@@ -180,12 +184,42 @@ class SkrullCausalLM(pl.LightningModule):
         """The model's loss on this micro-batch (the strategy sums the rank's share)."""
         return self.model(**batch).loss
 
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """The loss, and token-level perplexity through torchmetrics."""
+    def on_validation_start(self) -> None:
+        """One perplexity metric per validation loader, named like the strategy's loss:
+        ``val_ppl/<name>`` for the named sets of ``SkrullDataModule(val_data={name: ...})``,
+        ``val_ppl`` for one unnamed set (Lightning adds ``/dataloader_idx_N`` to it for
+        several unnamed loaders)."""
+        trainer = self.trainer
+        count = len(trainer.num_val_batches)
+        datamodule = getattr(trainer, "datamodule", None)
+        names = tuple(getattr(datamodule, "val_set_names", ()))
+        self._val_loaders = count
+        self._val_ppl_names = names if len(names) == count else ()
+        if count > 1 and len(self.val_perplexities) != count:
+            metrics = [TokenPerplexity() for _ in range(count)]
+            self.val_perplexities = torch.nn.ModuleList(metrics).to(self.device)
+
+    def validation_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> torch.Tensor:
+        """The loss, and token-level perplexity through torchmetrics (one per validation set)."""
         loss = self.model(**batch).loss
         tokens = (batch["shift_labels"] != IGNORE_INDEX).sum()
-        self.val_perplexity.update(loss, batch["num_items_in_batch"], tokens)
-        self.log("val_ppl", self.val_perplexity, on_step=False, on_epoch=True, prog_bar=True)
+        several = self._val_loaders > 1
+        metric = self.val_perplexity
+        if several:
+            metric = cast("TokenPerplexity", self.val_perplexities[dataloader_idx])
+        metric.update(loss, batch["num_items_in_batch"], tokens)
+        named = bool(self._val_ppl_names)
+        self.log(
+            f"val_ppl/{self._val_ppl_names[dataloader_idx]}" if named else "val_ppl",
+            metric,
+            on_step=False,
+            on_epoch=True,
+            prog_bar=True,
+            add_dataloader_idx=not named,
+            metric_attribute=f"val_perplexities.{dataloader_idx}" if several else "val_perplexity",
+        )
         return loss
 
     def configure_optimizers(self) -> Any:

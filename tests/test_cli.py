@@ -3,6 +3,7 @@ perplexity metric equals a one-process computation, and a short fit runs end to 
 
 from __future__ import annotations
 
+import inspect
 import math
 from pathlib import Path
 from typing import Any
@@ -177,3 +178,16 @@ def test_a_calibrated_cost_model_pins_in_yaml(tmp_path: Path) -> None:
     cli = built_cli("--config", str(path))
     assert cli.trainer.strategy.skrull_config.cost_model == calibrated
     assert cli.trainer.strategy.skrull_config.calibration == "off"
+
+
+def test_named_validation_sets_from_a_recipe(tmp_path: Path) -> None:
+    import yaml
+
+    sets = {"short": "bundled:mixed_tiny", "long": "bundled:mixed_tiny"}
+    path = tmp_path / "sets.yaml"
+    data = {"val_data": sets, "val_split": 0}
+    path.write_text(yaml.safe_dump({"data": data}, sort_keys=False))  # in the order written
+    cli = built_cli("--config", str(path))
+    # the recipe's order is the loaders' order; the module names its perplexities after them
+    assert cli.datamodule.val_set_names == ("short", "long")
+    assert "dataloader_idx" in inspect.signature(cli.model.validation_step).parameters

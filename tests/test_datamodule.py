@@ -21,6 +21,7 @@ from helpers import (
     make_data,
     make_tokenizer,
     max_diff,
+    reference_loss,
     reference_training,
 )
 from lightning.fabric.utilities.data import _set_sampler_epoch
@@ -293,3 +294,109 @@ def test_fit_finds_the_model_the_strategy_names_among_several(world_of_one: None
     # the teacher is neither trained nor switched to the Skrull attention
     assert all(torch.equal(v, teacher[k]) for k, v in module.teacher.state_dict().items())
     assert module.teacher.config._attn_implementation != "skrull"
+
+
+# ----------------------------------------------------------------------------- named sets
+def test_named_sets_keep_the_mapping_order() -> None:
+    long, short = make_samples(5, seed=1), make_samples(7, seed=2)
+    dm = SkrullDataModule(val_data={"long": long, "short": short}, test_data={"only": short})
+    assert dm.val_set_names == ("long", "short") and dm.test_set_names == ("only",)
+    dm.setup("validate")
+    assert list(dm.val_datasets) == ["long", "short"] and dm.val_dataset is None
+    assert dm.val_datasets["long"].lengths == [len(s["input_ids"]) for s in long]
+    assert dm.val_datasets["short"].lengths == [len(s["input_ids"]) for s in short]
+    assert list(dm.test_datasets) == ["only"] and dm.test_dataset is None
+    # a datasets.DatasetDict is a mapping of sets too
+    from datasets import Dataset, DatasetDict
+
+    splits = DatasetDict({"b": Dataset.from_list(short), "a": Dataset.from_list(long)})
+    from_dict = SkrullDataModule(val_data=splits)
+    from_dict.setup("validate")
+    assert list(from_dict.val_datasets) == ["b", "a"]
+    assert from_dict.val_datasets["a"].lengths == [len(s["input_ids"]) for s in long]
+    # one unnamed set: as before
+    single = SkrullDataModule(val_data=long)
+    single.setup("validate")
+    assert single.val_set_names == () and single.val_datasets == {}
+    assert single.val_dataset is not None and len(single.val_dataset) == 5
+
+
+@pytest.mark.parametrize("argument", ["val_data", "test_data"])
+def test_bad_named_sets_are_refused(argument: str) -> None:
+    samples = make_samples(3)
+    cases: list[tuple[object, type[Exception], str]] = [
+        ({}, ValueError, rf"{argument}=\{{\}} names no set"),
+        ({0: samples}, TypeError, rf"{argument} names its sets with strings.*key 0 \(int\)"),
+        ({" ": samples}, ValueError, rf"{argument} has a blank set name ' '"),
+        ({"a": samples, "b": []}, ValueError, rf"{argument}\['b'\] is an empty list; every set"),
+        ({"a": None}, ValueError, rf"{argument}\['a'\] is None; every set needs"),
+        (
+            samples[0],
+            ValueError,
+            rf"{argument} is one sample dict \(keys \['input_ids', 'labels'\]\)",
+        ),
+    ]
+    for value, error, message in cases:
+        with pytest.raises(error, match=message):
+            SkrullDataModule(**{argument: value})
+
+
+def test_a_bad_sample_in_a_named_set_names_the_set() -> None:
+    dm = SkrullDataModule(val_data={"short": make_samples(3), "long": [{"input_ids": []}]})
+    with pytest.raises(ValueError, match=r"val_data\['long'\]: sample 0 has empty input_ids"):
+        dm.setup("validate")
+
+
+def test_monitoring_val_loss_with_named_sets_is_refused_at_setup() -> None:
+    from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+
+    sets = {"short": make_samples(3), "long": make_samples(4, seed=1)}
+    for callback in (ModelCheckpoint(monitor="val_loss"), EarlyStopping(monitor="val_loss")):
+        dm = SkrullDataModule(train_data=make_samples(), val_data=sets)
+        dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[callback])
+        kind = type(callback).__name__
+        message = (
+            rf"{kind}\(monitor='val_loss'\) cannot work with named validation sets: the strategy "
+            rf"logs val_loss/short, val_loss/long .* e\.g\. {kind}\(monitor='val_loss/short'\)"
+        )
+        with pytest.raises(ValueError, match=message):
+            dm.setup("fit")
+    # a set's own key, or one unnamed set, is fine
+    for val_data, monitor in ((sets, "val_loss/long"), (sets["short"], "val_loss")):
+        dm = SkrullDataModule(train_data=make_samples(), val_data=val_data)
+        callbacks = [ModelCheckpoint(monitor=monitor)]
+        dm.trainer = L.Trainer(accelerator="cpu", devices=1, logger=False, callbacks=callbacks)
+        dm.setup("fit")
+
+
+def _truncated(samples: list[dict[str, list[int]]], n: int) -> list[dict[str, list[int]]]:
+    return [{k: v[:n] for k, v in s.items()} for s in samples]
+
+
+def test_named_sets_are_checked_against_the_layout_and_need_dataloader_idx(
+    world_of_one: None,
+) -> None:
+    from lightning_skrull.cli import SkrullCausalLM
+
+    short = make_data(5, seed=1, longest=30)
+    long = make_samples(4, seed=3)  # 2..89 tokens, two of them over 40
+    assert max(len(s["input_ids"]) for s in long) > 40
+    sets = {"short": short, "long": long}
+    strategy = SkrullStrategy(bucket_size=40)  # one process: sequences of up to 40 tokens
+    # an over-long sample is refused, naming its set and the sample
+    module = SkrullCausalLM(model={"model_type": "qwen2", **TINY_QWEN2})
+    with pytest.raises(ValueError, match=r"val_data\['long'\]: sample \d+ has \d+ tokens"):
+        cpu_trainer(strategy).validate(module, SkrullDataModule(val_data=sets))
+    # truncate=True cuts it to 40 tokens, and each set's loss is that of its (cut) samples
+    data = SkrullDataModule(val_data=sets, truncate=True, val_global_batch_size=3)
+    results = cpu_trainer(SkrullStrategy(bucket_size=40)).validate(module, data)
+    params = {k: v.detach().numpy() for k, v in module.model.state_dict().items()}
+    # float32 sums in another order (packed micro-batches): 1e-5 relative
+    assert results[0]["val_loss/short"] == pytest.approx(reference_loss(params, short), rel=1e-5)
+    expected = reference_loss(params, _truncated(long, 40))
+    assert results[1]["val_loss/long"] == pytest.approx(expected, rel=1e-5)
+    # a validation_step without dataloader_idx: Lightning refuses several loaders
+    with pytest.raises(RuntimeError, match=r"multiple `val_dataloader`, but no `dataloader_idx`"):
+        cpu_trainer(SkrullStrategy(bucket_size=40)).validate(
+            PlainLM(), SkrullDataModule(val_data=sets, truncate=True)
+        )

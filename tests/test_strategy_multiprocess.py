@@ -3,8 +3,9 @@
 Two spawns (each process start costs seconds, so every case of a world size runs in one):
 
 - 4 processes, DP=2 x CP=2: DDP and ZeRO-2 parity with single-process training, exact
-  validation loss and perplexity, bf16-mixed, and resume mid-epoch and at an epoch boundary
-  (final parameters equal an uninterrupted run; every sample trained exactly once per epoch).
+  validation loss and perplexity (of one set, and of named short and long sets, validation
+  and test), bf16-mixed, and resume mid-epoch and at an epoch boundary (final parameters equal
+  an uninterrupted run; every sample trained exactly once per epoch).
 - 3 processes, CP=3: DDP and ZeRO-2 parity with gradient clipping.
 
 The reference is independent of the package: a plain Hugging Face model with eager attention,
@@ -36,12 +37,71 @@ from helpers import (
     reference_training,
 )
 
+from lightning_skrull.cli import SkrullCausalLM
 from lightning_skrull.runtime.launch import spawn
 
 CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the update
 # bf16 autocast rounds every matmul to 8 mantissa bits; the loss of a 64-token vocabulary
 # (about 4.2) is then off by up to a few 1e-2 from float32.
 BF16_LOSS_ATOL = 5e-2
+
+
+# Two validation sets whose global batches of VAL_BATCH give the DP ranks different micro-batch
+# counts in some step of each (asserted below): short samples of 3..40 tokens, and samples of up
+# to 80 tokens (cp_size * BUCKET, the longest a sequence may be).
+VAL_BATCH = 6
+SHORT = make_data(12, seed=4, longest=40)
+LONG = make_data(8, seed=102, longest=80)
+# The per-set losses must differ by far more than the 1e-5 tolerance for the test to tell the
+# sets apart (measured: 6.1e-3 relative under the trained weights: 4.1636 and 4.1888).
+SETS_APART = 1e-3
+
+
+class SetRecordingLM(SkrullCausalLM):
+    """The CLI's module, recording the ``dataloader_idx`` of every step call and, per batch,
+    what the loader gave this rank."""
+
+    def __init__(self) -> None:
+        super().__init__(model={"model_type": "qwen2", **TINY_QWEN2})
+        self.calls: list[int] = []
+        self.batches: list[dict[str, Any]] = []
+
+    def validation_step(
+        self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0
+    ) -> Any:
+        self.calls.append(dataloader_idx)
+        return super().validation_step(batch, batch_idx, dataloader_idx)
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int, dataloader_idx: int = 0) -> Any:
+        self.calls.append(dataloader_idx)
+        return self.model(**batch).loss
+
+    def _record(self, stage: str, batch: Any, dataloader_idx: int) -> None:
+        rb = batch.rank_batch
+        self.batches.append(
+            {
+                "stage": stage,
+                "dataloader_idx": dataloader_idx,
+                "name": batch.dataset_name,
+                "cp_rank": rb.cp_rank,
+                "samples": [i for mb in rb.micro_batches for i in mb.sample_indices],
+                "calls": self.calls,  # this batch's step calls: one per micro-batch
+                "run": len(rb.micro_batches),
+                "max": batch.stats.max_micro_batches,
+                "min": batch.stats.min_micro_batches,
+            }
+        )
+        self.calls = []
+
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._record("validation", batch, dataloader_idx)
+
+    def on_test_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        self._record("test", batch, dataloader_idx)
 
 
 def _params(module: L.LightningModule) -> dict[str, np.ndarray]:
@@ -83,6 +143,19 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     )
     metrics = cpu_trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET)).validate(evaluator, val)[0]
     out["val_loss"], out["val_ppl"] = metrics["val_loss"], metrics["val_ppl"]
+
+    # named short and long sets: one loader each, validation in mapping order, test reversed
+    recorder = SetRecordingLM()
+    recorder.model.load_state_dict(model.model.state_dict())
+    sets = SkrullDataModule(
+        val_data={"short": SHORT, "long": LONG},
+        test_data={"long": LONG, "short": SHORT},
+        val_global_batch_size=VAL_BATCH,
+    )
+    trainer = cpu_trainer(SkrullStrategy(cp_size=2, bucket_size=BUCKET))
+    out["sets_val"] = trainer.validate(recorder, sets)
+    out["sets_test"] = trainer.test(recorder, sets)
+    out["sets_batches"] = recorder.batches
 
     # ZeRO-2 parity (every DP rank padded to the same micro-batch count)
     model, _, recorder = _fit(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), 3)
@@ -209,6 +282,63 @@ def test_validation_loss_and_perplexity_equal_single_process(
         assert out["val_loss"] == pytest.approx(expected, rel=1e-5)
         assert out["val_ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
         assert out["zero2_val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_named_validation_sets_log_each_sets_exact_loss(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    short = reference_loss(four_ranks[0]["ddp"], SHORT)
+    long = reference_loss(four_ranks[0]["ddp"], LONG)
+    assert abs(short - long) > SETS_APART * short  # the sets are told apart
+    for out in four_ranks:
+        # one result per loader, in the mapping's order; no plain val_loss
+        val, test = out["sets_val"], out["sets_test"]
+        assert [sorted(r) for r in val] == [
+            ["val_loss/short", "val_ppl/short"],
+            ["val_loss/long", "val_ppl/long"],
+        ]
+        assert [sorted(r) for r in test] == [["test_loss/long"], ["test_loss/short"]]
+        # float32 sums in another order (packed, sharded, per rank): 1e-5 relative
+        for name, expected in (("short", short), ("long", long)):
+            i = 0 if name == "short" else 1
+            assert val[i][f"val_loss/{name}"] == pytest.approx(expected, rel=1e-5)
+            assert val[i][f"val_ppl/{name}"] == pytest.approx(math.exp(expected), rel=1e-5)
+            assert test[1 - i][f"test_loss/{name}"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_named_sets_reach_the_module_with_their_dataloader_idx(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    order = {"validation": ["short", "long"], "test": ["long", "short"]}
+    sizes = {"short": len(SHORT), "long": len(LONG)}
+    for stage, names in order.items():
+        for out in four_ranks:
+            batches = [b for b in out["sets_batches"] if b["stage"] == stage]
+            # every batch carries its set's name and index, and so does every step call
+            assert [b["name"] for b in batches] == sorted(
+                (b["name"] for b in batches), key=names.index
+            )
+            for b in batches:
+                assert b["name"] == names[b["dataloader_idx"]]
+                assert b["calls"] == [b["dataloader_idx"]] * b["run"]
+        for name in names:
+            seen = [
+                i
+                for out in four_ranks
+                for b in out["sets_batches"]
+                if b["stage"] == stage and b["name"] == name and b["cp_rank"] == 0
+                for i in b["samples"]
+            ]
+            assert sorted(seen) == list(range(sizes[name]))  # every sample once
+            steps = [
+                b
+                for b in four_ranks[0]["sets_batches"]
+                if b["stage"] == stage and b["name"] == name
+            ]
+            # planned like training steps: the DP ranks run different micro-batch counts
+            assert any(b["max"] != b["min"] for b in steps)
 
 
 @pytest.mark.multiprocess

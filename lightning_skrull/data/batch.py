@@ -142,6 +142,11 @@ def plan_stats(
     )
 
 
+LOSS_KEYS = {"train": "train_loss", "validation": "val_loss", "test": "test_loss"}
+"""Names under which the Skrull strategies log the exact loss of each stage; a batch of a
+named validation or test set (:attr:`SkrullBatch.dataset_name`) logs ``<key>/<name>``."""
+
+
 class SkrullBatch:
     """What the Skrull loader yields per optimizer step on one rank.
 
@@ -157,9 +162,20 @@ class SkrullBatch:
         index: the global batch's index inside its epoch.
         lengths: the global batch's sequence lengths (what the plan was made from).
         planned_with: the cost model the plan was made with.
+        dataset_name: the name of the validation or test set the batch is from
+            (``SkrullDataModule(val_data={name: ...})``); ``None`` for training batches and
+            for a single, unnamed set.
     """
 
-    __slots__ = ("epoch", "index", "lengths", "planned_with", "rank_batch", "stats")
+    __slots__ = (
+        "dataset_name",
+        "epoch",
+        "index",
+        "lengths",
+        "planned_with",
+        "rank_batch",
+        "stats",
+    )
 
     def __init__(
         self,
@@ -170,6 +186,7 @@ class SkrullBatch:
         *,
         lengths: Sequence[int] = (),
         planned_with: CostModel | None = None,
+        dataset_name: str | None = None,
     ) -> None:
         self.rank_batch = rank_batch
         self.stats = stats
@@ -177,6 +194,7 @@ class SkrullBatch:
         self.index = index
         self.lengths = tuple(lengths)
         self.planned_with = planned_with
+        self.dataset_name = dataset_name
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> SkrullBatch:
         """A copy with every tensor on ``device`` (Lightning calls it to move the batch)."""
@@ -188,6 +206,7 @@ class SkrullBatch:
             self.index,
             lengths=self.lengths,
             planned_with=self.planned_with,
+            dataset_name=self.dataset_name,
         )
 
     def __repr__(self) -> str:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import lightning.pytorch as pl
 import numpy as np
@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_in
 
 from lightning_skrull.config import DataConfig
 from lightning_skrull.data.batch import (
+    LOSS_KEYS,
     CostModelSchedule,
     RankPlanner,
     SkrullBatch,
@@ -64,6 +65,8 @@ class GlobalBatchStream(IterableDataset):
         sampler: the global-batch sampler (position and epoch live there).
         planner: this rank's planner.
         schedule: which cost model plans which batch (``None``: always the planner's).
+        name: the name of a validation or test set, given to every batch as
+            :attr:`SkrullBatch.dataset_name` (``None``: an unnamed set, or training).
     """
 
     def __init__(
@@ -72,12 +75,14 @@ class GlobalBatchStream(IterableDataset):
         sampler: GlobalBatchSampler,
         planner: RankPlanner,
         schedule: CostModelSchedule | None = None,
+        name: str | None = None,
     ) -> None:
         super().__init__()
         self.dataset = dataset
         self.sampler = sampler
         self.planner = planner
         self.schedule = schedule
+        self.name = name
 
     def build(self, indices: Sequence[int], epoch: int, index: int) -> SkrullBatch:
         """This rank's batch of the global batch ``indices`` at position ``(epoch, index)``."""
@@ -85,7 +90,9 @@ class GlobalBatchStream(IterableDataset):
         if self.schedule is not None:
             planner = planner.with_cost_model(self.schedule.model_for(epoch, index))
         samples = [self.dataset.arrays(i) for i in indices]
-        return planner(samples, indices, epoch, index)
+        batch = planner(samples, indices, epoch, index)
+        batch.dataset_name = self.name
+        return batch
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -289,6 +296,69 @@ def _is_bundled(data: SFTData) -> bool:
     return isinstance(data, str) and data.startswith(BUNDLED_PREFIX)
 
 
+def named_sets(data: SFTData, argument: str) -> dict[str, SFTData] | None:
+    """The sets of ``data`` given as a mapping ``name -> data``, in the mapping's order.
+
+    Args:
+        data: ``val_data`` or ``test_data`` as given to :class:`SkrullDataModule`.
+        argument: its name, for the errors.
+
+    Returns:
+        ``None`` when ``data`` is not a mapping (one unnamed set, or none).
+
+    Raises:
+        ValueError: an empty mapping, a blank name, a set that is ``None`` or holds no
+            sample, or one sample dict where the sets were expected.
+        TypeError: a name that is not a string.
+    """
+    if not isinstance(data, Mapping):
+        return None
+    if "input_ids" in data or "messages" in data:
+        raise ValueError(
+            f"{argument} is one sample dict (keys {sorted(map(str, data))}); give a list of "
+            f"samples, or several sets as a mapping name -> data, e.g. {argument}="
+            "{'short': short_samples, 'long': long_samples}."
+        )
+    if not data:
+        raise ValueError(
+            f"{argument}={{}} names no set; give at least one name -> data, e.g. {argument}="
+            "{'short': short_samples, 'long': long_samples}, or None for no set."
+        )
+    sets: dict[str, SFTData] = {}
+    for name, value in data.items():
+        if not isinstance(name, str):
+            raise TypeError(
+                f"{argument} names its sets with strings (they become metric names such as "
+                f"val_loss/<name>); got the key {name!r} ({type(name).__name__}). Use e.g. "
+                f"{str(name)!r}."
+            )
+        if not name.strip():
+            raise ValueError(
+                f"{argument} has a blank set name {name!r}; the name becomes part of metric "
+                "names such as val_loss/<name>, so give each set a non-blank name."
+            )
+        if value is None or (_is_sized(value) and len(value) == 0):
+            what = "None" if value is None else f"an empty {type(value).__name__}"
+            raise ValueError(
+                f"{argument}[{name!r}] is {what}; every set needs at least one sample: give it "
+                "samples or leave the set out of the mapping."
+            )
+        sets[name] = value
+    return sets
+
+
+def _is_sized(value: Any) -> bool:
+    return hasattr(value, "__len__") and not isinstance(value, (str, bytes, os.PathLike))
+
+
+def _raise_in_set(label: str, err: Exception) -> NoReturn:
+    """Raise ``err`` again with ``label`` (e.g. ``val_data['long']``) in front of its message
+    when it is a plain ``ValueError`` or ``TypeError`` (other types keep their message)."""
+    if type(err) not in (ValueError, TypeError):
+        raise err
+    raise type(err)(f"{label}: {err}") from err
+
+
 class SkrullDataModule(pl.LightningDataModule):
     """SFT data as Skrull global batches: one optimizer step per global batch.
 
@@ -305,12 +375,18 @@ class SkrullDataModule(pl.LightningDataModule):
         shuffle: seeded shuffle per epoch (``False``: global batch ``k`` holds samples
             ``k*G .. k*G+G-1``; the planner reorders only inside it).
         seed: shuffle seed.
-        val_data: validation samples, any form ``train_data`` takes (``None``: no validation).
-        val_global_batch_size: sequences per validation step (default ``global_batch_size``).
+        val_data: validation samples, any form ``train_data`` takes (``None``: no validation);
+            or several validation sets as a mapping ``name -> data`` (e.g.
+            ``{"short": chat, "long": documents}``): one validation loader per set, in the
+            mapping's order (Lightning's ``dataloader_idx``), each set validated and batched
+            alone, and the strategy logs ``val_loss/<name>`` per set and no plain ``val_loss``.
+        val_global_batch_size: sequences per validation step (default ``global_batch_size``),
+            of every validation and test set alike.
         val_split: hold out this many training samples (seeded by ``seed``) for validation,
-            instead of ``val_data``.
+            instead of ``val_data`` (one set).
         test_data: samples for ``trainer.test``, any form ``train_data`` takes (batched like
-            validation).
+            validation); or several test sets as a mapping ``name -> data``, as ``val_data``
+            (logged as ``test_loss/<name>``).
         drop_last: drop the last partial global batch of each training epoch.
         num_workers: DataLoader workers per rank building batches ahead.
         tokenizer: HF tokenizer (or its name / path) for chat samples; its chat template is
@@ -327,7 +403,9 @@ class SkrullDataModule(pl.LightningDataModule):
             available, at most 8).
 
     Raises:
-        ValueError: a bad option (see :class:`~lightning_skrull.config.DataConfig`).
+        ValueError: a bad option (see :class:`~lightning_skrull.config.DataConfig`), or bad
+            sets in ``val_data`` / ``test_data`` (see :func:`named_sets`).
+        TypeError: a set name that is not a string.
     """
 
     def __init__(
@@ -367,6 +445,8 @@ class SkrullDataModule(pl.LightningDataModule):
         self.train_data = train_data
         self.val_data = val_data
         self.test_data = test_data
+        self._val_sets = named_sets(val_data, "val_data")
+        self._test_sets = named_sets(test_data, "test_data")
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.truncate = truncate
@@ -380,14 +460,34 @@ class SkrullDataModule(pl.LightningDataModule):
         self.train_dataset: SFTDataset | SampleView | None = None
         self.val_dataset: SFTDataset | SampleView | None = None
         self.test_dataset: SFTDataset | None = None
+        self.val_datasets: dict[str, SFTDataset] = {}
+        self.test_datasets: dict[str, SFTDataset] = {}
         self._bucket_size: int | None = None
+
+    @property
+    def val_set_names(self) -> tuple[str, ...]:
+        """The names of the validation sets of ``val_data={name: ...}``, in loader order
+        (empty for one unnamed set or none)."""
+        return tuple(self._val_sets or ())
+
+    @property
+    def test_set_names(self) -> tuple[str, ...]:
+        """The names of the test sets of ``test_data={name: ...}``, in loader order."""
+        return tuple(self._test_sets or ())
+
+    def _sources(self) -> list[SFTData]:
+        """Every data source given: training, then each validation and test set."""
+        sources = [self.train_data]
+        for data, sets in ((self.val_data, self._val_sets), (self.test_data, self._test_sets)):
+            sources.extend(sets.values() if sets is not None else [data])
+        return [d for d in sources if d is not None]
 
     # ------------------------------------------------------------------ Lightning hooks
     def prepare_data(self) -> None:
         """Tokenise data files once into the cache (Lightning runs this on one process per
         node, before ``setup`` on every process); a cache that is up to date is reused."""
-        for data in (self.train_data, self.val_data, self.test_data):
-            if data is not None and not _is_bundled(data) and is_cacheable(data):
+        for data in self._sources():
+            if not _is_bundled(data) and is_cacheable(data):
                 self._cached(data)
 
     def _tokenizer(self) -> Any:
@@ -437,10 +537,47 @@ class SkrullDataModule(pl.LightningDataModule):
                 )
             else:
                 self.train_dataset = dataset
-        if self.val_data is not None and self.val_dataset is None:
+        if self._val_sets is not None:
+            if not self.val_datasets:
+                self.val_datasets = self._load_sets(self._val_sets, "val_data")
+        elif self.val_data is not None and self.val_dataset is None:
             self.val_dataset = self._load(self.val_data)
-        if self.test_data is not None and self.test_dataset is None:
+        if self._test_sets is not None:
+            if not self.test_datasets:
+                self.test_datasets = self._load_sets(self._test_sets, "test_data")
+        elif self.test_data is not None and self.test_dataset is None:
             self.test_dataset = self._load(self.test_data)
+        if stage == "fit":
+            self._check_monitors()
+
+    def _load_sets(self, sets: dict[str, SFTData], argument: str) -> dict[str, SFTDataset]:
+        loaded = {}
+        for name, data in sets.items():
+            try:
+                loaded[name] = self._load(data)
+            except (ValueError, TypeError) as err:
+                _raise_in_set(f"{argument}[{name!r}]", err)
+        return loaded
+
+    def _check_monitors(self) -> None:
+        """Refuse a callback that monitors ``val_loss`` when the validation sets are named:
+        the strategy then logs ``val_loss/<name>`` per set and no ``val_loss``, and Lightning
+        would find the key missing only after the first validation."""
+        trainer = self.trainer
+        if self._val_sets is None or trainer is None:
+            return
+        loss = LOSS_KEYS["validation"]
+        keys = [f"{loss}/{name}" for name in self._val_sets]
+        for callback in trainer.callbacks:  # type: ignore[attr-defined]
+            if getattr(callback, "monitor", None) == loss:
+                kind = type(callback).__name__
+                raise ValueError(
+                    f"{kind}(monitor={loss!r}) cannot work with named validation sets: the "
+                    f"strategy logs {', '.join(keys)} (one per set of val_data) and no plain "
+                    f"{loss!r}. Monitor the set to decide on, e.g. {kind}(monitor={keys[0]!r}); "
+                    "to decide on a combination of the sets, log it yourself under another "
+                    "name (e.g. in on_validation_epoch_end) and monitor that."
+                )
 
     def train_dataloader(self) -> SkrullDataLoader:
         """This rank's loader of training global batches."""
@@ -455,23 +592,35 @@ class SkrullDataModule(pl.LightningDataModule):
         )
         return self._loader(self.train_dataset, sampler, "train_dataloader")
 
-    def val_dataloader(self) -> SkrullDataLoader | list[Any]:
-        """This rank's loader of validation global batches (dataset order, every sample once)."""
+    def val_dataloader(self) -> SkrullDataLoader | list[SkrullDataLoader]:
+        """This rank's loader of validation global batches (dataset order, every sample once);
+        with named sets, one loader per set in the order of ``val_data``."""
+        if self.val_datasets:
+            return [
+                self._eval_loader(dataset, "val_dataloader", name)
+                for name, dataset in self.val_datasets.items()
+            ]
         if self.val_dataset is None:
             return []
-        sampler = GlobalBatchSampler(
-            len(self.val_dataset), self.config.validation_batch_size, shuffle=False
-        )
-        return self._loader(self.val_dataset, sampler, "val_dataloader")
+        return self._eval_loader(self.val_dataset, "val_dataloader")
 
-    def test_dataloader(self) -> SkrullDataLoader | list[Any]:
-        """This rank's loader of test global batches (dataset order, every sample once)."""
+    def test_dataloader(self) -> SkrullDataLoader | list[SkrullDataLoader]:
+        """This rank's loader of test global batches (dataset order, every sample once); with
+        named sets, one loader per set in the order of ``test_data``."""
+        if self.test_datasets:
+            return [
+                self._eval_loader(dataset, "test_dataloader", name)
+                for name, dataset in self.test_datasets.items()
+            ]
         if self.test_dataset is None:
             return []
-        sampler = GlobalBatchSampler(
-            len(self.test_dataset), self.config.validation_batch_size, shuffle=False
-        )
-        return self._loader(self.test_dataset, sampler, "test_dataloader")
+        return self._eval_loader(self.test_dataset, "test_dataloader")
+
+    def _eval_loader(
+        self, dataset: SFTDataset | SampleView, hook: str, name: str | None = None
+    ) -> SkrullDataLoader:
+        sampler = GlobalBatchSampler(len(dataset), self.config.validation_batch_size, shuffle=False)
+        return self._loader(dataset, sampler, hook, name)
 
     # ------------------------------------------------------------------ internals
     def _strategy(self, hook: str) -> SkrullTrainingStrategy:
@@ -492,11 +641,9 @@ class SkrullDataModule(pl.LightningDataModule):
 
     def _resolve_bucket_size(self, strategy: SkrullTrainingStrategy) -> int:
         if self._bucket_size is None:
-            longest = max(
-                max(d.lengths)
-                for d in (self.train_dataset, self.val_dataset, self.test_dataset)
-                if d is not None
-            )
+            datasets = [self.train_dataset, self.val_dataset, self.test_dataset]
+            datasets += [*self.val_datasets.values(), *self.test_datasets.values()]
+            longest = max(max(d.lengths) for d in datasets if d is not None)
             self._bucket_size = strategy.skrull_config.resolve_bucket_size(longest)
         return self._bucket_size
 
@@ -514,7 +661,11 @@ class SkrullDataModule(pl.LightningDataModule):
         )
 
     def _loader(
-        self, dataset: SFTDataset | SampleView, sampler: GlobalBatchSampler, hook: str
+        self,
+        dataset: SFTDataset | SampleView,
+        sampler: GlobalBatchSampler,
+        hook: str,
+        name: str | None = None,
     ) -> SkrullDataLoader:
         strategy = self._strategy(hook)
         if hook == "train_dataloader" and sampler.global_batch_size < strategy.dp_size:
@@ -526,11 +677,17 @@ class SkrullDataModule(pl.LightningDataModule):
                 "better), or use fewer processes or a larger cp_size."
             )
         bucket = self._resolve_bucket_size(strategy)
-        self._validate(dataset, strategy, bucket)
+        try:
+            self._validate(dataset, strategy, bucket)
+        except (ValueError, TypeError) as err:
+            if name is None:
+                raise
+            argument = "val_data" if hook == "val_dataloader" else "test_data"
+            _raise_in_set(f"{argument}[{name!r}]", err)
         planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
         schedule = None
         if hook == "train_dataloader":
             schedule = getattr(strategy, "cost_model_schedule", None)
-        stream = GlobalBatchStream(dataset, sampler, planner, schedule)
+        stream = GlobalBatchStream(dataset, sampler, planner, schedule, name)
         trainer = self.trainer if hook == "train_dataloader" else None
         return SkrullDataLoader(stream, num_workers=self.config.num_workers, trainer=trainer)

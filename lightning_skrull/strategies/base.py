@@ -37,7 +37,7 @@ from torchmetrics import Metric
 from typing_extensions import override
 
 from lightning_skrull.config import AUTO_BUCKET, SkrullConfig
-from lightning_skrull.data.batch import CostModelSchedule, PlanStats, SkrullBatch
+from lightning_skrull.data.batch import LOSS_KEYS, CostModelSchedule, PlanStats, SkrullBatch
 from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.adapters import check_checkpointing_gradients
@@ -66,9 +66,6 @@ log = logging.getLogger(__name__)
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
 """Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
-
-LOSS_KEYS = {"train": "train_loss", "validation": "val_loss", "test": "test_loss"}
-"""Names under which the strategy logs the exact loss of each stage."""
 
 
 def _refuse_metrics_synced_on_step(module: torch.nn.Module) -> None:
@@ -539,7 +536,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         logs.flush()
         if losses and len(losses) == len(rank_batch.micro_batches):
             share = torch.stack(losses).sum()
-            self._log_step(rank_batch, stats, share, stage, logs.names)
+            name = getattr(args[0], "dataset_name", None)
+            self._log_step(rank_batch, stats, share, stage, logs.names, dataset_name=name)
         return combine_outputs(outputs, logs.is_model_loss)
 
     # ------------------------------------------------------------------ user collectives
@@ -740,6 +738,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         share: Tensor,
         stage: str,
         user_names: tuple[str, ...] = (),
+        *,
+        dataset_name: str | None = None,
     ) -> None:
         """Log the exact loss of the global batch and, in training, the plan statistics.
 
@@ -748,6 +748,10 @@ class SkrullStrategyMixin(ParallelStrategy):
         ``batch_size = T``, Lightning's epoch-level weighted mean over batches and ranks is the
         token mean over the whole epoch. A name the module logged itself in this step
         (``user_names``) is left to the module's value.
+
+        A batch of a named validation or test set (``dataset_name``) logs ``val_loss/<name>``
+        (``test_loss/<name>``) without Lightning's ``/dataloader_idx_N``; an unnamed one logs
+        ``val_loss``, to which Lightning adds ``/dataloader_idx_N`` under several loaders.
         """
         if not self._skrull_config.log_stats:
             return
@@ -755,15 +759,17 @@ class SkrullStrategyMixin(ParallelStrategy):
         if module is None or module._trainer is None or module._trainer.barebones:
             return
         on_step = stage == "train"
-        if LOSS_KEYS[stage] in user_names:
+        key = LOSS_KEYS[stage] if dataset_name is None else f"{LOSS_KEYS[stage]}/{dataset_name}"
+        if key in user_names:
             return
         module.log(
-            LOSS_KEYS[stage],
+            key,
             share.float(),
             on_step=on_step,
             on_epoch=not on_step,
             prog_bar=True,
             sync_dist=self.world_size > 1,  # one process: its share is the loss, no collective
+            add_dataloader_idx=dataset_name is None,
             batch_size=max(rank_batch.num_supervised_tokens, 1),
         )
         if stage != "train" or stats is None:
