@@ -12,6 +12,7 @@ from lightning_skrull.callbacks import PlanPictureCallback
 from lightning_skrull.config import DataConfig, SkrullConfig
 from lightning_skrull.data.batch import SkrullBatch
 from lightning_skrull.data.datamodule import SkrullDataModule
+from lightning_skrull.models.token_loss import CustomLossWarning, shifted_labels, token_mean_loss
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
 from lightning_skrull.strategies.ddp import SkrullStrategy
 from lightning_skrull.strategies.deepspeed import SkrullZero2Strategy
@@ -21,6 +22,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CostModel",
+    "CustomLossWarning",
     "DataConfig",
     "PlanPictureCallback",
     "SkrullBatch",
@@ -32,7 +34,9 @@ __all__ = [
     "__version__",
     "plan_global_batch",
     "register_strategies",
+    "shifted_labels",
     "simulate",
+    "token_mean_loss",
 ]
 
 

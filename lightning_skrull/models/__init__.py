@@ -1,5 +1,6 @@
 """Hugging Face decoders under Skrull: load one once per job, select the attention, check the
-model, find it (inside a peft adapter model too), and compute the causal-LM loss without the full logits."""
+model, find it (inside a peft adapter model too), compute the causal-LM loss without the full
+logits, and normalise a custom loss as the built-in one is (:func:`token_mean_loss`)."""
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.adapters import apply_lora, find_peft_model
@@ -25,12 +26,14 @@ from lightning_skrull.models.patching import (
     sequence_length_rule,
 )
 from lightning_skrull.models.rope import BATCH_DEPENDENT_ROPE_TYPES, STATIC_ROPE_TYPES
+from lightning_skrull.models.token_loss import CustomLossWarning, shifted_labels, token_mean_loss
 
 __all__ = [
     "ATTENTION_NAME",
     "BATCH_DEPENDENT_ROPE_TYPES",
     "STATIC_ROPE_TYPES",
     "SUPPORTED_ARCHITECTURES",
+    "CustomLossWarning",
     "apply_lora",
     "attention_window",
     "check_model",
@@ -44,6 +47,8 @@ __all__ = [
     "prepare_model",
     "sequence_length_limit",
     "sequence_length_rule",
+    "shifted_labels",
+    "token_mean_loss",
     "use_chunked_loss",
     "use_dense_loss",
     "uses_chunked_loss",

@@ -341,7 +341,9 @@ def _chunked_forward(
     model: nn.Module, original: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
     """The causal LM's forward with the loss of :func:`linear_cross_entropy` when ``labels``
-    are given (``logits`` is then ``None``); the original forward otherwise."""
+    are given (``logits`` is then ``None``: the full logits are never formed); the original
+    forward otherwise. A loss over the logits calls the model without ``labels`` (and without
+    ``shift_labels``) and gets them back."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     bound = _signature(original).bind(*args, **kwargs)
@@ -505,6 +507,26 @@ def uses_chunked_loss(model: nn.Module) -> bool:
     return bool(getattr(vars(model).get("forward"), "_skrull_chunked", False))
 
 
+MISSING_LOGITS_NOTE = (
+    "If the None is the model's `.logits`: the model runs the chunked loss (on by default under "
+    "the Skrull strategies), which returns logits=None whenever it is given `labels`. For logits, "
+    "call it without labels, e.g. self.model(input_ids=batch['input_ids'], "
+    "position_ids=batch['position_ids']).logits, and compute the loss with "
+    "lightning_skrull.token_mean_loss; or turn the chunked loss off with "
+    "SkrullStrategy(chunked_loss=False). See docs/loss.md, 'Custom losses'."
+)
+"""The note :func:`note_missing_logits` adds to an error."""
+
+
+def note_missing_logits(error: BaseException, model: nn.Module) -> None:
+    """Add :data:`MISSING_LOGITS_NOTE` to ``error`` when it is about a ``None`` (``'NoneType'``
+    in its message) and ``model`` runs the chunked loss: the usual cause is reading ``.logits``
+    of an output computed with ``labels``. Python 3.10 has no exception notes: nothing is
+    added there."""
+    if "NoneType" in str(error) and uses_chunked_loss(model) and hasattr(error, "add_note"):
+        error.add_note(MISSING_LOGITS_NOTE)
+
+
 def use_dense_loss(model: nn.Module) -> None:
     """Undo :func:`use_chunked_loss`: the class's forward (with full logits) runs again."""
     if uses_chunked_loss(model):
@@ -523,6 +545,7 @@ __all__ = [
     "default_chunk_tokens",
     "installed_fused_kernels",
     "linear_cross_entropy",
+    "note_missing_logits",
     "resolve_loss_kernel",
     "use_chunked_loss",
     "use_dense_loss",

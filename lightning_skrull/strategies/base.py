@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+import warnings
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +42,13 @@ from lightning_skrull.data.batch import LOSS_KEYS, CostModelSchedule, PlanStats,
 from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.adapters import check_checkpointing_gradients
-from lightning_skrull.models.chunked_loss import check_loss_kernel
+from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
 from lightning_skrull.models.patching import find_hf_model, prepare_model
+from lightning_skrull.models.token_loss import (
+    CUSTOM_LOSS_MESSAGE,
+    CustomLossWarning,
+    observe_token_mean_losses,
+)
 from lightning_skrull.runtime.engine import check_same_plan, micro_batch_context
 from lightning_skrull.runtime.memory import (
     AUTO_PROBE_TOKENS,
@@ -123,6 +129,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._memory_fit: MemoryFit | None = None
         self._hf_model: torch.nn.Module | None = None
         self._loss_hook: RemovableHandle | None = None
+        self._token_loss_hook: RemovableHandle | None = None
+        self._check_loss_rule = False
         self._in_micro_batches = False
         self._calibration: StepCalibration | None = None
         self._calibration_state: dict[str, Any] | None = None
@@ -294,11 +302,24 @@ class SkrullStrategyMixin(ParallelStrategy):
         """Run the LightningModule's ``hook`` on one micro-batch (inside its context)."""
         module = self._attached_module
         model = self.model
-        if hook == "training_step" and model is not None and model is not module:
-            # through the wrapper's forward, as Lightning does: DDP prepares its reducer there
-            redirect = self._forward_redirection
-            return redirect(model, module, hook, mb.inputs, *args, **kwargs)
-        return getattr(module, hook)(mb.inputs, *args, **kwargs)
+        try:
+            if hook == "training_step" and model is not None and model is not module:
+                # through the wrapper's forward, as Lightning does: DDP prepares its reducer there
+                redirect = self._forward_redirection
+                return redirect(model, module, hook, mb.inputs, *args, **kwargs)
+            return getattr(module, hook)(mb.inputs, *args, **kwargs)
+        except (TypeError, AttributeError) as error:
+            if self._hf_model is not None:
+                note_missing_logits(error, self._hf_model)  # logits=None under the chunked loss
+            raise
+
+    def _check_custom_loss(self, loss: Tensor, logs: StepLogs) -> None:
+        """In the first training step of a fit, warn once (rank zero) when a micro-batch's loss
+        is not known to follow the normalisation rule: neither the model's loss nor a
+        ``token_mean_loss`` value, nor exactly equal to one (docs/loss.md, custom losses)."""
+        if self._check_loss_rule and self.is_global_zero and not logs.follows_loss_rule(loss):
+            self._check_loss_rule = False
+            warnings.warn(CUSTOM_LOSS_MESSAGE, CustomLossWarning, stacklevel=2)
 
     def _check_plan(self, rank_batch: RankBatch) -> None:
         if not self._skrull_config.verify_plans or rank_batch.world_size == 1:
@@ -473,6 +494,7 @@ class SkrullStrategyMixin(ParallelStrategy):
                     with self._earlier_micro_batch_sync_context(), self._micro_batch_context(mb):
                         output = self._call_module_step("training_step", mb, rest, kwargs)
                         loss = self._required_loss(output, i)
+                        self._check_custom_loss(loss, logs)
                         self._earlier_micro_batch_backward(loss)
                     if timer is not None:
                         timer.stop()
@@ -490,7 +512,9 @@ class SkrullStrategyMixin(ParallelStrategy):
                     timer.start()  # its end: the last gradient hook of Lightning's backward
                 output = self._call_module_step("training_step", micro_batches[-1], rest, kwargs)
                 last = self._required_loss(output, last_index)
+                self._check_custom_loss(last, logs)
         finally:
+            self._check_loss_rule = False  # the first step tells
             self._close_step_logs()
         logs.flush()
         # gradient flows through the last micro-batch only; the value is the rank's whole share
@@ -561,6 +585,7 @@ class SkrullStrategyMixin(ParallelStrategy):
 
         model = self._hf_model
         self._loss_hook = None if model is None else model.register_forward_hook(note_loss)
+        self._token_loss_hook = observe_token_mean_losses(logs.add_model_loss)
         # an instance attribute shadows the method until closed
         module.__dict__["log"] = logs.record
         self._in_micro_batches = True
@@ -568,9 +593,10 @@ class SkrullStrategyMixin(ParallelStrategy):
 
     def _close_step_logs(self) -> None:
         self._in_micro_batches = False
-        if self._loss_hook is not None:
-            self._loss_hook.remove()
-            self._loss_hook = None
+        for hook in (self._loss_hook, self._token_loss_hook):
+            if hook is not None:
+                hook.remove()
+        self._loss_hook = self._token_loss_hook = None
         module = self.lightning_module
         if module is not None and "log" in module.__dict__:
             del module.__dict__["log"]
@@ -645,6 +671,11 @@ class SkrullStrategyMixin(ParallelStrategy):
             self._calibration.attach(self._attached_module)
             if self._calibration_state is not None:
                 self._calibration.load_state_dict(self._calibration_state)
+
+    @override
+    def on_train_start(self) -> None:
+        self._check_loss_rule = True  # checked in the first training step of each fit
+        super().on_train_start()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

@@ -13,8 +13,8 @@ supervised tokens of micro-batch ``i`` on this rank, ``T`` those of the whole gl
 every rank, ``W`` the DP x CP world size):
 
 - **the model's loss** (the tensor the Hugging Face model returned as ``.loss`` in that
-  micro-batch, detached or not, or its ``.item()``): a pre-normalised share, so the shares are
-  summed. With ``sync_dist`` Lightning's mean over the ranks is then the global token mean,
+  micro-batch, or one :func:`~lightning_skrull.models.token_loss.token_mean_loss` returned;
+  detached or not, or its ``.item()``): a pre-normalised share, so the shares are summed. With ``sync_dist`` Lightning's mean over the ranks is then the global token mean,
   exactly what one process logs for the whole global batch.
 - ``reduce_fx="sum"``: summed; ``"max"`` / ``"min"``: the largest / smallest.
 - any other value with ``reduce_fx="mean"`` (the default): the token-weighted mean
@@ -144,7 +144,8 @@ class StepLogs:
         self._losses = []
 
     def add_model_loss(self, loss: Tensor) -> None:
-        """Note the loss the model returned in the current micro-batch (recognised in logs)."""
+        """Note a loss the model (or :func:`token_mean_loss`) returned in the current
+        micro-batch (recognised in logs)."""
         self._losses.append(loss)
         self._step_losses.append(loss)
 
@@ -154,6 +155,20 @@ class StepLogs:
 
     def _is_model_loss(self, value: Any) -> bool:
         return _is_one_of(value, self._losses)
+
+    def follows_loss_rule(self, loss: Tensor) -> bool:
+        """Whether the current micro-batch's ``loss`` is known to be normalised by the rule of
+        docs/loss.md: one of the micro-batch's model losses (or :func:`token_mean_loss` values),
+        or a tensor exactly equal to one (``out.loss * 1.0``, ``out.loss.clone()``). The
+        comparison by value reads the tensors on the host."""
+        if self._is_model_loss(loss):
+            return True
+        value = loss.detach().reshape(-1)
+        return any(
+            torch.equal(value, known.detach().reshape(-1).to(value.device, value.dtype))
+            for known in self._losses
+            if known.numel() == value.numel()
+        )
 
     def record(self, *args: Any, **kwargs: Any) -> None:
         """Stand-in for ``LightningModule.log`` (same signature) during the micro-batches."""
