@@ -364,3 +364,35 @@ def test_reading_logits_of_a_labelled_call_tells_how_to_get_them(world_of_one: N
     data = SkrullDataModule(train_data=make_data(GLOBAL_BATCH), global_batch_size=GLOBAL_BATCH)
     trainer.fit(LogitsOfLabelledCallLM(), data)
     assert trainer.global_step == 1
+
+
+def test_token_mean_loss_values_are_summed_in_self_log_like_the_model_loss() -> None:
+    from lightning_skrull.models.token_loss import observe_token_mean_losses
+    from lightning_skrull.strategies.step_logging import StepLogs
+
+    logged: dict[str, float] = {}
+    logs = StepLogs(
+        lambda name, value, **_: logged.update({name: float(value)}), world_size=4, global_tokens=10
+    )
+    batch = _skrull_batch()
+    handle = observe_token_mean_losses(logs.add_model_loss)
+    try:
+        shares = []
+        for token_losses in (torch.ones(1, 6), 3 * torch.ones(1, 6)):
+            logs.start_micro_batch(torch.tensor(3))
+            share = token_mean_loss(token_losses, batch)
+            shares.append(float(share))
+            logs.record("custom", share.detach(), sync_dist=True)
+            logs.record("other", share.detach() * 2, sync_dist=True)
+            assert logs.follows_loss_rule(share) and logs.follows_loss_rule(share * 1.0)
+            assert not logs.follows_loss_rule(share * 2)
+    finally:
+        handle.remove()
+    logs.flush()
+    # a pre-normalised share per micro-batch: summed (Lightning's mean over ranks is the global
+    # mean); any other value is token-weighted (W / T * sum w_i v_i with sync_dist)
+    assert logged["custom"] == pytest.approx(sum(shares))
+    assert logged["other"] == pytest.approx(4 / 10 * sum(3 * 2 * s for s in shares))
+    # outside the handle nothing is observed
+    logs.start_micro_batch(torch.tensor(3))
+    assert not logs.follows_loss_rule(token_mean_loss(torch.ones(1, 6), batch))
