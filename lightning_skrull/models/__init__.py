@@ -1,5 +1,6 @@
 """Hugging Face decoders under Skrull: load one once per job, select the attention, check the
-model, find it (inside a peft adapter model too), and compute the causal-LM loss without the full logits."""
+model, find it (inside a peft adapter model too), compute the causal-LM loss without the full
+logits, and switch it back to transformers' attention to generate."""
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.adapters import apply_lora, find_peft_model
@@ -9,6 +10,7 @@ from lightning_skrull.models.chunked_loss import (
     use_dense_loss,
     uses_chunked_loss,
 )
+from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.loading import (
     from_pretrained_on_rank_zero,
     launched_as_rank_zero,
@@ -20,6 +22,7 @@ from lightning_skrull.models.patching import (
     check_model,
     find_hf_model,
     is_prepared,
+    plain_attention_name,
     prepare_model,
     sequence_length_limit,
     sequence_length_rule,
@@ -41,6 +44,8 @@ __all__ = [
     "launched_as_rank_zero",
     "linear_cross_entropy",
     "loads_weights_here",
+    "plain_attention",
+    "plain_attention_name",
     "prepare_model",
     "sequence_length_limit",
     "sequence_length_rule",
