@@ -20,6 +20,7 @@ from lightning_skrull.attention.context import (
     SkrullAttentionContext,
     attention_context,
     current_attention_context,
+    has_attention_context,
 )
 from lightning_skrull.attention.dispatch import (
     compute_dtype,
@@ -59,6 +60,7 @@ __all__ = [
     "flash_attention",
     "flash_kernel",
     "gather_distributed_kv",
+    "has_attention_context",
     "pack",
     "register_skrull_attention",
     "resolve_backend",

@@ -259,6 +259,11 @@ def attention_context(ctx: SkrullAttentionContext) -> Iterator[SkrullAttentionCo
                     break
 
 
+def has_attention_context() -> bool:
+    """Whether this thread is inside an :func:`attention_context` (a micro-batch is running)."""
+    return _CURRENT.get() is not None
+
+
 def current_attention_context() -> SkrullAttentionContext:
     """The context set by this thread's innermost :func:`attention_context`.
 
@@ -286,5 +291,8 @@ def current_attention_context() -> SkrullAttentionContext:
     raise RuntimeError(
         "the 'skrull' attention ran outside attention_context(...): no micro-batch layout is "
         "set. Run the forward inside `with attention_context(SkrullAttentionContext.build("
-        "layout, group=..., device=...)):` (the Skrull engine/strategy does this for you)."
+        "layout, group=..., device=...)):` (the Skrull engine/strategy does this for you). To "
+        "generate or evaluate outside training, run the model inside `with "
+        "lightning_skrull.models.plain_attention(model):`, which switches it to transformers' "
+        "attention for the block."
     )

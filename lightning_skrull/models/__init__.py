@@ -1,6 +1,7 @@
 """Hugging Face decoders under Skrull: load one once per job, select the attention, check the
 model, find it (inside a peft adapter model too), compute the causal-LM loss without the full
-logits, and normalise a custom loss as the built-in one is (:func:`token_mean_loss`)."""
+logits, normalise a custom loss as the built-in one is (:func:`token_mean_loss`), and switch it
+back to transformers' attention to generate."""
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.adapters import apply_lora, find_peft_model
@@ -10,6 +11,7 @@ from lightning_skrull.models.chunked_loss import (
     use_dense_loss,
     uses_chunked_loss,
 )
+from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.loading import (
     from_pretrained_on_rank_zero,
     launched_as_rank_zero,
@@ -21,6 +23,7 @@ from lightning_skrull.models.patching import (
     check_model,
     find_hf_model,
     is_prepared,
+    plain_attention_name,
     prepare_model,
     sequence_length_limit,
     sequence_length_rule,
@@ -44,6 +47,8 @@ __all__ = [
     "launched_as_rank_zero",
     "linear_cross_entropy",
     "loads_weights_here",
+    "plain_attention",
+    "plain_attention_name",
     "prepare_model",
     "sequence_length_limit",
     "sequence_length_rule",

@@ -30,6 +30,7 @@ from lightning_skrull.attention.backends import (
     ATTENTION_NAME,
     require_flash_kernel,
 )
+from lightning_skrull.attention.context import has_attention_context
 from lightning_skrull.attention.dispatch import register_skrull_attention
 from lightning_skrull.models.chunked_loss import (
     check_chunked_loss_supported,
@@ -58,6 +59,8 @@ no other sequence mixing, so packing sequences and sharding them over ranks chan
 as long as the attention function honours the layout.
 """
 
+_PLAIN_ATTENTION = "_skrull_plain_attention"
+"""Instance attribute where :func:`prepare_model` keeps the model's attention before it."""
 _INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
 _ROPE_CALL = "apply_rotary_pos_emb("
 
@@ -249,6 +252,8 @@ def prepare_model(
     Skrull attention (with a cache, transformers does not treat packed input as packed). The
     config keeps its ``use_cache``, so ``save_pretrained`` writes the user's setting; transformers
     does not save the attention name, so a saved checkpoint loads with plain transformers.
+    The attention the model had before is kept on the model, and
+    :func:`~lightning_skrull.models.plain_attention` switches back to it to generate.
 
     Args:
         model: a transformers ``PreTrainedModel`` of a supported architecture.
@@ -286,6 +291,9 @@ def prepare_model(
         check_loss_kernel(loss_kernel)
     register_skrull_attention()
     hf_model = cast("PreTrainedModel", model)  # check_model refused anything else
+    before = hf_model.config._attn_implementation
+    if before and before != ATTENTION_NAME:
+        hf_model.__dict__[_PLAIN_ATTENTION] = before
     hf_model.set_attn_implementation(ATTENTION_NAME)
     _check_attention_selected(model)
     _run_without_cache(hf_model)
@@ -314,6 +322,13 @@ def _check_attention_selected(model: nn.Module) -> None:
         )
 
 
+def plain_attention_name(model: nn.Module) -> str:
+    """The attention ``model`` ran before :func:`prepare_model` switched it to ``"skrull"``
+    (``"sdpa"`` when unknown): what :func:`~lightning_skrull.models.plain_attention` generates
+    with."""
+    return str(vars(model).get(_PLAIN_ATTENTION) or "sdpa")
+
+
 def _forward_without_cache(
     module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
@@ -323,9 +338,26 @@ def _forward_without_cache(
     switched back to generate) the call is left as it is, and the config's ``use_cache`` applies
     again. transformers' decoders take ``use_cache`` by keyword only (their config-defaults
     decorator adds it as a keyword), so the hook sets the keyword.
+
+    Raises:
+        RuntimeError: ``module`` runs another attention inside a micro-batch's attention
+            context: it was switched away from ``"skrull"`` (to generate) and not back, and
+            would silently attend within this rank's tokens only.
     """
     config = getattr(module, "config", None)
-    if getattr(config, "_attn_implementation", None) != ATTENTION_NAME:
+    attention = getattr(config, "_attn_implementation", None)
+    if attention != ATTENTION_NAME:
+        if has_attention_context():
+            raise RuntimeError(
+                f"{type(module).__name__} runs the {attention!r} attention inside a Skrull "
+                f"micro-batch: it was prepared for the '{ATTENTION_NAME}' attention and switched "
+                f"away (set_attn_implementation({attention!r}), e.g. to generate) without being "
+                "switched back, so this forward would ignore the micro-batch's sequence layout "
+                "and the other CP ranks' tokens. Switch back with model.set_attn_implementation("
+                f"'{ATTENTION_NAME}'), or generate inside `with trainer.strategy.generating() as "
+                "model:` (or lightning_skrull.models.plain_attention(model)), which switch back "
+                "on exit."
+            )
         return None
     kwargs["use_cache"] = False
     return args, kwargs

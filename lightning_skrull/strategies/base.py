@@ -23,7 +23,8 @@ import dataclasses
 import logging
 import time
 import warnings
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -43,6 +44,7 @@ from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.adapters import check_checkpointing_gradients
 from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
+from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.patching import find_hf_model, prepare_model
 from lightning_skrull.models.token_loss import (
     CUSTOM_LOSS_MESSAGE,
@@ -67,6 +69,7 @@ from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from transformers import PreTrainedModel
 
 log = logging.getLogger(__name__)
 
@@ -564,6 +567,42 @@ class SkrullStrategyMixin(ParallelStrategy):
             self._log_step(rank_batch, stats, share, stage, logs.names, dataset_name=name)
         return combine_outputs(outputs, logs.is_model_loss)
 
+    # ------------------------------------------------------------------ generation
+    @contextmanager
+    def generating(self) -> Iterator[PreTrainedModel]:
+        """Generate from a hook or callback mid-run: ``with trainer.strategy.generating() as
+        model: model.generate(...)``.
+
+        Inside the block the Hugging Face model runs transformers' attention with a KV cache,
+        in eval mode, under ``torch.no_grad`` and in the precision of the validation step
+        (autocast under ``"bf16-mixed"`` for DDP; FSDP2's and DeepSpeed's bf16 parameters as
+        they are); on exit the Skrull attention, the training flags and everything else
+        :func:`~lightning_skrull.models.plain_attention` changed are back, so the next step
+        trains as if the block had not run. The yielded model is the inner model (not the DDP
+        or DeepSpeed wrapper). Under DDP and ZeRO-2 any subset of ranks may generate (rank 0
+        alone, say); under FSDP every rank must enter the block and call ``generate`` the same
+        number of times (``synced_gpus=True`` is passed for you, so the numbers of new tokens
+        and the prompts may differ between ranks).
+
+        Raises:
+            RuntimeError: before setup found the model, or inside a step's micro-batches.
+        """
+        if self._in_micro_batches:
+            raise RuntimeError(
+                f"{type(self).__name__}.generating() was entered inside a training/validation/"
+                "test step, which runs once per micro-batch; generate from on_train_batch_end, "
+                "on_validation_epoch_end or another hook that runs once per step or epoch."
+            )
+        model = self._hf_model
+        if model is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.generating() needs the model the Trainer's setup "
+                "prepares; call it from a hook during trainer.fit / validate / test."
+            )
+        precision: Precision = self.precision_plugin
+        with plain_attention(model) as hf_model, precision.val_step_context():
+            yield hf_model
+
     # ------------------------------------------------------------------ user collectives
     # ``reduce``, ``broadcast`` and ``barrier`` are abstract in ParallelStrategy, the mixin's
     # base; at run time ``super()`` reaches the concrete Lightning strategy the mixin is put in
@@ -693,8 +732,10 @@ class SkrullStrategyMixin(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
             f"{type(self).__name__} does not support trainer.predict: generation needs a KV "
-            "cache, which context-parallel attention does not keep. Predict with a plain "
-            "strategy (e.g. 'ddp') on an unpatched model."
+            "cache, which context-parallel attention does not keep. Generate from a hook "
+            "inside `with trainer.strategy.generating() as model:` (e.g. in "
+            "on_validation_epoch_end), or predict with a plain strategy (e.g. 'ddp') on an "
+            "unpatched model."
         )
 
     @override

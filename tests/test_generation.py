@@ -1,0 +1,402 @@
+"""Generation in the middle of training: ``trainer.strategy.generating()`` and
+``lightning_skrull.models.plain_attention``.
+
+One spawn of 4 processes, DP=2 x CP=2, runs every Trainer case. A callback generates greedy
+tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
+``trainer.strategy.generating()``, and records the parameters it generated from:
+
+- ``SkrullStrategy`` (DDP), float32: global rank 0 generates alone, the other ranks go on to
+  step 2 (no collective may pair up wrongly);
+- ``SkrullFSDPStrategy`` (HSDP, parameters sharded over the CP group), float32: every rank
+  generates, from its own prompt and with its own number of new tokens (3 + rank), so the ranks
+  finish at different forwards and only ``synced_gpus=True`` (passed by the strategy;
+  ``synced_gpus=False`` is refused) keeps their all-gathers paired;
+- ``SkrullZero2Strategy``, float32: rank 0 alone;
+- ``SkrullStrategy`` under ``"bf16-mixed"``: rank 0, in the validation step's autocast;
+- a callback that switches the attention by hand (``set_attn_implementation("sdpa")``) and
+  forgets to switch back: step 2 raises on every rank.
+
+The generated tokens equal plain transformers ``generate`` (greedy, one process, eager
+attention, float32; for bf16-mixed: sdpa under the same CPU autocast) on the parameters the
+callback saw; the parameters after step 2 equal those of the same run without the callback
+exactly (bit for bit: generation changed nothing the next step reads); the attention after the
+block is ``"skrull"`` again. DP ranks run different micro-batch counts in these steps (asserted).
+
+The single-process tests below check the context manager itself: a left-padded batch (which the
+chunked loss's forward wrapper would get wrong), restoration on exceptions, nesting, models that
+were never prepared, and the refusal inside a micro-batch.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    PARAM_ATOL,
+    BatchRecorder,
+    PlainLM,
+    cpu_trainer,
+    make_data,
+    make_samples,
+    max_diff,
+    reference_model,
+    reference_training,
+    tiny_model,
+    tiny_qwen2,
+)
+
+from lightning_skrull.models import ATTENTION_NAME, plain_attention, prepare_model
+from lightning_skrull.models.chunked_loss import uses_chunked_loss
+from lightning_skrull.runtime.launch import spawn
+
+STEPS = 2
+PROMPTS = ([5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 11])
+"""Rank ``r`` generates from ``PROMPTS[r % 2]``."""
+# Float32 logits of the cached sdpa generation against the eager reference differ by summation
+# order only (measured up to 6.0e-8 under DDP, FSDP and ZeRO-2); 1e-5 leaves room.
+LOGITS_ATOL = 1e-5
+
+
+def _new_tokens(rank: int) -> int:
+    return 3 + rank
+
+
+def _full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
+    """The model's state dict as full float64 arrays (a collective for DTensors)."""
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for key, value in model.state_dict().items():
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        out[key] = full.detach().double().numpy().copy()
+    return out
+
+
+class SampleGenerations(L.Callback):
+    """Generates greedily at the end of step 1 on ``ranks``, the way a user's callback does."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+        self.record: dict[str, Any] = {}
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != 0:
+            return
+        rank = trainer.global_rank
+        self.record["params"] = _full_params(module.model)  # every rank: a collective for FSDP
+        if rank in self.ranks:
+            prompt = torch.tensor([PROMPTS[rank % 2]])
+            with trainer.strategy.generating() as model:
+                self.record["inside"] = {
+                    "attention": model.config._attn_implementation,
+                    "training": model.training,
+                    "grad": torch.is_grad_enabled(),
+                    "is_hf_model": model is module.model,
+                }
+                try:  # refused before any forward, so no rank is left waiting
+                    model.generate(prompt, max_new_tokens=1, synced_gpus=False)
+                except ValueError as err:
+                    self.record["unsynced"] = str(err)
+                out = model.generate(
+                    prompt,
+                    max_new_tokens=_new_tokens(rank),
+                    do_sample=False,
+                    pad_token_id=0,
+                    return_dict_in_generate=True,
+                    output_logits=True,
+                )
+            self.record["tokens"] = out.sequences[0].tolist()
+            self.record["logits"] = torch.stack(out.logits).float().numpy()
+            self.record["cache"] = out.cache is not None
+        self.record["after"] = {
+            "attention": module.model.config._attn_implementation,
+            "training": module.model.training,
+            "chunked": uses_chunked_loss(module.model),
+        }
+
+
+class ForgetsToSwitchBack(L.Callback):
+    """Switches the attention by hand after step 1 and does not switch it back."""
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 0:
+            module.model.set_attn_implementation("sdpa")
+
+
+def _fit(strategy: Any, callbacks: tuple[L.Callback, ...] = (), **kwargs: Any) -> Any:
+    from lightning_skrull import SkrullDataModule
+
+    recorder = BatchRecorder()
+    trainer = cpu_trainer(strategy, max_steps=STEPS, callbacks=[recorder, *callbacks], **kwargs)
+    module = PlainLM()
+    data = SkrullDataModule(
+        train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False, seed=3
+    )
+    trainer.fit(module, data)
+    return module, recorder
+
+
+def _cases(rank: int, world_size: int) -> dict[str, Any]:
+    from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
+
+    # name: (strategy, ranks that generate, Trainer arguments, also run without the callback)
+    strategies = {
+        "ddp": (lambda: SkrullStrategy(cp_size=2, bucket_size=BUCKET), (0,), {}, True),
+        "fsdp": (
+            lambda: SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET),
+            (0, 1, 2, 3),
+            {},
+            True,
+        ),
+        # DeepSpeed's start costs ~5 s a run: compared with the reference training instead
+        "zero2": (lambda: SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), (0,), {}, False),
+        "bf16": (
+            lambda: SkrullStrategy(cp_size=2, bucket_size=BUCKET),
+            (0,),
+            {"precision": "bf16-mixed"},
+            False,
+        ),
+    }
+    out: dict[str, Any] = {}
+    for name, (make, ranks, kwargs, baseline) in strategies.items():
+        callback = SampleGenerations(ranks)
+        module, recorder = _fit(make(), (callback,), **kwargs)
+        out[name] = {
+            **callback.record,
+            "final": _full_params(module.model),
+            "planned": [s["planned"] for s in recorder.steps],
+        }
+        if baseline:
+            plain, _ = _fit(make(), **kwargs)
+            out[name]["final_without_callback"] = _full_params(plain.model)
+    try:
+        _fit(SkrullStrategy(cp_size=2, bucket_size=BUCKET), (ForgetsToSwitchBack(),))
+    except RuntimeError as err:
+        out["forgotten"] = str(err)
+    else:
+        out["forgotten"] = None
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    return spawn(_cases, 4, timeout=600)
+
+
+def _reference_generate(
+    params: dict[str, np.ndarray], rank: int, attention: str = "eager"
+) -> tuple[list[int], np.ndarray]:
+    """Plain transformers' greedy ``generate`` of rank ``rank``'s prompt on ``params``."""
+    model = reference_model()
+    model.load_state_dict({k: torch.from_numpy(v).float() for k, v in params.items()})
+    model.set_attn_implementation(attention)
+    model.eval()
+    out = model.generate(
+        torch.tensor([PROMPTS[rank % 2]]),
+        max_new_tokens=_new_tokens(rank),
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    return out.sequences[0].tolist(), torch.stack(out.logits).float().numpy()
+
+
+def _assert_unchanged_training(run: dict[str, Any]) -> None:
+    """Parameters after step 2 equal the run without the callback bit for bit, or, where that
+    run was left out (ZeRO-2), the single-process reference training to float32 rounding."""
+    final = run["final"]
+    if "final_without_callback" in run:
+        without = run["final_without_callback"]
+        assert final.keys() == without.keys()
+        for key in final:
+            assert np.array_equal(final[key], without[key]), f"{key} differs after step 2"
+        return
+    reference, _ = reference_training(STEPS)
+    assert max_diff(final, reference) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2"])
+def test_generation_mid_training_equals_plain_transformers(
+    runs: list[dict[str, Any]], name: str
+) -> None:
+    generating = [r for r in range(4) if "tokens" in runs[r][name]]
+    assert generating == ([0, 1, 2, 3] if name == "fsdp" else [0])
+    # the DP ranks trained different micro-batch counts in these steps
+    assert runs[0][name]["planned"] != runs[2][name]["planned"]
+    for rank in generating:
+        run = runs[rank][name]
+        assert run["inside"] == {
+            "attention": "sdpa",
+            "training": False,
+            "grad": False,
+            "is_hf_model": True,
+        }
+        assert run["cache"]
+        # FSDP: synced_gpus=True is the only way (DDP and ZeRO-2 do not need it)
+        assert ("unsynced" in run) == (name == "fsdp")
+        if name == "fsdp":
+            assert "generate(synced_gpus=False) on a model sharded by FSDP" in run["unsynced"]
+        tokens, logits = _reference_generate(run["params"], rank)
+        assert len(tokens) == len(PROMPTS[rank % 2]) + _new_tokens(rank)
+        assert run["tokens"] == tokens
+        np.testing.assert_allclose(run["logits"], logits, rtol=0, atol=LOGITS_ATOL)
+    for rank in range(4):
+        run = runs[rank][name]
+        assert run["after"] == {"attention": ATTENTION_NAME, "training": True, "chunked": True}
+        _assert_unchanged_training(run)
+    # the ranks generated from the same parameters (FSDP: gathered from the shards)
+    for rank in range(1, 4):
+        for key, value in runs[0][name]["params"].items():
+            assert np.array_equal(runs[rank][name]["params"][key], value)
+
+
+@pytest.mark.multiprocess
+def test_generation_under_bf16_mixed_runs_in_the_validation_autocast(
+    runs: list[dict[str, Any]],
+) -> None:
+    run = runs[0]["bf16"]
+    # reference: the same weights and attention (sdpa), one process, in CPU bf16 autocast,
+    # which is the validation step's precision under bf16-mixed: the same computation
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        tokens, logits = _reference_generate(run["params"], 0, attention="sdpa")
+    assert run["tokens"] == tokens
+    np.testing.assert_array_equal(run["logits"], logits)
+    # and not float32: the logits of the same weights without autocast differ (measured 1.0e-3,
+    # bf16 rounding of these small logits; float32 would differ by its rounding, ~1e-7)
+    _, fp32_logits = _reference_generate(run["params"], 0, attention="sdpa")
+    assert np.abs(run["logits"] - fp32_logits).max() > 1e-4
+    for rank in range(4):
+        assert runs[rank]["bf16"]["after"]["attention"] == ATTENTION_NAME
+
+
+@pytest.mark.multiprocess
+def test_attention_left_switched_raises_at_the_next_step(runs: list[dict[str, Any]]) -> None:
+    for rank in range(4):
+        message = runs[rank]["forgotten"]
+        assert message is not None, f"rank {rank} trained step 2 on the wrong attention"
+        assert "runs the 'sdpa' attention inside a Skrull micro-batch" in message
+        assert "set_attn_implementation('skrull')" in message
+        assert "generating()" in message
+
+
+# ----------------------------------------------------------------------------- one process
+def _greedy(model: torch.nn.Module, ids: torch.Tensor) -> Any:
+    return model.generate(
+        ids,
+        max_new_tokens=5,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+
+def test_left_padded_batch_equals_plain_transformers() -> None:
+    """The chunked loss's forward wrapper is off inside the block: with it, ``generate`` would
+    not see that the forward takes an attention mask and would attend to the padding."""
+    model = prepare_model(tiny_qwen2(), backend="sdpa", chunked_loss=True)
+    ids = torch.tensor([[0, 0, 5, 9, 2, 7], [3, 4, 5, 6, 7, 8]])  # row 0 left-padded
+    ref = _greedy(reference_model().eval(), ids)
+    with plain_attention(model) as hf_model:
+        out = _greedy(hf_model, ids)
+    assert torch.equal(out.sequences, ref.sequences)
+    for logits, ref_logits in zip(out.logits, ref.logits):
+        torch.testing.assert_close(logits, ref_logits, rtol=0, atol=LOGITS_ATOL)
+    # what the block prevents: the wrapper left in place attends to the padding
+    model.set_attn_implementation("sdpa")
+    model.eval()
+    wrong = _greedy(model, ids)
+    assert max(float((a - b).abs().max()) for a, b in zip(wrong.logits, ref.logits)) > 0.1
+
+
+def test_block_restores_everything_even_on_an_exception() -> None:
+    module = PlainLM()
+    model = prepare_model(module.model, backend="sdpa", chunked_loss=True)
+    model.model.layers[0].eval()  # a submodule in eval stays so
+    forward = vars(model)["forward"]
+    buffers = {k: v.clone() for k, v in model.named_buffers()}
+    with pytest.raises(KeyError, match="in the block"), plain_attention(module) as hf_model:
+        assert hf_model is model
+        assert model.config._attn_implementation == "sdpa"
+        assert not uses_chunked_loss(model)
+        assert not any(m.training for m in model.modules())
+        assert not torch.is_grad_enabled()
+        for buffer in model.buffers():
+            buffer.add_(1.0)
+        raise KeyError("in the block")
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert vars(model)["forward"] is forward
+    assert model.training and model.model.training and not model.model.layers[0].training
+    assert model.model.layers[1].training
+    assert torch.is_grad_enabled()
+    for key, value in model.named_buffers():
+        assert torch.equal(value, buffers[key])
+
+
+def test_nested_blocks_restore_at_the_outer_exit() -> None:
+    model = prepare_model(tiny_qwen2(), backend="sdpa", chunked_loss=True)
+    with plain_attention(model):
+        with plain_attention(model, attn_implementation="eager") as inner:
+            assert inner.config._attn_implementation == "eager"
+        assert model.config._attn_implementation == "sdpa"
+        assert not uses_chunked_loss(model) and not model.training
+    assert model.config._attn_implementation == ATTENTION_NAME
+    assert uses_chunked_loss(model) and model.training
+
+
+def test_the_attention_before_prepare_model_is_the_one_generated_with() -> None:
+    model = prepare_model(tiny_model("qwen2"), backend="sdpa")  # built with eager attention
+    with plain_attention(model) as hf_model:
+        assert hf_model.config._attn_implementation == "eager"
+    assert model.config._attn_implementation == ATTENTION_NAME
+
+
+def test_a_model_that_was_never_prepared_is_only_put_in_eval() -> None:
+    model = tiny_qwen2()
+    ids = torch.tensor([[5, 9, 2, 7]])
+    ref = _greedy(reference_model().eval(), ids)
+    with plain_attention(model) as hf_model:
+        assert hf_model.config._attn_implementation == "sdpa" and not hf_model.training
+        out = _greedy(hf_model, ids)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert model.config._attn_implementation == "sdpa" and model.training
+
+
+def test_refused_inside_a_micro_batch_and_a_switched_model_refused_there() -> None:
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.runtime.engine import micro_batch_context
+    from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
+
+    model = prepare_model(tiny_qwen2(), backend="sdpa")
+    plan = GlobalBatchPlan(
+        micro_batches=((MicroBatchPlan((0, 1), (0, 0)),),),
+        dp_size=1,
+        cp_size=1,
+        bucket_size=16,
+        policy="hand",
+    )
+    samples = make_samples([7, 5], seed=2)
+    mb = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1).micro_batches[0]
+    with micro_batch_context(mb, None, "sdpa"):
+        with (
+            pytest.raises(RuntimeError, match="inside a Skrull micro-batch"),
+            plain_attention(model),
+        ):
+            pass
+        assert model.config._attn_implementation == ATTENTION_NAME
+        model(**mb.inputs)  # the prepared model runs there
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(RuntimeError, match="runs the 'sdpa' attention inside a Skrull"):
+            model(**mb.inputs)
