@@ -11,8 +11,9 @@ Two spawns:
   step (the uninterrupted run), and 2 steps at DP=2 x CP=1 with its checkpoint, which the same
   processes then resume at DP=1 x CP=2 (``cp_size`` changed, world size kept).
 - 4 processes resume the DP=1 x CP=2 checkpoint of step 2 at DP=2 x CP=2. DDP and FSDP
-  (``shard="cp"``: the sharded checkpoint is read onto another mesh) continue; ZeRO-2, whose
-  optimizer partitions belong to the process count they were written at, is refused.
+  (``shard="cp"`` and ``shard="world"``: the sharded checkpoint is read onto another mesh, a
+  2 x 2 one for ``"cp"``, 4 ranks for ``"world"`` where it was written on 2) continue; ZeRO-2,
+  whose optimizer partitions belong to the process count they were written at, is refused.
 
 The uninterrupted run is compared with single-process training of the global batches it
 recorded (plain Hugging Face, SGD with momentum: the momentum buffers make the optimizer state
@@ -48,15 +49,18 @@ from lightning_skrull.runtime.launch import spawn
 MOMENTUM = 0.9
 STEPS = 4  # 24 samples in global batches of 8: epoch 0 is steps 1-3, step 4 opens epoch 1
 SEED = 6  # shuffle seed: the DP ranks run 3 and 2, then 2 and 3 micro-batches in steps 3 and 4
-STRATEGIES = ("ddp", "fsdp", "zero2")
+STRATEGIES = ("ddp", "fsdp", "fsdp_world", "zero2")
 
 
 def _strategy(name: str, cp_size: int) -> Any:
     from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
 
-    classes = {"ddp": SkrullStrategy, "fsdp": SkrullFSDPStrategy, "zero2": SkrullZero2Strategy}
     # at cp_size=1 one rank must hold the longest sample (69 tokens) alone
-    return classes[name](cp_size=cp_size, bucket_size=BUCKET * 2 // cp_size)
+    bucket_size = BUCKET * 2 // cp_size
+    if name == "fsdp_world":
+        return SkrullFSDPStrategy(cp_size=cp_size, bucket_size=bucket_size, shard="world")
+    classes = {"ddp": SkrullStrategy, "fsdp": SkrullFSDPStrategy, "zero2": SkrullZero2Strategy}
+    return classes[name](cp_size=cp_size, bucket_size=bucket_size)
 
 
 def _params(module: PlainLM, strategy: Any) -> dict[str, np.ndarray]:
@@ -192,7 +196,7 @@ def test_uninterrupted_run_equals_single_process_training(runs: Runs, name: str)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_world"])
 def test_resume_on_four_processes_continues_the_two_process_run(runs: Runs, name: str) -> None:
     written, resumed = runs
     whole = _global_batches([out[name]["whole"][1] for out in written])
