@@ -7,6 +7,8 @@ One spawn of 4 processes, DP=2 x CP=2, runs every case (each process start costs
   weights written by ``save_pretrained`` load with ``from_pretrained`` and equal the reference;
 - ``shard="world"``: the same parameters, 1/world of them per rank, every rank padded to the
   plan's largest micro-batch count;
+- validation of the trained ``shard="cp"`` model, of one set and of named short and long sets
+  (``val_loss/<name>``), equals the single-process token mean of each set;
 - gradient clipping on the DTensor gradients, with activation checkpointing;
 - resume from a sharded (torch.distributed.checkpoint) checkpoint equals the uninterrupted run;
 - ``bf16-mixed`` through FSDP2's ``MixedPrecisionPolicy``, within the tolerance rule of
@@ -62,6 +64,12 @@ CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the u
 # 0.5 agree to float32 rounding (measured max difference 6.0e-8 for both shard axes, 3.7e-9
 # with clipping).
 PARAM_ATOL = 1e-5
+# Two named validation sets whose global batches of VAL_BATCH give the DP ranks different
+# micro-batch counts in some step of each (asserted): short samples of 3..40 tokens, and
+# samples of up to 80 tokens (cp_size * BUCKET, the longest a sequence may be).
+VAL_BATCH = 6
+SHORT = make_data(12, seed=4, longest=40)
+LONG = make_data(8, seed=102, longest=80)
 
 
 def _full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -139,6 +147,34 @@ class Recorder(BatchRecorder):
         self.buffers = _buffers(model)
         self.tied = model.lm_head.weight is model.model.embed_tokens.weight
         self.dtype = str(next(model.parameters()).dtype)
+
+
+class NamedSetsLM(PlainLM):
+    """:class:`PlainLM` whose validation takes several loaders, recording per validation batch
+    the set's name, the micro-batches this rank ran and the plan's counts."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_batches: list[dict[str, Any]] = []
+
+    def validation_step(
+        self, batch: dict[str, torch.Tensor], batch_idx: int, dataloader_idx: int = 0
+    ) -> torch.Tensor:
+        return self.model(**batch).loss
+
+    def on_validation_batch_end(
+        self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
+    ) -> None:
+        rb = batch.rank_batch
+        self.val_batches.append(
+            {
+                "name": batch.dataset_name,
+                "dp_rank": rb.dp_rank,
+                "run": len(rb.micro_batches),
+                "max": batch.stats.max_micro_batches,
+                "min": batch.stats.min_micro_batches,
+            }
+        )
 
 
 class PretrainedLM(PlainLM):
@@ -220,7 +256,9 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for shard in ("cp", "world"):
         with count_all_reduces() as calls:
-            module, trainer, recorder = _fit(STEPS, shard=shard)
+            module, trainer, recorder = _fit(
+                STEPS, shard=shard, module=NamedSetsLM() if shard == "cp" else None
+            )
         strategy = trainer.strategy
         dp_group = strategy.device_mesh.get_group("dp") if shard == "cp" else None
         out[shard] = {
@@ -240,6 +278,14 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             train_data=make_data(), val_data=make_data(11, seed=1), val_global_batch_size=4
         )
         out[shard]["val_loss"] = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+        if shard == "cp":  # named sets: val_loss/<name> per set
+            sets = SkrullDataModule(
+                val_data={"short": SHORT, "long": LONG}, val_global_batch_size=VAL_BATCH
+            )
+            assert isinstance(module, NamedSetsLM)
+            module.val_batches.clear()  # the single set's batches above
+            out["sets_val"] = trainer.validate(module, sets, verbose=False)
+            out["sets_batches"] = module.val_batches
 
     module, _, _ = _fit(STEPS, activation_checkpointing=True, gradient_clip_val=CLIP)
     out["clip"] = _full_params(module.model)
@@ -379,6 +425,33 @@ def test_validation_loss_equals_single_process(runs: list[dict[str, Any]], shard
     for out in runs:
         # float32 sums over 11 samples in another order: 1e-5 relative, as for DDP
         assert out[shard]["val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_named_validation_sets_log_each_sets_exact_loss(runs: list[dict[str, Any]]) -> None:
+    params = {k: v.astype(np.float32) for k, v in runs[0]["cp"]["params"].items()}
+    expected = {"short": reference_loss(params, SHORT), "long": reference_loss(params, LONG)}
+    # the sets are told apart: their losses differ by far more than the 1e-5 tolerance
+    # (measured 3.6e-3 relative)
+    assert abs(expected["short"] - expected["long"]) > 1e-3 * expected["short"]
+    for out in runs:
+        # one result per loader, in the mapping's order; no plain val_loss
+        assert [sorted(r) for r in out["sets_val"]] == [["val_loss/short"], ["val_loss/long"]]
+        for i, name in enumerate(("short", "long")):
+            # float32 sums in another order (packed, sharded, per rank): 1e-5 relative
+            assert out["sets_val"][i][f"val_loss/{name}"] == pytest.approx(expected[name], rel=1e-5)
+    for name in ("short", "long"):
+        # planned like training steps: in some validation step of each set the DP ranks run
+        # different micro-batch counts, and HSDP runs them as planned
+        steps = [b for b in runs[0]["sets_batches"] if b["name"] == name]
+        assert any(b["max"] != b["min"] for b in steps), name
+        ran = {
+            out["sets_batches"][0]["dp_rank"]: [
+                b["run"] for b in out["sets_batches"] if b["name"] == name
+            ]
+            for out in runs
+        }
+        assert ran[0] != ran[1], (name, ran)
 
 
 @pytest.mark.multiprocess

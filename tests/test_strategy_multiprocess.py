@@ -4,7 +4,7 @@ Two spawns (each process start costs seconds, so every case of a world size runs
 
 - 4 processes, DP=2 x CP=2: DDP and ZeRO-2 parity with single-process training, exact
   validation loss and perplexity (of one set, and of named short and long sets, validation
-  and test), bf16-mixed, and resume mid-epoch and at an epoch boundary (final parameters equal
+  and test; ZeRO-2: validation of one set and of the named sets), bf16-mixed, and resume mid-epoch and at an epoch boundary (final parameters equal
   an uninterrupted run; every sample trained exactly once per epoch).
 - 3 processes, CP=3: DDP and ZeRO-2 parity with gradient clipping.
 
@@ -164,6 +164,11 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     # a standalone validate on ZeRO-2 (DeepSpeed's inference engine) gives the same loss
     zero2_val = cpu_trainer(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET))
     out["zero2_val_loss"] = zero2_val.validate(evaluator, val)[0]["val_loss"]
+    # and the named sets: one val_loss/<name> per set
+    zero2_sets = SetRecordingLM()
+    zero2_sets.model.load_state_dict(evaluator.model.state_dict())
+    out["zero2_sets_val"] = zero2_val.validate(zero2_sets, sets, verbose=False)
+    out["zero2_sets_batches"] = zero2_sets.batches
 
     # bf16-mixed: the autocast context covers every micro-batch
     model, trainer, _ = _fit(
@@ -305,6 +310,10 @@ def test_named_validation_sets_log_each_sets_exact_loss(
             assert val[i][f"val_loss/{name}"] == pytest.approx(expected, rel=1e-5)
             assert val[i][f"val_ppl/{name}"] == pytest.approx(math.exp(expected), rel=1e-5)
             assert test[1 - i][f"test_loss/{name}"] == pytest.approx(expected, rel=1e-5)
+            # ZeRO-2 (DeepSpeed's inference engine) logs the same per-set losses
+            zero2 = out["zero2_sets_val"][i]
+            assert sorted(zero2) == [f"val_loss/{name}", f"val_ppl/{name}"]
+            assert zero2[f"val_loss/{name}"] == pytest.approx(expected, rel=1e-5)
 
 
 @pytest.mark.multiprocess
@@ -339,6 +348,16 @@ def test_named_sets_reach_the_module_with_their_dataloader_idx(
             ]
             # planned like training steps: the DP ranks run different micro-batch counts
             assert any(b["max"] != b["min"] for b in steps)
+    # ZeRO-2's validation of the named sets: the same plans, each set's batches in order
+    for name in ("short", "long"):
+        steps = [b for b in four_ranks[0]["zero2_sets_batches"] if b["name"] == name]
+        assert steps and any(b["max"] != b["min"] for b in steps), name
+        # every DP rank runs the plan's largest count, as in ZeRO-2's training steps
+        for out in four_ranks:
+            assert all(b["run"] == b["max"] for b in out["zero2_sets_batches"] if b["name"] == name)
+    for out in four_ranks:
+        names = [b["name"] for b in out["zero2_sets_batches"]]
+        assert names == sorted(names, key=["short", "long"].index)
 
 
 @pytest.mark.multiprocess
