@@ -6,6 +6,10 @@ trainable (LoRA) parameters, on the same global batches (dataset order):
 - ``SkrullStrategy`` (DDP), ``SkrullZero2Strategy`` and ``SkrullFSDPStrategy`` (``shard="cp"``,
   with ``activation_checkpointing=True``) in float32; the FSDP run's adapter is written by
   ``save_pretrained`` in peft's format;
+- generation mid-training under ``SkrullStrategy``: the DDP run again with a callback that
+  generates greedily after step 1 inside ``trainer.strategy.generating()`` on every rank; the
+  tokens and logits equal peft's ``generate`` on one process with the same weights, and the
+  parameters after step 2 equal the DDP run without the callback bit for bit;
 - ``bf16-mixed`` under ``SkrullStrategy``, within the 16-bit rule of docs/precision.md;
 - transformers' reentrant activation checkpointing with ``modules_to_save=["lm_head"]`` (a
   trainable head copy after the layers: the setting in which adapters without gradients would
@@ -85,6 +89,12 @@ GRAD_RTOL = 1e-5
 # master copy is what is compared.
 RATIO = 2.0
 FLOOR = 1e-3
+PROMPT = [5, 9, 2, 7]
+NEW_TOKENS = 4
+# Float32 logits of the cached generation (sdpa, through the LoRA layers) against peft's eager
+# generation on one process differ by summation order only (measured 3.7e-8; without the
+# adapters they differ by 0.45); 1e-5 leaves room, as in tests/test_generation.py.
+LOGITS_ATOL = 1e-5
 BF16_BASE = {
     "bf16_base_ddp": ("ddp", "bf16-mixed"),
     "bf16_base_zero2": ("zero2", "bf16-mixed"),
@@ -92,7 +102,7 @@ BF16_BASE = {
     "bf16_base_fsdp_32": ("fsdp", "32-true"),
 }
 """The cases that train the bf16-base LoRA model: ``(strategy, precision)``."""
-CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero", *BF16_BASE)
+CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero", "generate", *BF16_BASE)
 
 
 def init_lora(model: torch.nn.Module) -> None:
@@ -207,12 +217,41 @@ class Recorder(BatchRecorder):
             self.grads[name] = None if grad is None else grad.double().numpy().copy()
 
 
+class SampleGenerations(L.Callback):
+    """Generates greedily from :data:`PROMPT` after step 1, the way a user's callback does, and
+    records the parameters it generated from."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] = {}
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != 0:
+            return
+        self.record["params"] = full_params(module.model)
+        with trainer.strategy.generating() as model:
+            self.record["attention"] = model.config._attn_implementation
+            out = model.generate(
+                torch.tensor([PROMPT]),
+                max_new_tokens=NEW_TOKENS,
+                do_sample=False,
+                pad_token_id=0,
+                return_dict_in_generate=True,
+                output_logits=True,
+            )
+        self.record["tokens"] = out.sequences[0].tolist()
+        self.record["logits"] = torch.stack(out.logits).float().numpy()
+        self.record["attention_after"] = module.model.base_model.model.config._attn_implementation
+
+
 def _fit(
     strategy_name: str,
     module: LoraLM,
     *,
     grads: bool = False,
     precision: str = "32-true",
+    callbacks: tuple[L.Callback, ...] = (),
     **strategy_kwargs: Any,
 ) -> tuple[L.Trainer, Recorder]:
     from lightning_skrull import (
@@ -228,7 +267,7 @@ def _fit(
         classes[strategy_name](cp_size=2, bucket_size=BUCKET, **strategy_kwargs),
         precision=precision,
         max_steps=STEPS,
-        callbacks=[recorder],
+        callbacks=[recorder, *callbacks],
     )
     data = SkrullDataModule(
         train_data=make_data(GLOBAL_BATCH * STEPS), global_batch_size=GLOBAL_BATCH, shuffle=False
@@ -255,6 +294,11 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         module = LoraLM()
         _, recorder = _fit(name, module)
         out[name] = _result(module, recorder)
+
+    generations = SampleGenerations()
+    module = LoraLM()
+    _, recorder = _fit("ddp", module, callbacks=(generations,))
+    out["generate"] = {**_result(module, recorder), **generations.record}
 
     module = LoraLM()
     trainer, recorder = _fit("fsdp", module, grads=True, activation_checkpointing=True)
@@ -409,6 +453,45 @@ def test_float32_strategies_equal_single_process_peft(
         assert _max_diff(got["after"], after, trainable) < PARAM_ATOL, case
         # frozen base weights: exactly as they started
         assert _max_diff(got["after"], before, frozen) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_generation_mid_training_equals_single_process_peft(runs: list[dict[str, Any]]) -> None:
+    from lightning_skrull.models import ATTENTION_NAME
+
+    for out in runs:
+        got = out["generate"]
+        # peft's generate on one process (eager attention) with the weights the callback saw
+        model = lora_model(tiny_qwen2(attn_implementation="eager"))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(torch.from_numpy(got["params"][name]))
+        model.eval()
+        kwargs: dict[str, Any] = {
+            "max_new_tokens": NEW_TOKENS,
+            "do_sample": False,
+            "pad_token_id": 0,
+            "return_dict_in_generate": True,
+            "output_logits": True,
+        }
+        ref = model.generate(input_ids=torch.tensor([PROMPT]), **kwargs)
+        with model.disable_adapter():
+            plain = model.generate(input_ids=torch.tensor([PROMPT]), **kwargs)
+        # the adapters count: without them the logits differ by far more than the tolerance
+        adapters = np.abs(torch.stack(plain.logits).numpy() - torch.stack(ref.logits).numpy())
+        assert adapters.max() > 100 * LOGITS_ATOL
+        assert got["attention"] == "sdpa" and got["attention_after"] == ATTENTION_NAME
+        assert len(got["tokens"]) == len(PROMPT) + NEW_TOKENS
+        assert got["tokens"] == ref.sequences[0].tolist()
+        np.testing.assert_allclose(
+            got["logits"], torch.stack(ref.logits).float().numpy(), rtol=0, atol=LOGITS_ATOL
+        )
+        # DDP: the same operations on the same data as the run without the callback, whose
+        # gradient buckets are filled in the same order: generation changed nothing step 2
+        # reads, so the parameters are equal bit for bit
+        assert got["after"].keys() == out["ddp"]["after"].keys()
+        for name, value in got["after"].items():
+            assert np.array_equal(value, out["ddp"]["after"][name]), name
 
 
 @pytest.mark.multiprocess
