@@ -102,12 +102,14 @@ def write_pretrained(
         save_adapter(peft_model, hf_model, state, directory)
         return
     model: Any = hf_model
-    model.save_pretrained(str(directory), state_dict=state)
+    saved_dtype = written_dtype(state)
+    # a copy: transformers empties the dict it is given as it writes
+    model.save_pretrained(str(directory), state_dict=dict(state))
     # save_pretrained records the class and the dtype of the model object, which can be a
     # wrapper's subclass and bf16 copies of float32 weights (ZeRO-2's bf16 model)
     config = copy.deepcopy(model.config)
     config.architectures = [model_class(hf_model).__name__]
-    config.dtype = written_dtype(state)
+    config.dtype = saved_dtype
     config.save_pretrained(str(directory))
 
 
