@@ -17,6 +17,7 @@ from helpers import (
     reference_loss_and_grads,
     tiny_config,
     tiny_model,
+    tiny_qwen2,
 )
 from torch import nn
 
@@ -333,3 +334,42 @@ def test_save_pretrained_after_training_keeps_the_users_config(tmp_path: Path) -
     # the trained model itself generates with its cache again once it leaves the Skrull attention
     model.set_attn_implementation("sdpa")
     assert model(input_ids=prompt).cache is not None
+
+
+def test_write_pretrained_records_the_written_dtype_and_casts_on_request(tmp_path: Path) -> None:
+    """The strategies' writer (``trainer.strategy.save_pretrained``): ``config.json`` records
+    the dtype of the tensors written, so ``dtype="auto"`` loads them unrounded."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lightning_skrull.models.saving import cpu_state_dict, write_pretrained
+
+    model = tiny_qwen2()
+    # float32 trained weights beside a frozen bf16 embedding: written as they are, config
+    # float32 (the widest), so nothing is rounded on loading
+    state = cpu_state_dict(model)
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"].bfloat16()
+    write_pretrained(model, model, state, tmp_path / "mixed")
+    config = json.loads((tmp_path / "mixed" / "config.json").read_text())
+    assert config["dtype"] == "float32" and config["architectures"] == ["Qwen2ForCausalLM"]
+    written = load_file(tmp_path / "mixed" / "model.safetensors")
+    assert written["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert written["lm_head.weight"].dtype == torch.float32
+    # dtype= casts every floating-point tensor, and the config says so
+    write_pretrained(model, model, cpu_state_dict(model), tmp_path / "bf16", dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert loaded.dtype == torch.bfloat16
+    for key, value in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[key], value.bfloat16()), key
+
+
+def test_save_pretrained_refuses_a_non_float_dtype_and_a_strategy_not_set_up(
+    tmp_path: Path,
+) -> None:
+    from lightning_skrull import SkrullStrategy
+
+    strategy = SkrullStrategy()
+    with pytest.raises(ValueError, match=r"dtype=torch\.int8.*floating-point torch\.dtype"):
+        strategy.save_pretrained(tmp_path, dtype=torch.int8)
+    with pytest.raises(RuntimeError, match=r"after trainer\.fit"):
+        strategy.save_pretrained(tmp_path)

@@ -20,7 +20,8 @@ trainable (LoRA) parameters, on the same global batches (dataset order):
   ``autocast_adapter_dtype=True``), as a checkpoint loaded with ``torch_dtype=torch.bfloat16``
   is, under ``bf16-mixed`` on each of the three strategies: the 16-bit rule against single-process
   autocast training of the same model, the dtypes each strategy keeps, and FSDP's shards of the
-  frozen base in bf16.
+  frozen base in bf16; ZeRO-2's adapter, written by ``save_pretrained``, is its float32 master
+  copy, not the model's bf16 copy.
 
 The reference is independent of the package: the same ``PeftModel`` on one process with eager
 attention, one sequence at a time, summed token cross-entropy divided by the global batch's
@@ -54,6 +55,7 @@ from helpers import (
     tiny_qwen2,
     token_loss_sum,
 )
+from safetensors.torch import load_file
 
 from lightning_skrull.runtime.launch import spawn
 
@@ -337,6 +339,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out[case]["stepped"] = stepped_dtypes(trainer.optimizers[0])
         if name == "zero2":
             out[case]["master"] = zero2_master(module.model)
+            trainer.strategy.save_pretrained(os.path.join(tmp, "adapter_zero2"))
 
     # a frozen base loaded in bf16 on ranks 0-1 and in float32 on ranks 2-3
     from lightning_skrull.strategies.fsdp import check_frozen_dtypes_agree
@@ -361,6 +364,12 @@ def runs() -> list[dict[str, Any]]:
         loaded = peft.PeftModel.from_pretrained(tiny_qwen2(attn_implementation="eager"), adapter)
         results[0]["loaded"] = full_params(loaded)
         results[0]["loaded_loss"] = mean_token_loss(loaded, make_data(11, seed=1))
+        # the bf16-base adapter ZeRO-2 trained under bf16-mixed, over the bf16 base it trained on
+        adapter = Path(tmp, "adapter_zero2")
+        written = load_file(adapter / "adapter_model.safetensors")
+        results[0]["zero2_adapter_dtypes"] = sorted({str(t.dtype) for t in written.values()})
+        base = tiny_qwen2(attn_implementation="eager").to(torch.bfloat16)
+        results[0]["zero2_adapter"] = full_params(peft.PeftModel.from_pretrained(base, adapter))
     return results
 
 
@@ -629,6 +638,24 @@ def test_fsdp_save_pretrained_writes_a_peft_adapter(runs: list[dict[str, Any]]) 
     assert out["loaded_loss"] == pytest.approx(
         mean_token_loss(model, make_data(11, seed=1)), abs=1e-6
     )
+
+
+@pytest.mark.multiprocess
+def test_zero2_bf16_mixed_save_pretrained_writes_the_float32_master_adapter(
+    runs: list[dict[str, Any]],
+) -> None:
+    loaded = runs[0]["zero2_adapter"]
+    assert runs[0]["zero2_adapter_dtypes"] == ["torch.float32"]
+    for out in runs:
+        result = out["bf16_base_zero2"]
+        lora = sorted(result["master"])
+        assert lora and all("lora_" in name for name in lora)
+        # the adapter read back by peft is DeepSpeed's float32 master exactly ...
+        assert _max_diff(loaded, result["master"], lora) == 0.0
+        # ... not the model's bf16 copy of it (its rounding to bf16)
+        assert _max_diff(loaded, result["after"], lora) > 0.0
+        rounded = {k: torch.from_numpy(loaded[k]).bfloat16().double().numpy() for k in lora}
+        assert _max_diff(rounded, result["after"], lora) == 0.0
 
 
 @pytest.mark.multiprocess

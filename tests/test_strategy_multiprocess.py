@@ -4,8 +4,11 @@ Two spawns (each process start costs seconds, so every case of a world size runs
 
 - 4 processes, DP=2 x CP=2: DDP and ZeRO-2 parity with single-process training, exact
   validation loss and perplexity (of one set, and of named short and long sets, validation
-  and test; ZeRO-2: validation of one set and of the named sets), bf16-mixed, and resume mid-epoch and at an epoch boundary (final parameters equal
-  an uninterrupted run; every sample trained exactly once per epoch).
+  and test; ZeRO-2: validation of one set and of the named sets), bf16-mixed, and resume
+  mid-epoch and at an epoch boundary (final parameters equal an uninterrupted run; every sample
+  trained exactly once per epoch). The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
+  with ``trainer.strategy.save_pretrained``, read back on one process by plain transformers: the
+  trained weights (ZeRO-2's float32 masters) and the validation loss the runs logged.
 - 3 processes, CP=3: DDP and ZeRO-2 parity with gradient clipping.
 
 The reference is independent of the package: a plain Hugging Face model with eager attention,
@@ -15,6 +18,7 @@ tokens, then ``torch.optim.SGD``.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import tempfile
@@ -23,6 +27,7 @@ from typing import Any
 import lightning.pytorch as L
 import numpy as np
 import pytest
+import torch
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
@@ -33,6 +38,7 @@ from helpers import (
     cpu_trainer,
     make_data,
     max_diff,
+    mean_token_loss,
     reference_loss,
     reference_training,
 )
@@ -45,6 +51,14 @@ CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the u
 # (about 4.2) is then off by up to a few 1e-2 from float32.
 BF16_LOSS_ATOL = 5e-2
 
+
+VAL_DATA = make_data(11, seed=1)
+SAVED = ("ddp", "zero2", "zero2_bf16")
+"""The runs whose trained model ``trainer.strategy.save_pretrained`` writes."""
+# save_pretrained of a bf16-mixed ZeRO-2 run writes the float32 masters; their validation loss
+# on one process in float32 against the run's logged one, computed on the bf16 model copies:
+# bf16 rounding of the weights and of every matmul (BF16_LOSS_ATOL above covers it; measured
+# 7.3e-6: 4.159299 against 4.159307). The masters are up to 1.9e-3 from the bf16 copies.
 
 # Two validation sets whose global batches of VAL_BATCH give the DP ranks different micro-batch
 # counts in some step of each (asserted below): short samples of 3..40 tokens, and samples of up
@@ -108,15 +122,55 @@ def _params(module: L.LightningModule) -> dict[str, np.ndarray]:
     return {k: v.detach().float().numpy().copy() for k, v in module.model.state_dict().items()}
 
 
+def _masters(module: L.LightningModule) -> dict[str, np.ndarray]:
+    """DeepSpeed's float32 master copy of every parameter, gathered from the optimizer
+    partitions (a collective), by state-dict key."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    out = {}
+    for name, param in module.model.named_parameters():
+        master = safe_get_full_fp32_param(param)
+        assert master is not None and master.dtype == torch.float32, name
+        out[name] = master.detach().numpy().copy()
+    return out
+
+
+def _saved(directory: str, samples: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """A checkpoint written by ``save_pretrained``, read on this one process by plain
+    transformers (its default attention, no lightning_skrull): its parameters as stored, its
+    config and its validation loss on ``samples``, one sequence at a time."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype="auto")
+    with open(os.path.join(directory, "config.json")) as f:
+        config = json.load(f)
+    return {
+        "params": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+        "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+        "class": type(model).__name__,
+        "attention": model.config._attn_implementation,
+        "config": config,
+        "val_loss": mean_token_loss(model, VAL_DATA),
+    }
+
+
 def _fit(
-    strategy: Any, steps: int, **trainer_kwargs: Any
+    strategy: Any, steps: int, *, validate: bool = False, **trainer_kwargs: Any
 ) -> tuple[PlainLM, L.Trainer, BatchRecorder]:
+    """Fit :class:`PlainLM`; ``validate``: on :data:`VAL_DATA` at the end of the epoch too
+    (after the last of 3 steps), logging ``val_loss`` of the trained weights."""
     from lightning_skrull import SkrullDataModule
 
     recorder = BatchRecorder()
     trainer = cpu_trainer(strategy, max_steps=steps, callbacks=[recorder], **trainer_kwargs)
     model = PlainLM()
-    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=False)
+    data = SkrullDataModule(
+        train_data=make_data(),
+        val_data=VAL_DATA if validate else None,
+        global_batch_size=GLOBAL_BATCH,
+        val_global_batch_size=4,
+        shuffle=False,
+    )
     trainer.fit(model, data)
     return model, trainer, recorder
 
@@ -134,6 +188,7 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     out["ddp"] = _params(model)
     out["ddp_loss"] = float(trainer.callback_metrics["train_loss"])
     out["ddp_steps"] = recorder.steps
+    trainer.strategy.save_pretrained(os.path.join(ckpt_dir, "pretrained", "ddp"))
 
     # validation of the trained weights: loss logged by the strategy and torchmetrics perplexity
     evaluator = SkrullCausalLM(model={"model_type": "qwen2", **TINY_QWEN2})
@@ -158,9 +213,24 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     out["sets_batches"] = recorder.batches
 
     # ZeRO-2 parity (every DP rank padded to the same micro-batch count)
-    model, _, recorder = _fit(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), 3)
+    model, trainer, recorder = _fit(
+        SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), 3, validate=True
+    )
     out["zero2"] = _params(model)
     out["zero2_runs"] = [s["run"] for s in recorder.steps]
+    out["zero2_trained_val_loss"] = float(trainer.callback_metrics["val_loss"])
+    trainer.strategy.save_pretrained(os.path.join(ckpt_dir, "pretrained", "zero2"))
+
+    # bf16-mixed ZeRO-2: the model holds bf16 copies, the optimizer the float32 masters
+    model, trainer, recorder = _fit(
+        SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), 3, validate=True, precision="bf16-mixed"
+    )
+    out["zero2_bf16_master"] = _masters(model)
+    out["zero2_bf16_copy"] = _params(model)
+    out["zero2_bf16_dtypes"] = sorted({str(p.dtype) for p in model.model.parameters()})
+    out["zero2_bf16_steps"] = recorder.steps
+    out["zero2_bf16_val_loss"] = float(trainer.callback_metrics["val_loss"])
+    trainer.strategy.save_pretrained(os.path.join(ckpt_dir, "pretrained", "zero2_bf16"))
     # a standalone validate on ZeRO-2 (DeepSpeed's inference engine) gives the same loss
     zero2_val = cpu_trainer(SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET))
     out["zero2_val_loss"] = zero2_val.validate(evaluator, val)[0]["val_loss"]
@@ -246,7 +316,10 @@ def _three_rank_cases(rank: int, world_size: int) -> dict[str, Any]:
 @pytest.fixture(scope="module")
 def four_ranks() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as ckpt_dir:
-        return spawn(_four_rank_cases, 4, ckpt_dir, timeout=900)
+        results = spawn(_four_rank_cases, 4, ckpt_dir, timeout=900)
+        saved = os.path.join(ckpt_dir, "pretrained")
+        results[0]["saved"] = {name: _saved(os.path.join(saved, name), VAL_DATA) for name in SAVED}
+        return results
 
 
 @pytest.fixture(scope="module")
@@ -287,6 +360,57 @@ def test_validation_loss_and_perplexity_equal_single_process(
         assert out["val_loss"] == pytest.approx(expected, rel=1e-5)
         assert out["val_ppl"] == pytest.approx(math.exp(expected), rel=1e-5)
         assert out["zero2_val_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", SAVED)
+def test_save_pretrained_checkpoint_loads_with_plain_transformers(
+    four_ranks: list[dict[str, Any]], name: str
+) -> None:
+    saved = four_ranks[0]["saved"][name]
+    assert saved["class"] == saved["config"]["architectures"][0] == "Qwen2ForCausalLM"
+    assert saved["attention"] == "sdpa"  # transformers' default, not the Skrull attention
+    # the written weights are float32 (the masters under bf16-mixed ZeRO-2), and config.json
+    # says so: dtype="auto" loads them without rounding
+    assert saved["config"]["dtype"] == "float32"
+    assert saved["dtypes"] == ["torch.float32"]
+
+
+@pytest.mark.multiprocess
+def test_save_pretrained_writes_the_trained_weights(four_ranks: list[dict[str, Any]]) -> None:
+    saved = four_ranks[0]["saved"]
+    for out in four_ranks:
+        # DDP and float32 ZeRO-2: the model's own weights, bit for bit
+        assert max_diff(saved["ddp"]["params"], out["ddp"]) == 0.0
+        assert max_diff(saved["zero2"]["params"], out["zero2"]) == 0.0
+    # the loss of the reloaded model on one process equals the loss the strategy logged for
+    # the trained weights (float32 sums over 11 samples in another order: 1e-5 relative;
+    # measured 3.0e-8 under DDP and ZeRO-2)
+    assert saved["ddp"]["val_loss"] == pytest.approx(four_ranks[0]["val_loss"], rel=1e-5)
+    for out in four_ranks:
+        assert out["zero2_trained_val_loss"] == pytest.approx(saved["zero2"]["val_loss"], rel=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_zero2_bf16_mixed_save_pretrained_writes_the_float32_masters(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    written = four_ranks[0]["saved"]["zero2_bf16"]["params"]
+    for out in four_ranks:
+        assert out["zero2_bf16_dtypes"] == ["torch.bfloat16"]  # the model holds bf16 copies
+        # exactly DeepSpeed's float32 masters ...
+        assert max_diff(written, out["zero2_bf16_master"]) == 0.0
+        # ... not the model's bf16 copies, which are their rounding to bf16
+        assert max_diff(written, out["zero2_bf16_copy"]) > 0.0
+        rounded = {k: torch.from_numpy(v).bfloat16().float().numpy() for k, v in written.items()}
+        assert max_diff(rounded, out["zero2_bf16_copy"]) == 0.0
+        # the logged validation loss ran on the bf16 copies (see BF16_LOSS_ATOL)
+        assert out["zero2_bf16_val_loss"] == pytest.approx(
+            four_ranks[0]["saved"]["zero2_bf16"]["val_loss"], abs=BF16_LOSS_ATOL
+        )
+    # DP ranks planned different micro-batch counts (ZeRO-2 padded them to the largest)
+    steps = four_ranks[0]["zero2_bf16_steps"]
+    assert any(s["max"] != s["min"] for s in steps)
 
 
 @pytest.mark.multiprocess

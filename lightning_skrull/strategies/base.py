@@ -25,6 +25,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,7 @@ from lightning_skrull.models.adapters import check_checkpointing_gradients
 from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
 from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.patching import find_hf_model, prepare_model
+from lightning_skrull.models.saving import check_save_dtype, cpu_state_dict, write_pretrained
 from lightning_skrull.models.token_loss import (
     CUSTOM_LOSS_MESSAGE,
     CustomLossWarning,
@@ -602,6 +604,60 @@ class SkrullStrategyMixin(ParallelStrategy):
         precision: Precision = self.precision_plugin
         with plain_attention(model) as hf_model, precision.val_step_context():
             yield hf_model
+
+    # ------------------------------------------------------------------ saving
+    def save_pretrained(self, directory: str | Path, *, dtype: torch.dtype | None = None) -> None:
+        """Write the trained model in Hugging Face format, loadable by ``from_pretrained``.
+
+        A collective: call it on every rank (e.g. after ``trainer.fit``); global rank 0 writes
+        ``config.json``, ``generation_config.json`` and the safetensors files into
+        ``directory``, then every rank waits for it. ``config.architectures`` names the model's
+        own class (not DDP's, DeepSpeed's or FSDP's wrapper) and ``config.dtype`` the dtype of
+        the written weights (what ``from_pretrained(directory, dtype="auto")`` loads them in);
+        ``AutoModelForCausalLM.from_pretrained(directory)`` loads the model on transformers'
+        default attention, without this package. When the
+        LightningModule's model is a peft ``PeftModel`` (LoRA), the adapter is written instead,
+        in peft's format (``adapter_config.json`` and ``adapter_model.safetensors``, loadable
+        with ``PeftModel.from_pretrained(base_model, directory)``).
+
+        What is written is what the optimizer stepped: the model's own parameters under
+        :class:`~lightning_skrull.SkrullStrategy`; under
+        :class:`~lightning_skrull.SkrullZero2Strategy` the float32 master weights gathered from
+        DeepSpeed's optimizer partitions (the model's parameters are their bf16 copies under
+        ``"bf16-mixed"``/``"bf16-true"``); under :class:`~lightning_skrull.SkrullFSDPStrategy`
+        the gathered shards. Parameters that do not train are written as the model holds them.
+
+        Args:
+            directory: the folder to write (created if missing).
+            dtype: cast every floating-point weight to it (``torch.bfloat16`` for a checkpoint
+                half the size of a float32 one); ``None`` writes each in the dtype it trained in.
+
+        Raises:
+            RuntimeError: before a Trainer's setup found the model, or inside a step's
+                micro-batches.
+            ValueError: ``dtype`` is not a floating-point ``torch.dtype``.
+        """
+        check_save_dtype(dtype)
+        self._refuse_in_micro_batches("save_pretrained")
+        hf_model = self._hf_model
+        if hf_model is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.save_pretrained needs the model the Trainer's setup "
+                "prepares; call it after trainer.fit (or from a hook during it)."
+            )
+        state = self._trained_state_dict()
+        if self.global_rank == 0:
+            write_pretrained(self._attached_module, hf_model, state, directory, dtype=dtype)
+        self.barrier()
+
+    def _trained_state_dict(self) -> dict[str, Tensor]:
+        """The Hugging Face model's full state dict as trained, on CPU, on global rank 0 (an
+        empty dict elsewhere). A collective where the strategy gathers it (ZeRO-2, FSDP)."""
+        hf_model = self._hf_model
+        assert hf_model is not None
+        if self.global_rank != 0:
+            return {}
+        return cpu_state_dict(hf_model)
 
     # ------------------------------------------------------------------ user collectives
     # ``reduce``, ``broadcast`` and ``barrier`` are abstract in ParallelStrategy, the mixin's

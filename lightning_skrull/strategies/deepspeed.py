@@ -49,6 +49,7 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.models.saving import cpu_state_dict
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -356,6 +357,28 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             "process count, not the DP size). Runs that must change their process count train "
             "with SkrullStrategy or SkrullFSDPStrategy, whose checkpoints resume on any layout."
         )
+
+    # ------------------------------------------------------------------ saving
+    @override
+    def _trained_state_dict(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with DeepSpeed's float32 master weights in place of the
+        parameters the optimizer steps (under bf16 the model holds their bf16 copies); the
+        frozen parameters and the buffers as the model holds them. A collective: every rank
+        gathers each master from the partitions (``safe_get_full_fp32_param``, an all-reduce
+        per parameter), in the model's parameter order; rank 0 keeps them."""
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        hf_model = self._hf_model
+        assert hf_model is not None
+        masters: dict[int, torch.Tensor] = {}
+        for param in hf_model.parameters():
+            # None, on every rank, for a parameter the optimizer does not hold
+            master = safe_get_full_fp32_param(param)
+            if master is not None and self.global_rank == 0:
+                masters[id(param)] = master.detach().cpu()
+        if self.global_rank != 0:
+            return {}
+        return cpu_state_dict(hf_model, replace=masters)
 
     # ------------------------------------------------------------------ micro-batches
     def _set_boundary(self, is_boundary: bool) -> None:

@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
@@ -55,7 +54,6 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
-from lightning_skrull.models.adapters import find_peft_model, save_adapter
 from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_rank_zero
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
@@ -512,30 +510,9 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         state = get_model_state_dict(cast(nn.Module, self.sharded_model), options=options)
         return cast(dict[str, Tensor], state)
 
-    def save_pretrained(self, directory: str | Path) -> None:
-        """Write the trained model in Hugging Face format, loadable by ``from_pretrained``.
-
-        A collective: call it on every rank (e.g. after ``trainer.fit``); global rank 0 gathers
-        the full weights and writes ``config.json`` and the safetensors files into
-        ``directory``. When the LightningModule's model is a peft ``PeftModel`` (LoRA), the
-        adapter is written instead, in peft's format (``adapter_config.json`` and
-        ``adapter_model.safetensors``, loadable with ``PeftModel.from_pretrained(base_model,
-        directory)``): the full state dict would hold the adapter layers' inner names
-        (``q_proj.base_layer.weight``), which no Hugging Face model loads.
-        """
-        state = self.full_state_dict()
-        if self.global_rank == 0:
-            model = cast(Any, self.sharded_model)
-            peft_model = find_peft_model(self._attached_module, model)
-            if peft_model is not None:
-                save_adapter(peft_model, model, state, directory)
-            else:
-                model.save_pretrained(str(directory), state_dict=state)
-                # fully_shard swapped the class for an FSDP subclass; record the model's class
-                original = next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule))
-                model.config.architectures = [original.__name__]
-                model.config.save_pretrained(str(directory))
-        self.barrier()
+    @override
+    def _trained_state_dict(self) -> dict[str, Tensor]:
+        return self.full_state_dict()
 
     @classmethod
     @override
