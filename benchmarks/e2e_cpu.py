@@ -68,6 +68,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from benchmarks.lengths import DATASETS, Dataset, sample_lengths
+from benchmarks.rss import peak_rss_kib
 from lightning_skrull.scheduling import POLICIES
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,20 +205,6 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _peak_rss_kib() -> int:
-    """Peak resident memory of this process since the last reset, in KiB."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    import resource
-
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
-
-
 # --------------------------------------------------------------------------- worker parts
 class _StepTimer(L.Callback):
     """Times optimizer steps between two barriers; the forward/backward part ends where the
@@ -267,7 +254,7 @@ class _StepTimer(L.Callback):
                 fwd_bwd_seconds=self._t1 - self._t0,
                 cpu_seconds=cpu,
                 cpu_fwd_bwd_seconds=self._c1 - self._c0,
-                peak_rss_kib=_peak_rss_kib(),
+                peak_rss_kib=peak_rss_kib(),
                 peak_rank_tokens=self._tokens,
                 plan=self._plan if trainer.is_global_zero else None,
             )

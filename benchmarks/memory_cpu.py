@@ -3,8 +3,9 @@
 A Qwen2 with Qwen2.5's 151,936-token vocabulary (tied head, as Qwen2.5-0.5B) and a tiny body
 (hidden 64, 2 layers), so the LM head dominates activation memory as it does for Qwen2.5-0.5B.
 Each case runs in a fresh process: one warm-up step on 16 tokens, then the peak resident set
-(``ru_maxrss``) is read before and after one forward + backward of ``N`` packed tokens (sequences
-of 512), and the step is timed (the fastest of three). Three ways to run the same tokens:
+(``VmHWM``, :func:`benchmarks.rss.peak_rss_kib`) is read before and after one forward +
+backward of ``N`` packed tokens (sequences of 512), and the step is timed (the fastest of
+three). Three ways to run the same tokens:
 
 - ``hf``: plain transformers (sdpa attention), full logits and ``ForCausalLMLoss``;
 - ``skrull_dense``: the model prepared for Skrull (CP size 1), the dense loss;
@@ -20,12 +21,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from benchmarks.rss import peak_rss_kib
 
 ROOT = Path(__file__).resolve().parent.parent
 """The repository root: the working directory of the per-measurement processes."""
@@ -97,7 +99,7 @@ def _step_fn(mode: str, tokens: int) -> Any:
 
 
 def _max_rss_mib() -> float:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return peak_rss_kib() / 1024
 
 
 def measure_one(mode: str, tokens: int, repeats: int = 3) -> dict[str, float]:
