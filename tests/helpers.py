@@ -451,6 +451,23 @@ class BatchRecorder(L.Callback):
         )
 
 
+def float64_params(model: nn.Module) -> dict[str, np.ndarray]:
+    """Every parameter of ``model`` as a float64 array on the CPU (exact for bf16 and float32)."""
+    return {k: v.detach().double().cpu().numpy() for k, v in model.named_parameters()}
+
+
+class StartRecorder(BatchRecorder):
+    """:class:`BatchRecorder` that also records the parameters the run starts from, after the
+    strategy and the precision plugin have cast the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.before: dict[str, np.ndarray] = {}
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.before = float64_params(module.model)
+
+
 def cpu_trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
     """A quiet CPU ``Trainer`` over this process group's ranks (one process without one)."""
     defaults: dict[str, Any] = {

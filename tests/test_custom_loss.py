@@ -28,9 +28,10 @@ from helpers import (
     GLOBAL_BATCH,
     LR,
     PARAM_ATOL,
-    BatchRecorder,
     PlainLM,
+    StartRecorder,
     cpu_trainer,
+    float64_params,
     make_data,
     max_diff,
     reference_model,
@@ -119,24 +120,9 @@ class LogitsOfLabelledCallLM(PlainLM):
         return token_mean_loss(smoothed_token_losses(logits, shifted_labels(batch)), batch)
 
 
-def _params(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    return {k: v.detach().double().numpy().copy() for k, v in model.named_parameters()}
-
-
-class Recorder(BatchRecorder):
-    """Records the parameters the run starts from (after the precision plugin's cast)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.before: dict[str, np.ndarray] = {}
-
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        self.before = _params(module.model)
-
-
 def _fit(module: PlainLM, *, cp_size: int = 2, **kwargs: Any) -> dict[str, Any]:
     """Train ``module`` for :data:`STEPS` steps; its parameters, steps and custom-loss warnings."""
-    recorder = Recorder()
+    recorder = StartRecorder()
     trainer = cpu_trainer(
         # one CP rank holds as many tokens as a CP group of 2 (the longest sample, 69 tokens)
         SkrullStrategy(cp_size=cp_size, bucket_size=2 * BUCKET // cp_size),
@@ -154,7 +140,7 @@ def _fit(module: PlainLM, *, cp_size: int = 2, **kwargs: Any) -> dict[str, Any]:
     return {
         "seconds": time.perf_counter() - start,
         "before": recorder.before,
-        "after": _params(module.model),
+        "after": float64_params(module.model),
         "steps": recorder.steps,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, CustomLossWarning)],
         "train_loss": float(trainer.callback_metrics["train_loss"]),
@@ -187,7 +173,7 @@ def _reference(autocast: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
     data = make_data(NUM_SAMPLES)
     model = reference_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    before, loss = _params(model), torch.zeros(())
+    before, loss = float64_params(model), torch.zeros(())
     for step in range(STEPS):
         total, tokens = torch.zeros(()), 0
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
@@ -201,7 +187,7 @@ def _reference(autocast: bool) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    return before, _params(model), float(loss.detach())
+    return before, float64_params(model), float(loss.detach())
 
 
 def update(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> np.ndarray:

@@ -26,10 +26,11 @@ from helpers import (
     BUCKET,
     GLOBAL_BATCH,
     LR,
-    BatchRecorder,
     PlainLM,
+    StartRecorder,
     count_exchanged_bytes,
     cpu_trainer,
+    float64_params,
     make_data,
     max_diff,
     reference_model,
@@ -89,22 +90,7 @@ def _cell_id(value: str) -> str:
     return value
 
 
-def _params(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """Every parameter as float64 (exact for bf16 and float32 values)."""
-    return {k: v.detach().double().cpu().numpy() for k, v in model.named_parameters()}
-
-
 # ----------------------------------------------------------------------------- 4 ranks
-class Recorder(BatchRecorder):
-    """Records the parameters the run starts from and, per step, the micro-batch counts."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.before: dict[str, np.ndarray] = {}
-
-    def on_train_start(self, trainer: Any, module: Any) -> None:
-        # after the strategy and the precision plugin cast the model
-        self.before = _params(module.model)
 
 
 def _precision_kwargs(precision: str) -> dict[str, Any]:
@@ -124,7 +110,7 @@ def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
     from lightning_skrull import SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
 
     strategy_class = SkrullStrategy if strategy_name == "ddp" else SkrullZero2Strategy
-    recorder = Recorder()
+    recorder = StartRecorder()
     trainer = cpu_trainer(
         strategy_class(cp_size=2, bucket_size=BUCKET),
         max_steps=STEPS,
@@ -140,7 +126,7 @@ def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {
         "before": recorder.before,
-        "after": _params(module.model),
+        "after": float64_params(module.model),
         "dtype": str(next(module.model.parameters()).dtype),
         "buffer_dtypes": sorted({str(b.dtype) for b in module.model.buffers()}),
         "steps": recorder.steps,
@@ -197,8 +183,8 @@ class PoisonLM(PlainLM):
         return loss
 
 
-class StepRecorder(Recorder):
-    """:class:`Recorder` plus, after each step, the parameters and the loss scale."""
+class StepRecorder(StartRecorder):
+    """:class:`StartRecorder` plus, after each step, the parameters and the loss scale."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -209,7 +195,7 @@ class StepRecorder(Recorder):
         self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
     ) -> None:
         super().on_train_batch_end(trainer, module, outputs, batch, i)
-        self.params.append(_params(module.model))
+        self.params.append(float64_params(module.model))
         self.scales.append(trainer.precision_plugin.scaler.get_scale())
 
 
@@ -333,7 +319,7 @@ def _train_reference(
     optimizer = torch.optim.SGD(master if master is not None else params, lr=LR)
     scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE, enabled=kind == "fp16_autocast")
     autocast_dtype = {"autocast": torch.bfloat16, "fp16_autocast": torch.float16}.get(kind)
-    run = ReferenceRun(_params(model), [], [])
+    run = ReferenceRun(float64_params(model), [], [])
     for step in range(steps):
         total, tokens = torch.zeros((), device=device), 0
         with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
@@ -342,7 +328,7 @@ def _train_reference(
                 total, tokens = total + loss, tokens + n
         loss = total / tokens
         if step in skipped and not scaler.is_enabled():
-            run.steps.append(_params(model))
+            run.steps.append(float64_params(model))
             continue
         if step in skipped:
             loss = _InfiniteGradient.apply(loss)
@@ -359,7 +345,7 @@ def _train_reference(
             with torch.no_grad():
                 for m, p in zip(master, params, strict=True):
                     p.copy_(m)
-        run.steps.append(_params(model))
+        run.steps.append(float64_params(model))
         if scaler.is_enabled():
             run.scales.append(scaler.get_scale())
     return run
@@ -540,7 +526,7 @@ def test_mixed_precision_flags_on_cuda(world_of_one: None, precision: str) -> No
 
     from lightning_skrull import SkrullDataModule, SkrullStrategy
 
-    recorder = Recorder()
+    recorder = StartRecorder()
     trainer = L.Trainer(
         strategy=SkrullStrategy(bucket_size=2 * BUCKET),
         accelerator="gpu",
@@ -568,6 +554,8 @@ def test_mixed_precision_flags_on_cuda(world_of_one: None, precision: str) -> No
     assert max_diff(recorder.before, fp32.before) == 0.0
     delta_fp32 = update(fp32.before, fp32.after)
     ref_distance = relative_distance(update(reference.before, reference.after), delta_fp32)
-    cell_distance = relative_distance(update(recorder.before, _params(module.model)), delta_fp32)
+    cell_distance = relative_distance(
+        update(recorder.before, float64_params(module.model)), delta_fp32
+    )
     floor = FP16_FLOOR if precision == "16-mixed" else FLOOR
     assert 0.0 < cell_distance <= RATIO * ref_distance + floor
