@@ -277,6 +277,8 @@ CHAT_VOCAB: dict[str, int] = {
             "you",
             "fine",
             "thanks",
+            "<think>",
+            "</think>",
         ]
     )
 }

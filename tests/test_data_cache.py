@@ -135,7 +135,7 @@ def test_truncation_and_validation_work_on_the_mapped_tokens(tmp_path: Path) -> 
 # ------------------------------------------------------------------ invalidation
 def test_what_changes_the_tokens_invalidates_the_cache(tmp_path: Path) -> None:
     root = tmp_path / "cache"
-    chats = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}]
+    chats = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:3]}]
     path = _jsonl(tmp_path / "chat.jsonl", chats)
     base = make_tokenizer(PLAIN_TEMPLATE)
     first = _cache(path, root, tokenizer=base)
@@ -145,6 +145,7 @@ def test_what_changes_the_tokens_invalidates_the_cache(tmp_path: Path) -> None:
     changed = {
         "template": dict(tokenizer=make_tokenizer(GENERATION_TEMPLATE)),
         "chat_template_kwargs": dict(tokenizer=base, chat_template_kwargs={"x": 1}),
+        "chat_turns": dict(tokenizer=base, chat_turns="last"),
     }
     vocab_changed = make_tokenizer(PLAIN_TEMPLATE)
     vocab_changed.add_tokens(["thanks!"])

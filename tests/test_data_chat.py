@@ -14,6 +14,7 @@ import pytest
 from helpers import CHAT_VOCAB, CONVERSATION, PLAIN_TEMPLATE, make_tokenizer
 
 from lightning_skrull.data import load_sft_data, tokenize_chat
+from lightning_skrull.data.datamodule import SkrullDataModule
 
 GENERATION_TEMPLATE = (
     "{% for m in messages %}{% if m['role'] == 'assistant' %}"
@@ -27,6 +28,27 @@ UNSTABLE_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }} "
     "{% if m['role'] == 'assistant' and not loop.last %}hi{% else %}{{ m['content'] }}{% endif %}"
     "<|im_end|> {% endfor %}{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+
+# Renders a thinking block only on the assistant turns after the last user message, as Qwen3's
+# template does: an assistant turn is rendered one way as the last message and another way once
+# a later user message follows, so "all" cannot locate the earlier turns' tokens.
+THINKING_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}<|im_start|>{{ m['role'] }} "
+    "{% if m['role'] == 'assistant' and loop.index0 > ns.last_user %}<think> </think> {% endif %}"
+    "{{ m['content'] }}<|im_end|> {% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+THINKING_GENERATION_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1) %}{% for m in messages %}"
+    "{% if m['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}{% endfor %}"
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant "
+    "{% generation %}{% if loop.index0 > ns.last_user %}<think> </think> {% endif %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %} "
+    "{% else %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
 )
 
 # Independent expectation, written out: (token, supervised?). Assistant content and its
@@ -71,6 +93,64 @@ def test_only_assistant_turns_are_supervised_token_by_token(template: str) -> No
     assert labels == EXPECTED_LABELS
 
 
+# The same conversation with only its last assistant turn supervised (chat_turns="last").
+LAST_TURN_LABELS = [-100] * 22 + EXPECTED_LABELS[22:]
+# The thinking template renders the last turn with "<think> </think>" before its content; both
+# tokens belong to the assistant's output and are supervised.
+THINKING_IDS = [
+    *EXPECTED_IDS[:22],
+    CHAT_VOCAB["<think>"],
+    CHAT_VOCAB["</think>"],
+    *EXPECTED_IDS[22:],
+]
+THINKING_LAST_LABELS = [-100] * 22 + THINKING_IDS[22:]
+
+
+@pytest.mark.parametrize(
+    ("template", "ids", "labels"),
+    [
+        (PLAIN_TEMPLATE, EXPECTED_IDS, LAST_TURN_LABELS),
+        (GENERATION_TEMPLATE, EXPECTED_IDS, LAST_TURN_LABELS),
+        (THINKING_TEMPLATE, THINKING_IDS, THINKING_LAST_LABELS),
+        (THINKING_GENERATION_TEMPLATE, THINKING_IDS, THINKING_LAST_LABELS),
+    ],
+    ids=["prefix-rendering", "generation-tags", "thinking", "thinking-generation-tags"],
+)
+def test_last_turn_supervises_only_the_last_assistant_turn(
+    template: str, ids: list[int], labels: list[int]
+) -> None:
+    tokenizer = make_tokenizer(template)
+    assert tokenize_chat(CONVERSATION, tokenizer, chat_turns="last") == (ids, labels)
+    # a message after the last assistant turn would follow every supervised token: it ends the
+    # sample instead of being trained on as context that no loss sees
+    trailing = [*CONVERSATION, {"role": "user", "content": "thanks"}]
+    assert tokenize_chat(trailing, tokenizer, chat_turns="last") == (ids, labels)
+
+
+def test_thinking_template_with_generation_tags_supervises_every_turn_as_rendered() -> None:
+    # with generation markers transformers marks the assistant tokens of the whole rendering:
+    # the early turn as the template renders it inside the conversation (no thinking block)
+    ids, labels = tokenize_chat(CONVERSATION, make_tokenizer(THINKING_GENERATION_TEMPLATE))
+    assert ids == THINKING_IDS
+    assert labels == EXPECTED_LABELS[:22] + THINKING_IDS[22:]
+
+
+def test_thinking_template_refuses_all_turns_and_names_the_fixes() -> None:
+    with pytest.raises(ValueError) as caught:
+        tokenize_chat(CONVERSATION, make_tokenizer(THINKING_TEMPLATE), where="sample 4")
+    message = str(caught.value)
+    assert message.startswith(
+        "sample 4: the chat template renders assistant turn 2 differently when later messages "
+        "follow it"
+    )
+    assert "'<think> </think> hello" in message and "'hello<|im_end|>" in message
+    for fix in ("chat_turns='last'", "{% generation %}", "get_training_chat_template", "labels"):
+        assert fix in message
+    # the single-turn conversation renders its only assistant turn last both times: accepted
+    _, labels = tokenize_chat(CONVERSATION[:3], make_tokenizer(THINKING_TEMPLATE))
+    assert labels[-4:] == [CHAT_VOCAB[w] for w in ("<think>", "</think>", "hello", "<|im_end|>")]
+
+
 def test_chat_samples_load_the_same_from_every_input_kind(tmp_path: Path) -> None:
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)
     samples = [{"messages": CONVERSATION}, {"messages": CONVERSATION[:3]}]
@@ -110,8 +190,37 @@ def test_chat_errors() -> None:
     with pytest.raises(ValueError, match=r"messages\[1\] = 'hi' is not a dict with a 'role'"):
         load_sft_data([{"messages": [CONVERSATION[0], "hi"]}], tokenizer=tokenizer)
     with pytest.raises(
-        ValueError, match=r"does not render turns 0\.\.1 the same once assistant turn 2"
+        ValueError, match=r"renders assistant turn 2 differently when later messages follow"
     ):
         load_sft_data([{"messages": CONVERSATION}], tokenizer=make_tokenizer(UNSTABLE_TEMPLATE))
+    with pytest.raises(ValueError, match=r"chat_turns='first' is not supported; choose one of"):
+        load_sft_data([{"messages": CONVERSATION}], tokenizer=tokenizer, chat_turns="first")
+    with pytest.raises(
+        ValueError, match=r"sample 1: the conversation has no assistant message, so chat_turns"
+    ):
+        load_sft_data(
+            [{"messages": CONVERSATION}, {"messages": CONVERSATION[:2]}],
+            tokenizer=tokenizer,
+            chat_turns="last",
+        )
     with pytest.raises(ValueError, match="No sample has a supervised token"):
         load_sft_data([{"messages": CONVERSATION[:2]}], tokenizer=tokenizer)
+
+
+def test_chat_turns_reaches_the_cache_through_the_datamodule(tmp_path: Path) -> None:
+    path = tmp_path / "chat.jsonl"
+    path.write_text(json.dumps({"messages": CONVERSATION}) + "\n")
+    module = SkrullDataModule(
+        train_data=path,
+        global_batch_size=1,
+        tokenizer=make_tokenizer(THINKING_TEMPLATE),
+        chat_turns="last",
+        cache_dir=tmp_path / "cache",
+        num_proc=1,
+    )
+    module.prepare_data()
+    module.setup("fit")
+    assert module.train_dataset is not None
+    assert module.train_dataset[0] == {"input_ids": THINKING_IDS, "labels": THINKING_LAST_LABELS}
+    with pytest.raises(ValueError, match=r"chat_turns='every' is not supported"):
+        SkrullDataModule(train_data=path, chat_turns="every")  # type: ignore[arg-type]

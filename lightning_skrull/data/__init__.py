@@ -1,7 +1,7 @@
 """Data layer: SFT samples, their validation, the bundled demo data and the global-batch sampler."""
 
 from lightning_skrull.data.bundled import BUNDLED_DATASETS, load_bundled_dataset
-from lightning_skrull.data.chat import tokenize_chat
+from lightning_skrull.data.chat import ChatTurns, tokenize_chat
 from lightning_skrull.data.dataset import IGNORE_INDEX, SFTDataset, TruncationWarning
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import load_sft_data
@@ -9,6 +9,7 @@ from lightning_skrull.data.sources import load_sft_data
 __all__ = [
     "BUNDLED_DATASETS",
     "IGNORE_INDEX",
+    "ChatTurns",
     "GlobalBatchSampler",
     "SFTDataset",
     "TruncationWarning",

@@ -49,6 +49,7 @@ from typing import Any, BinaryIO, cast
 
 import numpy as np
 
+from lightning_skrull.data.chat import ChatTurns, check_chat_turns
 from lightning_skrull.data.dataset import (
     IGNORE_INDEX,
     Origin,
@@ -151,12 +152,14 @@ class CacheSpec:
         tokenizer: the tokenizer for chat samples (or ``None``).
         chat_template_kwargs: extra arguments of ``apply_chat_template``.
         root: the cache directory that holds this cache.
+        chat_turns: which assistant turns of chat samples are supervised.
     """
 
     sources: tuple[Path, ...] | Any
     tokenizer: Any
     chat_template_kwargs: Mapping[str, Any] | None
     root: Path
+    chat_turns: ChatTurns = "all"
 
     def key_parts(self) -> dict[str, Any]:
         """What the key hashes (stored in the manifest, readable)."""
@@ -171,6 +174,7 @@ class CacheSpec:
             "chat_template_kwargs": json.dumps(
                 self.chat_template_kwargs or {}, sort_keys=True, default=_stable
             ),
+            "chat_turns": self.chat_turns,
         }
 
     @functools.cached_property
@@ -194,6 +198,7 @@ def make_spec(
     *,
     tokenizer: Any = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_turns: ChatTurns = "all",
     cache_dir: str | os.PathLike[str] | None = None,
 ) -> CacheSpec:
     """The :class:`CacheSpec` of ``data`` (see :func:`is_cacheable`)."""
@@ -210,7 +215,7 @@ def make_spec(
             f"{type(data).__name__} cannot be cached; give file path(s) or a file-backed "
             "datasets.Dataset (in-memory data is loaded with load_sft_data)."
         )
-    return CacheSpec(sources, tokenizer, chat_template_kwargs, root)
+    return CacheSpec(sources, tokenizer, chat_template_kwargs, root, check_chat_turns(chat_turns))
 
 
 # --------------------------------------------------------------------------- opening
@@ -339,6 +344,7 @@ def cached_sft_data(
     *,
     tokenizer: Any = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_turns: ChatTurns = "all",
     cache_dir: str | os.PathLike[str] | None = None,
     num_proc: int | None = None,
     progress: bool | None = None,
@@ -349,6 +355,8 @@ def cached_sft_data(
         data: file path(s) (JSON Lines, Parquet) or a file-backed ``datasets.Dataset``.
         tokenizer: a fast Hugging Face tokenizer with a chat template, for chat samples.
         chat_template_kwargs: extra arguments of ``apply_chat_template``.
+        chat_turns: which assistant turns of chat samples are supervised (``"all"`` or
+            ``"last"``).
         cache_dir: the directory of caches (default :func:`default_cache_dir`).
         num_proc: worker processes that tokenise (default :func:`default_num_proc`).
         progress: show a progress bar while building (default: when stderr is a terminal).
@@ -361,7 +369,11 @@ def cached_sft_data(
     """
     start = time.perf_counter()
     spec = make_spec(
-        data, tokenizer=tokenizer, chat_template_kwargs=chat_template_kwargs, cache_dir=cache_dir
+        data,
+        tokenizer=tokenizer,
+        chat_template_kwargs=chat_template_kwargs,
+        chat_turns=chat_turns,
+        cache_dir=cache_dir,
     )
     final = spec.path
     reason, manifest = _stale_reason(final, spec)
@@ -468,8 +480,13 @@ class _MessagesTask:
 _Task = _LinesTask | _MessagesTask
 
 
-def _convert(task: _Task, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None) -> Chunk:
-    builder = SampleBuilder(tokenizer, chat_template_kwargs)
+def _convert(
+    task: _Task,
+    tokenizer: Any,
+    chat_template_kwargs: Mapping[str, Any] | None,
+    chat_turns: ChatTurns,
+) -> Chunk:
+    builder = SampleBuilder(tokenizer, chat_template_kwargs, chat_turns)
     if isinstance(task, _LinesTask):
         builder.origins.append(Origin(task.start, task.source, cast(Sequence[int], task.numbers)))
         for k, (number, line) in enumerate(zip(task.numbers, task.lines, strict=True)):
@@ -483,12 +500,14 @@ def _convert(task: _Task, tokenizer: Any, chat_template_kwargs: Mapping[str, Any
 
 
 # A worker process serves one build: its tokenizer is set once, when the pool starts it.
-_worker_args: tuple[Any, Mapping[str, Any] | None] = (None, None)
+_worker_args: tuple[Any, Mapping[str, Any] | None, ChatTurns] = (None, None, "all")
 
 
-def _init_worker(tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None) -> None:
+def _init_worker(
+    tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None, chat_turns: ChatTurns
+) -> None:
     global _worker_args
-    _worker_args = (tokenizer, chat_template_kwargs)
+    _worker_args = (tokenizer, chat_template_kwargs, chat_turns)
 
 
 def _convert_in_worker(task: _Task) -> Chunk:
@@ -505,6 +524,7 @@ class _Converter:
         self.num_proc = num_proc
         self.pool: Any = None
         self.seen = 0
+        self._args = (spec.tokenizer, spec.chat_template_kwargs, spec.chat_turns)
 
     def map(self, tasks: Iterator[_Task]) -> Iterator[Chunk]:
         pending: deque[Any] = deque()
@@ -513,7 +533,7 @@ class _Converter:
             if self.num_proc <= 1 or self.seen == 1:
                 while pending:
                     yield pending.popleft().get()
-                yield _convert(task, self.spec.tokenizer, self.spec.chat_template_kwargs)
+                yield _convert(task, *self._args)
                 continue
             if self.pool is None:
                 methods = multiprocessing.get_all_start_methods()
@@ -522,7 +542,7 @@ class _Converter:
                 self.pool = context.Pool(
                     self.num_proc,
                     initializer=_init_worker,
-                    initargs=(self.spec.tokenizer, self.spec.chat_template_kwargs),
+                    initargs=self._args,
                 )
             pending.append(self.pool.apply_async(_convert_in_worker, (task,)))
             if len(pending) >= 2 * self.num_proc:

@@ -12,20 +12,39 @@ Two ways to find the assistant tokens:
   prefix (``messages[:i]`` with the generation prompt, then ``messages[: i + 1]``); the character
   span between the two prefixes is the turn, and tokens overlapping it (by the fast tokenizer's
   offsets on the whole text) are supervised. This needs a template that renders earlier turns
-  the same way whatever follows; one that does not (for example one that strips reasoning from
-  earlier turns) is refused with an error rather than masked wrongly.
+  the same way whatever follows; one that does not (for example Qwen3's, which renders a
+  thinking block only on the turns after the last user message) is refused with an error rather
+  than masked wrongly.
+
+Which assistant turns are supervised is ``chat_turns``: ``"all"`` (the default), or ``"last"``, only
+the conversation's last assistant turn. With ``"last"`` the sample ends with that turn: any later
+message would follow every supervised token, so it could change no loss. ``"last"`` works with any
+template, because the last turn is rendered as the last turn both times.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Literal, get_args
 
 from lightning_skrull.data.dataset import IGNORE_INDEX
 
 ASSISTANT_ROLE = "assistant"
+ChatTurns = Literal["all", "last"]
+"""Which assistant turns of a conversation are supervised."""
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+def check_chat_turns(turns: object) -> ChatTurns:
+    """``turns`` if it is a :data:`ChatTurns` value; raises ``ValueError`` naming the choices."""
+    choices = get_args(ChatTurns)
+    if turns not in choices:
+        raise ValueError(
+            f"chat_turns={turns!r} is not supported; choose one of {', '.join(map(repr, choices))}: "
+            '"all" supervises every assistant turn, "last" only the last one of each conversation.'
+        )
+    return turns  # type: ignore[return-value]
 
 
 def check_chat_tokenizer(tokenizer: Any) -> None:
@@ -69,12 +88,45 @@ def _check_messages(messages: object, where: str) -> list[Mapping[str, Any]]:
     return list(messages)
 
 
+_UNSTABLE_FIXES = (
+    "Fixes: chat_turns='last' supervises only each conversation's last assistant turn (exact "
+    "with any template); or use a template that renders every turn the same whatever follows, "
+    "with {% generation %} ... {% endgeneration %} around assistant output (for Qwen3, trl's "
+    "get_training_chat_template(tokenizer) returns one); or pre-tokenise the data with your own "
+    "labels."
+)
+
+
+def _divergence(first: str, second: str) -> str:
+    """Where ``second`` stops continuing ``first``: the two texts from their first difference."""
+    common = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        common += 1
+    return f"{first[common : common + 40]!r} vs {second[common : common + 40]!r}"
+
+
+def _last_run(mask: list[int]) -> list[int]:
+    """``mask`` with every 1 cleared except the last run of consecutive 1s."""
+    out = [0] * len(mask)
+    end = len(mask)
+    while end > 0 and not mask[end - 1]:
+        end -= 1
+    start = end
+    while start > 0 and mask[start - 1]:
+        start -= 1
+    out[start:end] = mask[start:end]
+    return out
+
+
 def tokenize_chat(
     messages: object,
     tokenizer: Any,
     *,
     where: str = "sample",
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_turns: ChatTurns = "all",
 ) -> tuple[list[int], list[int]]:
     """Tokenises one conversation and masks everything but the assistant turns.
 
@@ -85,24 +137,39 @@ def tokenize_chat(
         where: names the sample in error messages.
         chat_template_kwargs: extra keyword arguments for ``apply_chat_template``
             (for example ``tools`` or template variables).
+        chat_turns: ``"all"`` supervises every assistant turn, ``"last"`` only the last one (the
+            sample then ends with it).
 
     Returns:
-        ``(input_ids, labels)``: labels equal the ids on assistant tokens and ``-100`` elsewhere.
+        ``(input_ids, labels)``: labels equal the ids on supervised assistant tokens and
+        ``-100`` elsewhere.
 
     Raises:
-        ValueError: malformed messages, or a template that renders earlier turns differently
-            once later turns follow.
+        ValueError: malformed messages, a conversation without an assistant turn under
+            ``chat_turns="last"``, or (``"all"``) a template that renders an assistant turn
+            differently once later turns follow.
     """
     messages = _check_messages(messages, where)
+    turns = check_chat_turns(chat_turns)
+    assistant_turns = [i for i, m in enumerate(messages) if m["role"] == ASSISTANT_ROLE]
+    if turns == "last":
+        if not assistant_turns:
+            raise ValueError(
+                f"{where}: the conversation has no assistant message, so chat_turns='last' has no "
+                "turn to supervise; give every conversation an assistant reply, or remove it."
+            )
+        messages = messages[: assistant_turns[-1] + 1]
+        assistant_turns = assistant_turns[-1:]
     kwargs = dict(chat_template_kwargs or {})
     if _GENERATION_TAG.search(tokenizer.chat_template):
         out = tokenizer.apply_chat_template(
             messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True, **kwargs
         )
         ids = list(out["input_ids"])
-        labels = [
-            t if m else IGNORE_INDEX for t, m in zip(ids, out["assistant_masks"], strict=True)
-        ]
+        mask = list(out["assistant_masks"])
+        if turns == "last":
+            mask = _last_run(mask)
+        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
         return ids, labels
 
     def render(conversation: list[Mapping[str, Any]], add_generation_prompt: bool) -> str:
@@ -112,18 +179,21 @@ def tokenize_chat(
 
     text = render(messages, False)
     spans: list[tuple[int, int]] = []
-    for turn, message in enumerate(messages):
-        if message["role"] != ASSISTANT_ROLE:
-            continue
+    for turn in assistant_turns:
         before = render(messages[:turn], True)
         through = render(messages[: turn + 1], False)
-        if not (through.startswith(before) and text.startswith(through)):
+        if not through.startswith(before):
             raise ValueError(
-                f"{where}: the chat template does not render turns 0..{turn - 1} the same once "
-                f"assistant turn {turn} follows, so its tokens cannot be located. Add "
-                "{% generation %} ... {% endgeneration %} around assistant content in the template "
-                "(transformers then marks the assistant tokens), or pre-tokenise the data with your "
-                "own labels."
+                f"{where}: the chat template renders messages 0..{turn - 1} differently once "
+                f"assistant turn {turn} follows (prompt {_divergence(before, through)}), so the "
+                f"turn's tokens cannot be located. {_UNSTABLE_FIXES}"
+            )
+        if not text.startswith(through):
+            raise ValueError(
+                f"{where}: the chat template renders assistant turn {turn} differently when later "
+                f"messages follow it (as the last message vs inside the conversation: "
+                f"{_divergence(through, text)}), as templates do that show reasoning only on the "
+                f"turns after the last user message (Qwen3's). {_UNSTABLE_FIXES}"
             )
         spans.append((len(before), len(through)))
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)

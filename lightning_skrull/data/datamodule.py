@@ -37,6 +37,7 @@ from lightning_skrull.data.batch import (
 )
 from lightning_skrull.data.bundled import load_bundled_dataset
 from lightning_skrull.data.cache import cached_sft_data, is_cacheable
+from lightning_skrull.data.chat import ChatTurns, check_chat_turns
 from lightning_skrull.data.dataset import SFTDataset
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import SFTData, load_sft_data
@@ -392,6 +393,10 @@ class SkrullDataModule(pl.LightningDataModule):
         tokenizer: HF tokenizer (or its name / path) for chat samples; its chat template is
             applied and only assistant tokens are supervised.
         chat_template_kwargs: extra arguments for ``tokenizer.apply_chat_template``.
+        chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
+            ``"last"``, only the last one (the sample then ends with it); ``"last"`` works with
+            templates that render a turn differently once later turns follow (Qwen3's), which
+            ``"all"`` refuses.
         truncate: cut samples longer than ``cp_size * bucket_size`` instead of raising.
         cache_dir: where data files and file-backed ``datasets.Dataset`` inputs are tokenised
             once and cached as memory-mapped arrays (default: ``$LIGHTNING_SKRULL_CACHE``, else
@@ -423,6 +428,7 @@ class SkrullDataModule(pl.LightningDataModule):
         num_workers: int = 0,
         tokenizer: Any = None,
         chat_template_kwargs: dict[str, Any] | None = None,
+        chat_turns: ChatTurns = "all",
         truncate: bool = False,
         cache_dir: str | os.PathLike[str] | None = None,
         num_proc: int | None = None,
@@ -449,6 +455,7 @@ class SkrullDataModule(pl.LightningDataModule):
         self._test_sets = named_sets(test_data, "test_data")
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
+        self.chat_turns = check_chat_turns(chat_turns)
         self.truncate = truncate
         if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)):
             raise TypeError(f"num_proc must be an int or None, got {num_proc!r}.")
@@ -505,6 +512,7 @@ class SkrullDataModule(pl.LightningDataModule):
             data,
             tokenizer=self._tokenizer(),
             chat_template_kwargs=self.chat_template_kwargs,
+            chat_turns=self.chat_turns,
             cache_dir=self.cache_dir,
             num_proc=self.num_proc,
         )
@@ -519,7 +527,10 @@ class SkrullDataModule(pl.LightningDataModule):
             # node, or not at all) builds it under the cache's lock, so it is never half-read
             return self._cached(data)
         return load_sft_data(
-            data, tokenizer=self._tokenizer(), chat_template_kwargs=self.chat_template_kwargs
+            data,
+            tokenizer=self._tokenizer(),
+            chat_template_kwargs=self.chat_template_kwargs,
+            chat_turns=self.chat_turns,
         )
 
     def setup(self, stage: str) -> None:

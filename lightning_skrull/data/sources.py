@@ -22,7 +22,12 @@ from typing import Any, Literal, cast, overload
 
 import numpy as np
 
-from lightning_skrull.data.chat import check_chat_tokenizer, tokenize_chat
+from lightning_skrull.data.chat import (
+    ChatTurns,
+    check_chat_tokenizer,
+    check_chat_turns,
+    tokenize_chat,
+)
 from lightning_skrull.data.dataset import (
     Origin,
     SFTDataset,
@@ -85,9 +90,15 @@ def _check_shapes(ids: np.ndarray, labels: np.ndarray | None, where: str) -> Non
 class SampleBuilder:
     """Accumulates per-sample arrays, then builds one :class:`SFTDataset`."""
 
-    def __init__(self, tokenizer: Any, chat_template_kwargs: Mapping[str, Any] | None) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        chat_template_kwargs: Mapping[str, Any] | None,
+        chat_turns: ChatTurns = "all",
+    ) -> None:
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
+        self.chat_turns = check_chat_turns(chat_turns)
         self.ids: list[np.ndarray] = []
         self.labels: list[np.ndarray | None] = []
         self.origins: list[Origin] = []
@@ -122,6 +133,7 @@ class SampleBuilder:
                 self.tokenizer,
                 where=where,
                 chat_template_kwargs=self.chat_template_kwargs,
+                chat_turns=self.chat_turns,
             )
             ids, labels = np.asarray(raw_ids, dtype=np.int64), np.asarray(raw_labels, np.int64)
         else:
@@ -343,6 +355,7 @@ def load_sft_data(
     *,
     tokenizer: Any = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
+    chat_turns: ChatTurns = "all",
     max_tokens: int | None = None,
     vocab_size: int | None = None,
     truncate: bool = False,
@@ -355,6 +368,8 @@ def load_sft_data(
         tokenizer: a fast Hugging Face tokenizer with a chat template; needed only for chat
             samples (``"messages"``), whose non-assistant tokens get label ``-100``.
         chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``.
+        chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
+            ``"last"`` (the sample then ends with its last assistant turn).
         max_tokens, vocab_size, truncate: when given, :meth:`SFTDataset.validate` runs with them.
 
     Returns:
@@ -368,7 +383,7 @@ def load_sft_data(
     if isinstance(train_data, SFTDataset):
         dataset = train_data
     else:
-        builder = SampleBuilder(tokenizer, chat_template_kwargs)
+        builder = SampleBuilder(tokenizer, chat_template_kwargs, chat_turns)
         paths = as_paths(train_data)
         if paths is not None:
             for path in paths:
