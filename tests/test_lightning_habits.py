@@ -1,7 +1,8 @@
 """Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping (by norm
 and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelCheckpoint`` on
-``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``), with DP
-ranks that run different numbers of micro-batches.
+``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``),
+Lightning's ``ThroughputMonitor`` with model FLOPs, with DP ranks that run different numbers of
+micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed``; the bytes the CP groups exchange are counted in both. The data is built so that
@@ -32,8 +33,9 @@ from helpers import (
     reference_model,
     tiny_qwen2,
 )
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint
+from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.loggers import Logger
+from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2ForCausalLM
 
 from lightning_skrull.runtime.launch import spawn
@@ -136,6 +138,26 @@ class HabitsLM(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.parameters(), lr=LR)
+
+    # ThroughputMonitor reads flops_per_batch after each step: the FLOPs of the step's batch
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self.flops_per_batch = batch.flops_per_device()
+
+    def on_validation_batch_start(self, batch: Any, batch_idx: int, idx: int = 0) -> None:
+        self.flops_per_batch = batch.flops_per_device(backward=False)
+
+    def on_test_batch_start(self, batch: Any, batch_idx: int, idx: int = 0) -> None:
+        self.flops_per_batch = batch.flops_per_device(backward=False)
+
+
+def throughput_monitor() -> ThroughputMonitor:
+    """Lightning's monitor as the docs configure it; a window of 2 updates, so the rates of the
+    second step come out."""
+    return ThroughputMonitor(
+        batch_size_fn=lambda batch: batch.sequences_per_device,
+        length_fn=lambda batch: batch.tokens_per_device,
+        window_size=2,
+    )
 
 
 class Recorder(L.Callback):
@@ -282,7 +304,7 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
         module = HabitsLM()
         trainer = _trainer(
             max_steps=STEPS,
-            callbacks=[recorder],
+            callbacks=[recorder, throughput_monitor()],
             logger=logger,
             log_every_n_steps=2,  # the loggers get the second (last) step only
             gradient_clip_val=CLIP,
@@ -298,6 +320,7 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
             "train": recorder.train,
             "val": recorder.val,
             "logged": [(step, m) for step, m in logger.rows if "train_loss" in m],
+            "throughput": [(step, m) for step, m in logger.rows if any("/samples" in k for k in m)],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "val_acc": float(trainer.callback_metrics["val_acc"]),
             "before_backward": module.before_backward,
@@ -308,7 +331,12 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
             },
         }
         if precision == "32-true":
-            out["test_loss"] = float(_trainer().test(module, _data())[0]["test_loss_epoch"])
+            test_logger = MemoryLogger()
+            tester = _trainer(
+                callbacks=[throughput_monitor()], logger=test_logger, log_every_n_steps=1
+            )
+            out["test_loss"] = float(tester.test(module, _data())[0]["test_loss_epoch"])
+            out["test_throughput"] = [m for _, m in test_logger.rows if "test/samples" in m]
     try:
         _trainer(max_steps=1).fit(HabitsLM(gather=True), _data())
         out["gather_error"] = None
@@ -392,6 +420,22 @@ def monitored_reference() -> dict[str, Any]:
     return {"params": params, "val_losses": val_losses, "clipped": clipped, "kept": kept}
 
 
+def reference_forward_flops(model: Qwen2ForCausalLM, length: int) -> float:
+    """Forward FLOPs of one ``length``-token sequence through the plain HF model with eager
+    attention, counted by torch's FLOP counter, with the attention matmuls (which eager
+    attention computes over all ``length**2`` pairs and masks) counted over the causal
+    ``length * (length + 1) / 2`` pairs."""
+    with FlopCounterMode(display=False) as counter:
+        model(input_ids=torch.zeros(1, length, dtype=torch.long))
+    attention = sum(
+        counts.get(torch.ops.aten.bmm, 0)
+        for name, counts in counter.get_flop_counts().items()
+        if name.endswith("self_attn")
+    )
+    assert attention > 0  # the attention matmuls were found and are replaced below
+    return counter.get_total_flops() - attention + attention * (length + 1) / (2 * length)
+
+
 def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     assert a.keys() == b.keys()
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
@@ -431,6 +475,38 @@ def test_synced_logs_equal_single_process_on_every_rank(ranks: list[dict[str, An
         assert out["test_loss"] == pytest.approx(ref["test_loss"], rel=VALUE_REL)
     for key in ("user_loss", "token_acc"):  # the very same value on every rank
         assert len({tuple(s[key] for s in out["32-true"]["train"]) for out in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+def test_throughput_monitor_reports_the_global_batch(ranks: list[dict[str, Any]]) -> None:
+    model = reference_model()
+    world = len(ranks)
+    tokens = sum(LENGTHS)
+    # model FLOPs per token of one global batch (forward + backward = 3 forwards), from the
+    # plain model's counted FLOPs: independent of the package's FLOP formula
+    flops_per_token = 3 * sum(reference_forward_flops(model, n) for n in LENGTHS) / tokens
+    for precision in ("32-true", "bf16-mixed"):
+        # loggers run on global rank 0 only; the monitor's figures do not depend on the rank
+        rows = [metrics for _, metrics in ranks[0][precision]["throughput"]]
+        # logged on the logging step only (log_every_n_steps=2), once the window holds 2 steps
+        (train,) = [m for m in rows if "train/samples" in m]
+        # device figures are the global batch over the 4 ranks, so the global figures (device x
+        # world size) are the global batch's, though the DP ranks held 3 and 2 sequences
+        assert train["train/batches"] == STEPS
+        assert train["train/samples"] == pytest.approx(STEPS * len(LENGTHS) / world, rel=1e-12)
+        assert train["train/lengths"] == pytest.approx(STEPS * tokens / world, rel=1e-12)
+        assert train["train/items_per_sec"] == pytest.approx(
+            world * train["train/device/items_per_sec"], rel=1e-12
+        )
+        # both rates share the window's time, so their ratio is FLOPs per token; the counter
+        # and the package count the same integers, so only float rounding separates them
+        ratio = train["train/device/flops_per_sec"] / train["train/device/items_per_sec"]
+        assert ratio == pytest.approx(flops_per_token, rel=1e-9)
+    # evaluation batches too (Lightning logs the monitor's validation figures only when the
+    # step is a logging step; the test run logs every batch)
+    (test,) = ranks[0]["test_throughput"]  # one test batch
+    assert test["test/samples"] == pytest.approx(len(LENGTHS) / world, rel=1e-12)
+    assert test["test/lengths"] == pytest.approx(tokens / world, rel=1e-12)
 
 
 @pytest.mark.multiprocess
@@ -593,3 +669,32 @@ def test_barebones_trainer_runs_without_logging(world_of_one: None) -> None:
     trainer.fit(module, data)
     assert trainer.global_step == 1
     assert math.isfinite(float(next(module.parameters()).sum()))
+
+
+def test_batch_flops_and_throughput_figures_on_every_rank() -> None:
+    from lightning_skrull.data.batch import RankPlanner, SkrullBatch
+    from lightning_skrull.scheduling.cost_model import CostModel
+
+    model = reference_model()
+    samples = make_data(1, seed=0)
+    reference = sum(reference_forward_flops(model, n) for n in LENGTHS)
+    cost_model = CostModel.from_hf_config(model.config)
+    batches = [
+        RankPlanner(
+            dp_size=2, cp_size=CP, dp_rank=dp, cp_rank=cp, bucket_size=BUCKET,
+            policy="skrull", cost_model=cost_model,
+        )(samples, list(range(len(samples))), 0, 0)
+        for dp in range(2)
+        for cp in range(CP)
+    ]  # fmt: skip
+    assert len({len(b.rank_batch.micro_batches) for b in batches}) == 2  # 2 and 1
+    for batch in batches:  # the same figures on every rank, whatever share it holds
+        assert batch.sequences_per_device == len(LENGTHS) / 4
+        assert batch.tokens_per_device == sum(LENGTHS) / 4
+        assert batch.flops_per_device(backward=False) == pytest.approx(reference / 4, rel=1e-12)
+        assert batch.flops_per_device() == pytest.approx(3 * reference / 4, rel=1e-12)
+    with pytest.raises(TypeError, match=r"batch\['input_ids'\]\).*batch_size_fn=lambda b"):
+        batches[0]["input_ids"]
+    bare = SkrullBatch(batches[0].rank_batch, batches[0].stats, 0, 0)
+    with pytest.raises(ValueError, match="no cost model or no sequence lengths"):
+        bare.flops_per_device()

@@ -13,7 +13,7 @@ import dataclasses
 import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, TypeGuard
+from typing import Any, NoReturn, Protocol, TypeGuard
 
 import torch
 
@@ -207,6 +207,54 @@ class SkrullBatch:
             lengths=self.lengths,
             planned_with=self.planned_with,
             dataset_name=self.dataset_name,
+        )
+
+    # ------------------------------------------------------------------ throughput
+    @property
+    def sequences_per_device(self) -> float:
+        """The global batch's sequences over the ranks (``dp_size * cp_size``).
+
+        For Lightning's ``ThroughputMonitor(batch_size_fn=...)``: it reports one device's
+        figures and multiplies them by the world size for the global ones, which are then
+        exactly the global batch's, whatever share of it this rank held.
+        """
+        return self.stats.num_sequences / self.rank_batch.world_size
+
+    @property
+    def tokens_per_device(self) -> float:
+        """The global batch's tokens over the ranks, for ``ThroughputMonitor(length_fn=...)``
+        (see :attr:`sequences_per_device`)."""
+        return self.stats.num_tokens / self.rank_batch.world_size
+
+    def flops_per_device(self, *, backward: bool = True) -> float:
+        """Model FLOPs of the global batch over the ranks, for ``ThroughputMonitor``'s MFU.
+
+        Each sequence counts its exact causal forward FLOPs
+        (:meth:`~lightning_skrull.scheduling.cost_model.ModelShape.forward_flops`: every matmul
+        of the decoder and the LM head, attention over ``s (s + 1) / 2`` pairs), for the shape
+        of the cost model the plan was made with (the model's own config unless a cost model
+        was given), times 3 with ``backward`` (forward + backward, the usual MFU convention:
+        recomputation under activation checkpointing and communication are not counted).
+
+        Raises:
+            ValueError: a batch built without a cost model (by hand, not by the data module).
+        """
+        if self.planned_with is None or not self.lengths:
+            raise ValueError(
+                "This SkrullBatch has no cost model or no sequence lengths to count FLOPs from; "
+                "batches from SkrullDataModule have both. Build it with lengths=... and "
+                "planned_with=CostModel.from_hf_config(model.config)."
+            )
+        shape = self.planned_with.shape
+        forward = sum(shape.forward_flops(length) for length in self.lengths)
+        return (3 if backward else 1) * forward / self.rank_batch.world_size
+
+    def __getitem__(self, key: object) -> NoReturn:
+        raise TypeError(
+            f"SkrullBatch is not indexable (batch[{key!r}]): it holds this rank's micro-batches "
+            "of one global batch, and training_step gets each micro-batch's model inputs. For "
+            "ThroughputMonitor use batch_size_fn=lambda b: b.sequences_per_device and "
+            "length_fn=lambda b: b.tokens_per_device, and batch.flops_per_device() for MFU."
         )
 
     def __repr__(self) -> str:
