@@ -896,7 +896,10 @@ class SkrullStrategyMixin(ParallelStrategy):
             on_step=on_step,
             on_epoch=not on_step,
             prog_bar=True,
-            sync_dist=self.world_size > 1,  # one process: its share is the loss, no collective
+            # one process: its share is the loss; a step value needs no collective, an epoch
+            # value is marked synced all the same (Lightning warns about unsynced epoch values
+            # whenever a process group exists, and syncs once at the epoch's end)
+            sync_dist=self.world_size > 1 or not on_step,
             add_dataloader_idx=dataset_name is None,
             batch_size=max(rank_batch.num_supervised_tokens, 1),
         )

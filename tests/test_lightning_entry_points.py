@@ -1,0 +1,263 @@
+"""The Trainer's other entry points under every Skrull strategy: ``trainer.validate`` before any
+``fit`` (the baseline loss of the pretrained model), ``trainer.test(ckpt_path="best")`` after a
+fit that kept its best checkpoint on ``val_loss``, and ``trainer.fit(ckpt_path="last")`` from a
+``ModelCheckpoint(save_last=True)``, the usual way to continue an interrupted run.
+
+One spawn of 4 processes (DP=2 x CP=2) runs every case for DDP, ZeRO-2 and FSDP2; the shuffle
+seed gives the two DP ranks different micro-batch counts in some steps (asserted). Each value is
+compared with plain Hugging Face on one process: the validation loss of the initial model, the
+training trajectory of the recorded global batches (SGD with momentum, so a resume that lost
+the optimizer state would show), its validation loss after every step, and the test loss of the
+step whose validation loss was lowest.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    GLOBAL_BATCH,
+    LR,
+    BatchRecorder,
+    PlainLM,
+    cpu_trainer,
+    make_data,
+    max_diff,
+    mean_token_loss,
+    reference_model,
+    token_loss_sum,
+)
+
+from lightning_skrull.runtime.launch import spawn
+
+MOMENTUM = 0.9
+SEED = 6  # shuffle seed: the DP ranks run different micro-batch counts in some steps (asserted)
+FIT_STEPS = 3  # one epoch of make_data()'s 24 samples in global batches of 8
+RESUMED_STEPS = 4  # the resumed fit trains one more step, in epoch 1
+STRATEGIES = ("ddp", "zero2", "fsdp")
+VAL_DATA = make_data(GLOBAL_BATCH, seed=3)
+TEST_DATA = make_data(GLOBAL_BATCH, seed=4)
+# float32: the packed, sharded steps sum the same token terms as the reference in another order
+# (measured up to ~1e-7 in these files' parameters after 4 momentum steps); a lost momentum
+# buffer or global batch moves parameters by about lr * gradient, orders of magnitude more
+PARAM_ATOL = 1e-6
+# a mean token loss from float32 sums in another order (measured below 1e-6 relative)
+LOSS_REL = 1e-5
+
+
+def _strategy(name: str) -> Any:
+    from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
+
+    classes = {"ddp": SkrullStrategy, "zero2": SkrullZero2Strategy, "fsdp": SkrullFSDPStrategy}
+    return classes[name](cp_size=2, bucket_size=40)
+
+
+def _data() -> Any:
+    from lightning_skrull import SkrullDataModule
+
+    return SkrullDataModule(
+        train_data=make_data(),
+        val_data=VAL_DATA,
+        test_data=TEST_DATA,
+        global_batch_size=GLOBAL_BATCH,
+        seed=SEED,
+    )
+
+
+def _params(module: PlainLM, strategy: Any) -> dict[str, np.ndarray]:
+    from lightning_skrull import SkrullFSDPStrategy
+
+    if isinstance(strategy, SkrullFSDPStrategy):
+        state = strategy.full_state_dict()  # the full weights on rank 0, {} elsewhere
+    else:
+        state = module.model.state_dict()
+    return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
+
+
+class ValLosses(BatchRecorder):
+    """:class:`BatchRecorder` that also keeps the synced ``val_loss`` after every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_losses: list[float] = []
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if not trainer.sanity_checking:
+            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def _checkpoints(directory: str) -> list[Any]:
+    """The usual pair: the best checkpoint on ``val_loss``, and one after every step with a
+    ``last.ckpt`` to continue from (Lightning 2.6 writes ``last.ckpt`` only when the callback
+    saved a checkpoint in that step, so the best-on-``val_loss`` callback would leave it at the
+    best step). The first decides after every validation: with ``val_check_interval=1``, which
+    Lightning compares equal to ``1.0``, it would otherwise save at the epoch's end only."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    return [
+        ModelCheckpoint(
+            dirpath=os.path.join(directory, "best"),
+            filename="{step}",
+            monitor="val_loss",
+            save_on_train_epoch_end=False,
+        ),
+        ModelCheckpoint(
+            dirpath=os.path.join(directory, "every_step"),
+            filename="{step}",
+            every_n_train_steps=1,
+            save_last=True,
+        ),
+    ]
+
+
+def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name in STRATEGIES:
+        directory = os.path.join(tmp, name)
+        # one Trainer: the pretrained model's loss first, then a fit that validates after every
+        # step and keeps the best and the last checkpoint
+        module = PlainLM(momentum=MOMENTUM)
+        recorder, kept = ValLosses(), _checkpoints(directory)
+        strategy = _strategy(name)
+        trainer = cpu_trainer(
+            strategy,
+            max_steps=FIT_STEPS,
+            val_check_interval=1,
+            callbacks=[recorder, *kept],
+            enable_checkpointing=True,
+        )
+        baseline = trainer.validate(module, _data())[0]["val_loss"]
+        recorder.val_losses.clear()
+        trainer.fit(module, _data())
+        fitted = _params(module, strategy)
+        best = os.path.basename(kept[0].best_model_path)
+        test_loss = trainer.test(module, _data(), ckpt_path="best")[0]["test_loss"]
+        # a new run that continues from the last checkpoint, one step further
+        resumed_recorder = BatchRecorder()
+        resumed_strategy = _strategy(name)
+        resumed_module = PlainLM(momentum=MOMENTUM)
+        cpu_trainer(
+            resumed_strategy,
+            max_steps=RESUMED_STEPS,
+            val_check_interval=1,
+            callbacks=[resumed_recorder, *_checkpoints(directory)],
+            enable_checkpointing=True,
+        ).fit(resumed_module, _data(), ckpt_path="last")
+        out[name] = {
+            "baseline": float(baseline),
+            "steps": recorder.steps,
+            "val_losses": recorder.val_losses,
+            "params": fitted,
+            "best": best,
+            "test_loss": float(test_loss),
+            "resumed_steps": resumed_recorder.steps,
+            "resumed_params": _params(resumed_module, resumed_strategy),
+        }
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return spawn(_entry_points, 4, tmp, timeout=900)
+
+
+def _global_batches(runs: list[list[dict[str, Any]]]) -> list[list[int]]:
+    """The sorted sample indices of each step, joined over the DP ranks (CP rank 0's copy)."""
+    batches: dict[tuple[int, int], list[int]] = {}
+    for steps in runs:
+        for step in steps:
+            if step["cp_rank"] == 0:
+                batches.setdefault((step["epoch"], step["index"]), []).extend(step["samples"])
+    return [sorted(samples) for _, samples in sorted(batches.items())]
+
+
+@functools.cache
+def reference(batches: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
+    """Plain HF training of ``batches`` on one process (SGD with momentum), with the validation
+    and test loss after every step."""
+    data = make_data()
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    out: dict[str, Any] = {"baseline": mean_token_loss(model, VAL_DATA), "steps": []}
+    for batch in batches:
+        total, tokens = torch.zeros(()), 0
+        for i in batch:
+            loss, n = token_loss_sum(model, data[i])
+            total, tokens = total + loss, tokens + n
+        optimizer.zero_grad()
+        (total / tokens).backward()
+        optimizer.step()
+        out["steps"].append(
+            {
+                "params": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},
+                "val_loss": mean_token_loss(model, VAL_DATA),
+                "test_loss": mean_token_loss(model, TEST_DATA),
+            }
+        )
+    return out
+
+
+def _reference_of(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    runs = [out[name]["steps"] + out[name]["resumed_steps"] for out in ranks]
+    batches = _global_batches(runs)
+    assert len(batches) == RESUMED_STEPS
+    return reference(tuple(tuple(b) for b in batches))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]], name: str) -> None:
+    # processes 0, 1 are DP rank 0 and processes 2, 3 DP rank 1
+    for key in ("steps", "resumed_steps"):
+        counts = [[s["run"] for s in out[name][key]] for out in ranks]
+        assert counts[0] == counts[1] and counts[2] == counts[3]
+    fitted = [[s["planned"] for s in out[name]["steps"]] for out in ranks]
+    assert fitted[0] != fitted[2]  # the plan gave the DP ranks different counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_validate_before_fit_gives_the_initial_models_loss(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    expected = _reference_of(ranks, name)["baseline"]
+    for out in ranks:
+        assert out[name]["baseline"] == pytest.approx(expected, rel=LOSS_REL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_test_on_the_best_checkpoint(ranks: list[dict[str, Any]], name: str) -> None:
+    ref = _reference_of(ranks, name)
+    fitted = ref["steps"][:FIT_STEPS]
+    val_losses = [step["val_loss"] for step in fitted]
+    best = int(np.argmin(val_losses))
+    # the best step is not the last one, so testing the best checkpoint differs from testing
+    # the module as the fit left it
+    assert best != FIT_STEPS - 1
+    for out in ranks:
+        assert out[name]["val_losses"] == pytest.approx(val_losses, rel=LOSS_REL)
+        assert out[name]["best"] == f"step={best + 1}.ckpt"
+        assert out[name]["test_loss"] == pytest.approx(fitted[best]["test_loss"], rel=LOSS_REL)
+        if out[name]["params"]:  # FSDP gathers the full weights on rank 0 only
+            assert max_diff(out[name]["params"], fitted[-1]["params"]) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", STRATEGIES)
+def test_fit_from_the_last_checkpoint_continues_the_run(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    ref = _reference_of(ranks, name)
+    for out in ranks:
+        # the resumed run trained only the step after the last checkpoint
+        assert [(s["epoch"], s["index"]) for s in out[name]["resumed_steps"]] == [(1, 0)]
+        if out[name]["resumed_params"]:
+            assert max_diff(out[name]["resumed_params"], ref["steps"][-1]["params"]) < PARAM_ATOL
