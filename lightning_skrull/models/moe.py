@@ -61,7 +61,7 @@ def router_problems(model: nn.Module) -> list[str]:
         coef = getattr(config, "router_aux_loss_coef", None)
         problems.append(
             f"its config sets output_router_logits=True (router_aux_loss_coef={coef}): "
-            f"{AUX_LOSS_RULE} ({AUX_LOSS_FIX})"
+            f"{AUX_LOSS_RULE}. To train, {AUX_LOSS_FIX}"
         )
     jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
     if jitter > 0.0:
