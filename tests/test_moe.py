@@ -164,9 +164,8 @@ def test_sliding_window_rule_on_moe_configs() -> None:
         assert attention_window(tiny_model(arch)) is None
         prepare_model(tiny_model(arch), backend="sdpa")
     qwen2 = tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=64)
-    assert qwen2.config.layer_types == ["sliding_attention", "full_attention"] * 1 + [
-        "sliding_attention"
-    ]
+    sliding, full = "sliding_attention", "full_attention"
+    assert qwen2.config.layer_types == [sliding, full, sliding]  # layers 0 and 2
     windowed = [
         tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=64),
         tiny_model("qwen3_moe", use_sliding_window=True, sliding_window=64),

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from lightning_skrull.models.moe import refuse_router_aux_loss
+from lightning_skrull.models.moe import MOE_MODEL_TYPES, refuse_router_aux_loss
 
 IGNORE_INDEX = -100
 """Label of a token that is not supervised (the convention of HF causal-LM losses)."""
@@ -52,15 +52,7 @@ IGNORE_INDEX = -100
 LOGIT_ELEMENTS_PER_CHUNK = 1 << 25
 """Float32 logits one chunk may hold (128 MiB): 220 tokens of Qwen2.5's vocabulary."""
 
-CHUNKED_LOSS_MODEL_TYPES = (
-    "qwen2",
-    "qwen3",
-    "llama",
-    "mistral",
-    "qwen3_moe",
-    "qwen2_moe",
-    "mixtral",
-)
+CHUNKED_LOSS_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", *MOE_MODEL_TYPES)
 """Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``
 (no logit scaling or soft-capping), so routing it through :func:`linear_cross_entropy` changes
 nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with
