@@ -138,6 +138,9 @@ TINY_DECODER: dict[str, Any] = {**TINY_QWEN2, "intermediate_size": 48, "use_cach
 heads, head dim 8), without a KV cache."""
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""The Mixture-of-Experts architectures (tests/test_moe.py), kept out of :data:`ARCHITECTURES`
+whose tests loop over every dense one."""
 VOCAB = TINY_QWEN2["vocab_size"]
 
 
@@ -148,9 +151,24 @@ def tiny_qwen2(**overrides: Any) -> Qwen2ForCausalLM:
     return Qwen2ForCausalLM(Qwen2Config(**{**TINY_QWEN2, **overrides}))
 
 
+_TINY_EXPERTS: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+
+
 def tiny_config(arch: str, **overrides: Any) -> Any:
-    """A tiny random config of ``arch`` with :data:`TINY_QWEN2`'s sizes and eager attention."""
-    from transformers import LlamaConfig, MistralConfig, Qwen3Config
+    """A tiny random config of ``arch`` with :data:`TINY_QWEN2`'s sizes and eager attention.
+
+    The Mixture-of-Experts ones route each token to 2 of 8 experts (Mixtral: 2 of 4) of 16
+    hidden units, in every layer but Qwen2-MoE's middle one (a dense MLP, ``mlp_only_layers``;
+    that model has 3 layers and a shared expert of 24 units).
+    """
+    from transformers import (
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Qwen2MoeConfig,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     common: dict[str, Any] = {**TINY_QWEN2, "attn_implementation": "eager"}
     if arch == "qwen2":
@@ -162,6 +180,30 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     elif arch == "mistral":
         # Mistral v0.2+ checkpoints have no sliding window (the config class defaults to 4096).
         cls, extra = MistralConfig, {"sliding_window": None}
+    elif arch == "qwen3_moe":
+        cls, extra = Qwen3MoeConfig, {**_TINY_EXPERTS, "head_dim": 8, "num_experts": 8}
+    elif arch == "qwen2_moe":
+        cls, extra = (
+            Qwen2MoeConfig,
+            {
+                **_TINY_EXPERTS,
+                "num_experts": 8,
+                "shared_expert_intermediate_size": 24,
+                "num_hidden_layers": 3,
+                "mlp_only_layers": [1],
+            },
+        )
+    elif arch == "mixtral":
+        # Mixtral's experts are intermediate_size wide; released configs have no window
+        cls, extra = (
+            MixtralConfig,
+            {
+                "num_local_experts": 4,
+                "num_experts_per_tok": 2,
+                "intermediate_size": 16,
+                "sliding_window": None,
+            },
+        )
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     return cls(**{**common, **extra, **overrides})

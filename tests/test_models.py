@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import (
     ARCHITECTURES,
+    MOE_ARCHITECTURES,
     make_samples,
     max_grad_diff,
     reference_loss_and_grads,
@@ -50,7 +51,7 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
     hooks = len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)
     prepare_model(model, backend="sdpa")  # again: nothing is added
     assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks
-    assert set(SUPPORTED_ARCHITECTURES) == set(ARCHITECTURES)
+    assert set(SUPPORTED_ARCHITECTURES) == {*ARCHITECTURES, *MOE_ARCHITECTURES}
 
 
 @pytest.mark.parametrize(

@@ -44,16 +44,20 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from lightning_skrull.models.moe import MOE_MODEL_TYPES, refuse_router_aux_loss
+
 IGNORE_INDEX = -100
 """Label of a token that is not supervised (the convention of HF causal-LM losses)."""
 
 LOGIT_ELEMENTS_PER_CHUNK = 1 << 25
 """Float32 logits one chunk may hold (128 MiB): 220 tokens of Qwen2.5's vocabulary."""
 
-CHUNKED_LOSS_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral")
+CHUNKED_LOSS_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", *MOE_MODEL_TYPES)
 """Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``
 (no logit scaling or soft-capping), so routing it through :func:`linear_cross_entropy` changes
-nothing but memory."""
+nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with
+``output_router_logits=True``, which the routed forward refuses
+(:func:`~lightning_skrull.models.moe.refuse_router_aux_loss`) rather than drop it."""
 
 
 LossKernel = Literal["auto", "chunked", "liger", "cce"]
@@ -343,7 +347,8 @@ def _chunked_forward(
     """The causal LM's forward with the loss of :func:`linear_cross_entropy` when ``labels``
     are given (``logits`` is then ``None``: the full logits are never formed); the original
     forward otherwise. A loss over the logits calls the model without ``labels`` (and without
-    ``shift_labels``) and gets them back."""
+    ``shift_labels``) and gets them back. ``output_router_logits=True`` (argument or config) is
+    refused with ``labels``: the returned loss would lack the router auxiliary loss."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
     bound = _signature(original).bind(*args, **kwargs)
@@ -353,6 +358,11 @@ def _chunked_forward(
     if labels is None:
         return original(*args, **kwargs)
     arguments.pop("logits_to_keep", None)
+    router_logits = arguments.get("output_router_logits")
+    if router_logits is None:
+        router_logits = getattr(getattr(model, "config", None), "output_router_logits", False)
+    if router_logits:
+        refuse_router_aux_loss(model)  # its aux loss would be missing from the loss below
     decoder = cast(nn.Module, model.model)  # checked by check_chunked_loss_supported
     head = active_lm_head(model)
     outputs = decoder(**arguments, **extra)

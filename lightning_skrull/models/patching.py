@@ -11,6 +11,8 @@ one whose result under Skrull equals its result on one process:
 - every decoder layer's attention applies RoPE (from ``position_ids``) and then calls the
   function registered with the ``AttentionInterface``;
 - causal, without attention dropout, and without an active sliding window;
+- for a Mixture-of-Experts model, a deterministic router (no ``router_jitter_noise``) and no
+  router auxiliary loss (``output_router_logits`` off; :mod:`lightning_skrull.models.moe`);
 - a RoPE whose frequencies depend on the config only, or on the batch only beyond a length no
   sequence reaches (:mod:`lightning_skrull.models.rope`).
 
@@ -38,6 +40,7 @@ from lightning_skrull.models.chunked_loss import (
     use_chunked_loss,
     use_dense_loss,
 )
+from lightning_skrull.models.moe import refuse_router_aux_loss, router_problems
 from lightning_skrull.models.rope import rope_length_limit, rope_problems
 
 if TYPE_CHECKING:
@@ -49,6 +52,9 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "qwen3": ("Qwen3ForCausalLM", "Qwen3Model"),
         "llama": ("LlamaForCausalLM", "LlamaModel"),
         "mistral": ("MistralForCausalLM", "MistralModel"),
+        "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeModel"),
+        "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeModel"),
+        "mixtral": ("MixtralForCausalLM", "MixtralModel"),
     }
 )
 """``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
@@ -57,7 +63,14 @@ Qwen2.5 checkpoints use ``model_type="qwen2"``. Each of these applies RoPE to qu
 and then calls ``ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, ...)``, with
 no other sequence mixing, so packing sequences and sharding them over ranks changes nothing
 as long as the attention function honours the layout.
+
+The Mixture-of-Experts ones (``qwen3_moe``, ``qwen2_moe``, ``mixtral``) replace the MLP of their
+sparse layers by a top-k router and experts that compute each token from its own hidden state
+alone (no capacity factor, no token dropping; Qwen2-MoE adds a sigmoid-gated shared expert, also
+per token), so the same holds for them, given
+:func:`~lightning_skrull.models.moe.router_problems` finds nothing.
 """
+
 
 _PLAIN_ATTENTION = "_skrull_plain_attention"
 """Instance attribute where :func:`prepare_model` keeps the model's attention before it."""
@@ -229,6 +242,7 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
             f"the window with prepare_model(..., max_sequence_length<={window}))"
         )
     reasons.extend(rope_problems(model, max_sequence_length))
+    reasons.extend(router_problems(model))
     if reasons:
         raise ValueError(
             f"{name} cannot be trained with Skrull context parallelism: " + "; ".join(reasons) + "."
@@ -334,12 +348,16 @@ def _forward_without_cache(
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Forward pre-hook: ``use_cache=False`` while ``module`` uses the Skrull attention.
 
-    An explicit ``use_cache=True`` is overridden too. Under any other attention (the user
-    switched back to generate) the call is left as it is, and the config's ``use_cache`` applies
+    An explicit ``use_cache=True`` is overridden too, and ``output_router_logits=True`` (passed,
+    or set in the config after :func:`prepare_model`) is refused
+    (:func:`~lightning_skrull.models.moe.refuse_router_aux_loss`). Under any other attention
+    (the user switched back to generate) the call is left as it is, and the config's ``use_cache`` applies
     again. transformers' decoders take ``use_cache`` by keyword only (their config-defaults
     decorator adds it as a keyword), so the hook sets the keyword.
 
     Raises:
+        ValueError: ``output_router_logits=True`` under the Skrull attention (a Mixture-of-Experts
+            model would add the router auxiliary loss).
         RuntimeError: ``module`` runs another attention inside a micro-batch's attention
             context: it was switched away from ``"skrull"`` (to generate) and not back, and
             would silently attend within this rank's tokens only.
@@ -359,6 +377,11 @@ def _forward_without_cache(
                 "on exit."
             )
         return None
+    requested = kwargs.get("output_router_logits")
+    if requested is None:
+        requested = getattr(config, "output_router_logits", False)
+    if requested:
+        refuse_router_aux_loss(module)
     kwargs["use_cache"] = False
     return args, kwargs
 

@@ -93,8 +93,8 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
         raise ValueError(
             f"{type(model).__name__} has no decoder layers to shard: its _no_split_modules is "
             f"{sorted(names)!r} and no submodule has one of those classes. SkrullFSDPStrategy "
-            "shards Hugging Face decoders (Qwen2/3, Llama, Mistral); use SkrullStrategy or "
-            "SkrullZero2Strategy for other models."
+            "shards Hugging Face decoders (Qwen2/3, Llama, Mistral, their MoE variants); use "
+            "SkrullStrategy or SkrullZero2Strategy for other models."
         )
     return layers
 

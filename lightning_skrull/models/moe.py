@@ -1,0 +1,95 @@
+"""Mixture-of-Experts decoders under Skrull: what keeps their routing exact, and what is refused.
+
+Qwen3-MoE, Qwen2-MoE and Mixtral replace the MLP of their sparse layers by a top-k router and
+experts stored as fused 3-D parameters. The router picks each token's experts from that token's
+hidden state alone, and every expert computes each of its tokens alone: no capacity factor, no
+token dropping, nothing that depends on the other tokens of the batch (Qwen2-MoE's shared expert
+and its sigmoid gate are per token too). Packing sequences into micro-batches and sharding them
+over CP ranks therefore changes neither a token's experts nor its result.
+
+Two things would, and :func:`router_problems` refuses them at setup:
+
+- the router auxiliary loss (``output_router_logits=True``): :data:`AUX_LOSS_RULE`;
+- Mixtral's ``router_jitter_noise > 0``: random noise drawn token by token in training.
+
+A forward called with ``output_router_logits=True`` under the Skrull attention is refused too
+(:func:`refuse_router_aux_loss`, from the prepared model's forward pre-hook and the chunked loss).
+"""
+
+from __future__ import annotations
+
+from typing import NoReturn
+
+from torch import nn
+
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""``config.model_type`` of the supported Mixture-of-Experts architectures."""
+
+AUX_LOSS_RULE = (
+    "transformers then adds router_aux_loss_coef x the load-balancing loss (Switch "
+    "Transformer) to the loss; that loss multiplies each expert's fraction of routed tokens by "
+    "its mean router probability over all tokens of one forward, a nonlinear function of the "
+    "whole batch, so computed per micro-batch and per CP shard (over every packed token: the "
+    "padding-free packed input has no attention_mask) its sum differs from the global batch's "
+    "on one process, and no reduction of the per-micro-batch values recovers it"
+)
+"""Why the router auxiliary loss cannot be trained exactly under Skrull."""
+
+AUX_LOSS_FIX = (
+    "set config.output_router_logits=False (as the released Qwen3-MoE, Qwen2-MoE and Mixtral "
+    "configs do) and do not pass output_router_logits=True in the training forward; to read the "
+    "router logits, run the model outside the training step (trainer.strategy.generating() or "
+    "lightning_skrull.models.plain_attention(model))"
+)
+"""How to train a Mixture-of-Experts model without the router auxiliary loss."""
+
+
+def router_problems(model: nn.Module) -> list[str]:
+    """Reasons why a Mixture-of-Experts model would not train exactly under Skrull.
+
+    - ``config.output_router_logits=True``: the forward adds the router auxiliary loss, which
+      no per-micro-batch computation equals (:data:`AUX_LOSS_RULE`);
+    - ``config.router_jitter_noise > 0`` (Mixtral): in training the router's input is scaled by
+      uniform noise drawn from the random stream token by token, so packing and sharding change
+      which token gets which draw.
+
+    Empty for a model with neither (the dense architectures have neither field).
+    """
+    config = getattr(model, "config", None)
+    problems: list[str] = []
+    if getattr(config, "output_router_logits", False):
+        coef = getattr(config, "router_aux_loss_coef", None)
+        problems.append(
+            f"its config sets output_router_logits=True (router_aux_loss_coef={coef}): "
+            f"{AUX_LOSS_RULE}. To train, {AUX_LOSS_FIX}"
+        )
+    jitter = float(getattr(config, "router_jitter_noise", 0.0) or 0.0)
+    if jitter > 0.0:
+        problems.append(
+            f"router_jitter_noise={jitter} (the router's input is multiplied by random noise "
+            "drawn token by token, which packing and sharding reorder; set "
+            "config.router_jitter_noise=0.0)"
+        )
+    return problems
+
+
+def refuse_router_aux_loss(model: nn.Module) -> NoReturn:
+    """Raise for a forward of ``model`` asked for ``output_router_logits=True`` under Skrull.
+
+    Raises:
+        ValueError: always; the message names the value, the rule and the fix.
+    """
+    coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
+    raise ValueError(
+        f"{type(model).__name__} was called with output_router_logits=True under the Skrull "
+        f"attention (router_aux_loss_coef={coef}): {AUX_LOSS_RULE}. To train, {AUX_LOSS_FIX}."
+    )
+
+
+__all__ = [
+    "AUX_LOSS_FIX",
+    "AUX_LOSS_RULE",
+    "MOE_MODEL_TYPES",
+    "refuse_router_aux_loss",
+    "router_problems",
+]
