@@ -99,7 +99,7 @@ class ModelShape:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "bool":
+            if isinstance(f.default, bool):
                 if not isinstance(value, bool):
                     raise ValueError(f"ModelShape.{f.name}={value!r} is invalid; give a bool.")
                 continue
