@@ -11,16 +11,21 @@ three). Three ways to run the same tokens:
 - ``skrull_dense``: the model prepared for Skrull (CP size 1), the dense loss;
 - ``skrull_chunked``: the same with the chunked LM head + cross-entropy (the strategies' default).
 
+``--model qwen3_moe`` measures a small Qwen3-MoE instead (:data:`MOE_CONFIG`, plain transformers
+only), whose experts dominate its activations: the check of the MoE layer's estimate.
+
 Run::
 
     python -m benchmarks.memory_cpu                       # 1K, 2K, 4K, 8K tokens
     python -m benchmarks.memory_cpu --tokens 1024 2048    # a quick look
+    python -m benchmarks.memory_cpu --model qwen3_moe --tokens 1024 2048
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -50,33 +55,69 @@ CONFIG: dict[str, Any] = {
     "max_position_embeddings": SEQUENCE,
 }
 """The measured model's Qwen2Config (the head dominates its activations)."""
+MOE_CONFIG: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "intermediate_size": 256,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "moe_intermediate_size": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 4,
+    "norm_topk_prob": True,
+    "tie_word_embeddings": False,
+    "max_position_embeddings": 16384,
+}
+"""The Qwen3MoeConfig of ``--model qwen3_moe`` (its four routed experts per token hold 80% of
+its activations)."""
+MODELS: dict[str, tuple[str, dict[str, Any], int | None]] = {
+    "qwen2": ("qwen2", CONFIG, SEQUENCE),
+    "qwen3_moe": ("qwen3_moe", MOE_CONFIG, None),
+}
+"""``--model`` choices: the ``model_type``, the config fields and the sequence length the step's
+tokens are packed in. ``None``: one sequence of all of them, which plain transformers runs
+without a mask; packed sequences make it build a block-causal float mask, ``tokens**2`` floats
+that sdpa keeps in every layer, which would grow faster than the activations measured."""
 
 
-def _model() -> Any:
+def model_config(model: str, layers: int | None = None) -> Any:
+    """The transformers config of ``--model`` ``model``, with ``layers`` decoder layers if given."""
+    from transformers import AutoConfig
+
+    model_type, fields, _ = MODELS[model]
+    if layers is not None:
+        fields = {**fields, "num_hidden_layers": layers}
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _model(model: str, layers: int | None) -> Any:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return Qwen2ForCausalLM(Qwen2Config(**CONFIG))
+    return AutoModelForCausalLM.from_config(model_config(model, layers))
 
 
-def _samples(tokens: int) -> list[dict[str, list[int]]]:
+def _samples(tokens: int, vocab: int, sequence: int | None) -> list[dict[str, list[int]]]:
     import torch
 
     g = torch.Generator().manual_seed(1)
-    lengths = [SEQUENCE] * (tokens // SEQUENCE) + ([tokens % SEQUENCE] if tokens % SEQUENCE else [])
-    return [{"input_ids": torch.randint(0, VOCAB, (n,), generator=g).tolist()} for n in lengths]
+    sequence = sequence or tokens
+    lengths = [sequence] * (tokens // sequence) + ([tokens % sequence] if tokens % sequence else [])
+    return [{"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in lengths]
 
 
-def _step_fn(mode: str, tokens: int) -> Any:
+def _step_fn(mode: str, tokens: int, model_name: str = "qwen2", layers: int | None = None) -> Any:
     """A function running one forward + backward of ``tokens`` packed tokens in ``mode``."""
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.models import prepare_model
     from lightning_skrull.runtime.engine import micro_batch_context
     from lightning_skrull.scheduling import plan_global_batch
 
-    model = _model()
-    samples = _samples(tokens)
+    model = _model(model_name, layers)
+    samples = _samples(tokens, int(model.config.vocab_size), MODELS[model_name][2])
     lengths = [len(s["input_ids"]) for s in samples]
     plan = plan_global_batch(lengths, dp_size=1, cp_size=1, bucket_size=max(tokens, 16))
     batch = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1)
@@ -102,14 +143,16 @@ def _max_rss_mib() -> float:
     return peak_rss_kib() / 1024
 
 
-def measure_one(mode: str, tokens: int, repeats: int = 3) -> dict[str, float]:
+def measure_one(
+    mode: str, tokens: int, repeats: int = 3, model: str = "qwen2", layers: int | None = None
+) -> dict[str, float]:
     """Peak RSS growth (MiB) and step time (s, the fastest of ``repeats`` steps) of one case,
     in this process."""
     import torch
 
     torch.set_num_threads(1)
-    _step_fn(mode, 16)()  # warm-up: allocator, kernels, autograd
-    step = _step_fn(mode, tokens)
+    _step_fn(mode, 16, model, layers)()  # warm-up: allocator, kernels, autograd
+    step = _step_fn(mode, tokens, model, layers)
     before = _max_rss_mib()
     start = time.perf_counter()
     step()
@@ -123,9 +166,22 @@ def measure_one(mode: str, tokens: int, repeats: int = 3) -> dict[str, float]:
 
 
 def run(
-    tokens_list: list[int], modes: tuple[str, ...] = MODES, repeats: int = 3
+    tokens_list: list[int],
+    modes: tuple[str, ...] = MODES,
+    repeats: int = 3,
+    model: str = "qwen2",
+    layers: int | None = None,
+    malloc_mmap_threshold: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Every mode at every token count, each in a fresh process (``repeats`` timed steps)."""
+    """Every mode at every token count, each in a fresh process (``repeats`` timed steps);
+    ``layers`` overrides the model's number of decoder layers. ``malloc_mmap_threshold`` (bytes)
+    fixes glibc's mmap threshold in those processes (``MALLOC_MMAP_THRESHOLD_``): every larger
+    block gets its own mapping, unmapped when freed, so the peak resident set follows the live
+    tensors. By default glibc raises the threshold as blocks are freed and later blocks of that
+    size come from its heap, which keeps the freed ones resident."""
+    env = dict(os.environ)
+    if malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
     rows = []
     for tokens in tokens_list:
         for mode in modes:
@@ -138,8 +194,12 @@ def run(
                     mode,
                     str(tokens),
                     str(repeats),
+                    "--model",
+                    model,
+                    *(["--layers", str(layers)] if layers is not None else []),
                 ],
                 cwd=ROOT,
+                env=env,
                 check=True,
                 capture_output=True,
                 text=True,
@@ -168,14 +228,20 @@ def table(rows: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, nargs="+", default=[1024, 2048, 4096, 8192])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen2", help="measured model")
+    parser.add_argument(
+        "--layers", type=int, default=None, help="decoder layers (default: the model's)"
+    )
     parser.add_argument(
         "--one", nargs=3, metavar=("MODE", "TOKENS", "REPEATS"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
     if args.one:
-        print(json.dumps(measure_one(args.one[0], int(args.one[1]), int(args.one[2]))))
+        mode, tokens, repeats = args.one[0], int(args.one[1]), int(args.one[2])
+        print(json.dumps(measure_one(mode, tokens, repeats, args.model, args.layers)))
         return
-    rows = run(args.tokens)
+    modes = MODES if args.model == "qwen2" else ("hf",)
+    rows = run(args.tokens, modes, model=args.model, layers=args.layers)
     print(table(rows))
     for row in rows:
         if row["mode"] == "skrull_chunked" and row["tokens"] == 4096:

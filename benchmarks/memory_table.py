@@ -1,7 +1,9 @@
 """Memory per GPU by model size and strategy, from the analytical model (docs/strategies.md).
 
-For Qwen2.5-7B, 14B, 32B and 72B under DDP, ZeRO-2, FSDP2 sharded over the CP group and FSDP2
-sharded over the world, on 80 GB and 141 GB GPUs: the model states one GPU holds
+For Qwen2.5-7B, 14B, 32B and 72B and the Mixture-of-Experts Qwen3-30B-A3B and Mixtral-8x7B
+(:data:`~lightning_skrull.models.memory_estimate.LARGE_MODELS`, the values of their published
+``config.json``) under DDP, ZeRO-2, FSDP2 sharded over the CP group and FSDP2 sharded over the
+world, on 80 GB and 141 GB GPUs: the model states one GPU holds
 (:func:`lightning_skrull.models.memory_estimate.model_state_bytes`: parameters, gradients, AdamW
 states, the strategy's working copies) and the largest ``bucket_size`` that fits next to them
 with 10% of the device kept free, without and with activation checkpointing

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -13,6 +14,7 @@ from lightning_skrull.scheduling import (
     POLICIES,
     CostModel,
     FitSample,
+    ModelShape,
     fit_cost_model,
     plan_global_batch,
     simulate,
@@ -36,6 +38,10 @@ TINY = dict(
     intermediate_size=16,
     vocab_size=10,
 )
+
+
+DENSE_FIELDS = ("hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                "head_dim", "intermediate_size", "vocab_size")  # fmt: skip
 
 
 def tiny_model() -> CostModel:
@@ -281,3 +287,141 @@ def test_from_dict_inverts_asdict() -> None:
 
     model = CostModel().with_constants(achieved_flops=1.5e14, per_sequence_seconds=3e-4)
     assert CostModel.from_dict(dataclasses.asdict(model)) == model
+
+
+# ----------------------------------------------------------------------------- Mixture-of-Experts
+MOE_TINY = dict(TINY, hidden_size=8, intermediate_size=12, tie_word_embeddings=False)
+MOE_FAMILIES = {
+    # Qwen3-MoE with its first layer dense (mlp_only_layers): a dense MLP of intermediate_size
+    # there, 6 experts of width 4 (2 per token) on the other two.
+    "qwen3_moe": dict(MOE_TINY, num_hidden_layers=3, mlp_only_layers=[0], num_experts=6,
+                      num_experts_per_tok=2, moe_intermediate_size=4, norm_topk_prob=True),
+    # Qwen2-MoE: the same experts plus a shared expert of width 8 and its sigmoid gate.
+    "qwen2_moe": dict(MOE_TINY, num_experts=6, num_experts_per_tok=2, moe_intermediate_size=4,
+                      shared_expert_intermediate_size=8),
+    # Mixtral: 4 experts of intermediate_size, 2 per token, on every layer.
+    "mixtral": dict(MOE_TINY, num_local_experts=4, num_experts_per_tok=2),
+}  # fmt: skip
+
+
+def moe_model(family: str, **overrides: object) -> torch.nn.Module:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(family, **{**MOE_FAMILIES[family], **overrides})
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, experts_implementation="eager")
+
+
+def test_moe_flops_by_hand() -> None:
+    from transformers import AutoConfig
+
+    shape = CostModel.from_hf_config(
+        AutoConfig.for_model("qwen2_moe", **MOE_FAMILIES["qwen2_moe"])
+    ).shape
+    assert (shape.num_experts, shape.experts_per_token, shape.sparse_layers) == (6, 2, 2)
+    # Per sparse layer and token: router 2*8*6 = 96; two experts of 3 matmuls 2*8*4 each: 384;
+    # shared expert 3 * 2*8*8 = 384 and its gate 2*8 = 16 -> 880.
+    assert shape.sparse_mlp_flops_per_token() == 880
+    # Attention projections 2 * (128 + 64) = 384 per layer (as the dense test), LM head 160.
+    assert shape.linear_flops_per_token() == 2 * (384 + 880) + 160
+    qwen3 = CostModel.from_hf_config(
+        AutoConfig.for_model("qwen3_moe", **MOE_FAMILIES["qwen3_moe"])
+    ).shape
+    # Layer 0 is dense (mlp_only_layers): 3 * 2*8*12 = 576; the two sparse ones 96 + 384.
+    assert (qwen3.sparse_layers, qwen3.dense_layers) == (2, 1)
+    assert qwen3.linear_flops_per_token() == 3 * 384 + 576 + 2 * 480 + 160
+
+
+@pytest.mark.parametrize("family", sorted(MOE_FAMILIES))
+def test_moe_flops_match_torch_flop_counter(family: str) -> None:
+    # Independent reference: torch's counter on a real HF MoE forward and backward, with
+    # transformers' "eager" experts (a loop over the experts that got tokens; its default
+    # "grouped_mm" kernel is not counted by FlopCounterMode). Every matmul costs 2*M*N*K and
+    # M, an expert's rows, sums over the experts to tokens x top-k exactly however the router
+    # spreads the tokens: the loop skips an expert with no rows, which would cost 0 anyway. So
+    # the count is exact (tolerance 0), checked with a router that spreads the tokens over every
+    # expert and with one (zero weights, every probability equal) that sends every token to the
+    # same top-k experts.
+    model = moe_model(family)
+    shape = CostModel.from_hf_config(model.config).shape
+    gates = [layer.mlp.gate for layer in model.model.layers if hasattr(layer.mlp, "gate")]
+    assert len(gates) == shape.sparse_layers
+    chosen: list[torch.Tensor] = []
+    for gate in gates:
+        gate.register_forward_hook(lambda _m, _i, out: chosen.append(out[2]))
+    for concentrated in (False, True):
+        if concentrated:
+            with torch.no_grad():
+                for gate in gates:
+                    gate.weight.zero_()
+        for s in (1, 5, 24):
+            chosen.clear()
+            ids = torch.randint(0, 10, (1, s), generator=torch.Generator().manual_seed(s))
+            with FlopCounterMode(display=False) as forward:
+                model(input_ids=ids, use_cache=False)
+            hit = [int(c.unique().numel()) for c in chosen]
+            if s == 24:
+                k = shape.experts_per_token
+                assert hit == [k] * len(gates) if concentrated else min(hit) == shape.num_experts
+            full_square = s * s - s * (s + 1) // 2
+            expected = shape.forward_flops(s) + full_square * shape.attention_flops_per_pair()
+            assert forward.get_total_flops() == expected, (family, concentrated, s)
+            with FlopCounterMode(display=False) as train:
+                model(input_ids=ids, use_cache=False).logits.sum().backward()
+            assert train.get_total_flops() == 3 * expected  # the train_flops_factor
+
+
+def test_moe_shape_reads_the_configs() -> None:
+    from transformers import AutoConfig, MixtralConfig, Qwen3MoeConfig
+
+    from lightning_skrull.scheduling.cost_model import MIXTRAL_8X7B, QWEN3_30B_A3B
+
+    # the published config.json values of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1
+    qwen3 = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,
+                           num_key_value_heads=4, head_dim=128, intermediate_size=6144,
+                           moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                           decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                           vocab_size=151936, tie_word_embeddings=False)  # fmt: skip
+    assert ModelShape.from_hf_config(qwen3) == QWEN3_30B_A3B
+    mixtral = MixtralConfig(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
+                            num_key_value_heads=8, intermediate_size=14336, num_local_experts=8,
+                            num_experts_per_tok=2, vocab_size=32000)  # fmt: skip
+    assert ModelShape.from_hf_config(mixtral) == MIXTRAL_8X7B
+    # A Qwen3-MoE with no sparse layer (every layer in mlp_only_layers) is a dense decoder.
+    dense = AutoConfig.for_model("qwen3_moe", **dict(MOE_FAMILIES["qwen3_moe"],
+                                                     mlp_only_layers=[0, 1, 2]))  # fmt: skip
+    assert ModelShape.from_hf_config(dense).num_experts == 0
+
+
+def test_unknown_moe_config_is_refused() -> None:
+    from transformers import AutoConfig
+
+    olmoe = AutoConfig.for_model("olmoe", hidden_size=8, num_hidden_layers=1,
+                                 num_attention_heads=2, intermediate_size=4, vocab_size=10)  # fmt: skip
+    with pytest.raises(ValueError, match=r"model_type='olmoe'.*num_experts.*does not read"):
+        CostModel.from_hf_config(olmoe)
+
+
+@pytest.mark.parametrize(
+    ("fields", "match"),
+    [
+        (dict(experts_per_token=2), "num_experts=0 but expert fields"),
+        (dict(num_experts=4, experts_per_token=5, expert_intermediate_size=4, sparse_layers=2),
+         "1 <= experts_per_token <= num_experts"),
+        (dict(num_experts=4, experts_per_token=2, expert_intermediate_size=4, sparse_layers=3),
+         "1 <= sparse_layers <= num_layers"),
+        (dict(num_experts=-1), r"num_experts=-1 is invalid; give an int >= 0"),
+        (dict(qk_norm=1), r"qk_norm=1 is invalid; give a bool"),
+    ],
+)  # fmt: skip
+def test_invalid_moe_shapes_are_refused(fields: dict[str, int], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        dataclasses.replace(tiny_model().shape, **fields)
+
+
+def test_a_checkpointed_dense_model_still_loads() -> None:
+    # Cost models saved before the expert fields existed: the dict has the seven dense fields.
+    values = dataclasses.asdict(CostModel())
+    values["shape"] = {k: v for k, v in values["shape"].items() if k in DENSE_FIELDS}
+    assert CostModel.from_dict(values) == CostModel()

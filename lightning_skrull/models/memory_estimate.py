@@ -13,7 +13,21 @@ the hidden size, ``h_kv`` the key/value width and ``f`` the MLP width:
 - attention keeps q (``b h``), k and v (``2 b h_kv``) and its output (``b h``, also o_proj's
   input);
 - the SwiGLU MLP keeps the gate and up projections, the SiLU output and their product
-  (``4 b f``).
+  (``4 b f``);
+- Qwen3's RMSNorm over each head of q and k keeps, like the layer norms, a float32 copy and a
+  normalised output: ``(4 + b)(h_q + h_kv)``.
+
+A Mixture-of-Experts layer (Qwen3-MoE, Qwen2-MoE, Mixtral; ``E`` experts of width ``f_e``,
+``k`` per token) keeps instead of the MLP, per token: the router's float32 probabilities
+(``4E``), its top-k indices, weights and their sum (``12k + 4``); and for each of the ``k`` rows
+a token is routed to, as transformers' default ``experts_implementation="grouped_mm"`` runs
+them: the gathered input and the expert's output (``2 b h``), the gate/up output, SiLU output
+and product (``4 b f_e``), the row's routing weight (at most 4 B) and three int64 permutation
+indices (24 B). The ``"eager"`` loop over experts also keeps every weighted output (``b h`` more
+per row, the input of its ``index_add_``) and two int64 indices instead of three. Qwen2-MoE's
+shared expert adds a SwiGLU MLP (``4 b f_s``), its output and its sigmoid gate (``b h + b``).
+Every routed row is computed, however the router spreads the tokens, so none of this depends on
+the routing.
 
 The head, dense (transformers' ``lm_head`` then ``ForCausalLMLoss``): the logits (``b V``), their
 float32 copy when ``b < 4`` (``4 V``), log-softmax's float32 output (``4 V``), and the float32
@@ -38,12 +52,18 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
 from lightning_skrull.scheduling.cost_model import (
+    MIXTRAL_8X7B,
     QWEN2_5_7B,
     QWEN2_5_14B,
     QWEN2_5_32B,
     QWEN2_5_72B,
+    QWEN3_30B_A3B,
     ModelShape,
 )
+
+ExpertsImplementation = Literal["grouped_mm", "eager"]
+"""How transformers runs the experts (``config._experts_implementation``): ``"grouped_mm"``
+(its default where the kernel exists) or ``"eager"``, a loop over the experts that got tokens."""
 
 
 @dataclass(frozen=True)
@@ -64,35 +84,68 @@ class ActivationEstimate:
         return self.layers + self.head
 
 
+def _shape(config: Any) -> ModelShape:
+    return config if isinstance(config, ModelShape) else ModelShape.from_hf_config(config)
+
+
+def layer_bytes_per_token(
+    shape: ModelShape,
+    *,
+    bytes_per_element: int = 2,
+    experts_implementation: ExpertsImplementation = "grouped_mm",
+) -> tuple[int, int]:
+    """Activation bytes per token of one dense layer and of one sparse (MoE) layer of ``shape``
+    (0 for the kind it does not have), as the module docstring counts them."""
+    if experts_implementation not in get_args(ExpertsImplementation):
+        raise ValueError(
+            f"experts_implementation={experts_implementation!r} is not one of "
+            f"{get_args(ExpertsImplementation)}."
+        )
+    b, h = bytes_per_element, shape.hidden_size
+    q_width, kv_width = shape.q_dim, shape.kv_dim
+    norms = 2 * (4 + b) * h
+    attention = b * (2 * q_width + 2 * kv_width)
+    if shape.qk_norm:
+        attention += (4 + b) * (q_width + kv_width)
+    dense = norms + attention + 4 * b * shape.intermediate_size if shape.dense_layers else 0
+    if not shape.sparse_layers:
+        return dense, 0
+    k = shape.experts_per_token
+    router = 4 * shape.num_experts + 12 * k + 4
+    row = 2 * b * h + 4 * b * shape.expert_intermediate_size + 4
+    row += b * h + 16 if experts_implementation == "eager" else 24
+    shared = shape.shared_expert_intermediate_size
+    shared_bytes = 4 * b * shared + b * h + b if shared else 0
+    return dense, norms + attention + router + k * row + shared_bytes
+
+
 def activation_bytes_per_token(
-    config: Any, *, chunked_loss: bool, bytes_per_element: int = 2
+    config: Any,
+    *,
+    chunked_loss: bool,
+    bytes_per_element: int = 2,
+    experts_implementation: ExpertsImplementation = "grouped_mm",
 ) -> ActivationEstimate:
     """Estimate activation bytes per token for a decoder with this Hugging Face ``config``.
 
     Args:
-        config: a transformers config with ``hidden_size``, ``intermediate_size``,
-            ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads`` (optional,
-            default: MHA), ``head_dim`` (optional) and ``vocab_size``; or a
-            :class:`~lightning_skrull.scheduling.cost_model.ModelShape` (``num_layers``).
+        config: a transformers config (dense, or Qwen3-MoE / Qwen2-MoE / Mixtral; read by
+            :meth:`~lightning_skrull.scheduling.cost_model.ModelShape.from_hf_config`) or a
+            :class:`~lightning_skrull.scheduling.cost_model.ModelShape`.
         chunked_loss: the chunked LM head + cross-entropy instead of the dense logits.
         bytes_per_element: bytes of the compute dtype (2: bf16 / fp16, 4: float32).
+        experts_implementation: how the experts of a MoE layer run (module docstring).
 
     Returns:
         The per-token estimate, split into layers and head.
     """
-    h = int(config.hidden_size)
-    f = int(config.intermediate_size)
-    heads = int(config.num_attention_heads)
-    head_dim = int(getattr(config, "head_dim", None) or h // heads)
-    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
-    q_width, kv_width = heads * head_dim, kv_heads * head_dim
+    shape = _shape(config)
     b = bytes_per_element
-    norms = 2 * (4 + b) * h
-    attention = b * (2 * q_width + 2 * kv_width)
-    mlp = 4 * b * f
-    num_layers = getattr(config, "num_hidden_layers", None) or config.num_layers
-    layers = int(num_layers) * (norms + attention + mlp)
-    vocab = int(config.vocab_size)
+    dense, sparse = layer_bytes_per_token(
+        shape, bytes_per_element=b, experts_implementation=experts_implementation
+    )
+    layers = shape.dense_layers * dense + shape.sparse_layers * sparse
+    h, vocab = shape.hidden_size, shape.vocab_size
     final_norm = (4 + b) * h
     if chunked_loss:
         head = final_norm + b * h
@@ -101,22 +154,19 @@ def activation_bytes_per_token(
     return ActivationEstimate(layers=float(layers), head=float(head))
 
 
-def _layers_of(config: Any) -> int:
-    return int(getattr(config, "num_hidden_layers", None) or config.num_layers)
-
-
 def activation_bytes_per_token_checkpointed(
     config: Any, *, chunked_loss: bool, bytes_per_element: int = 2
 ) -> float:
     """Activation bytes per token with activation checkpointing of every decoder layer: each
-    layer's input (``b h``), one layer's full activations (during its recomputation) and the
-    head."""
+    layer's input (``b h``), the largest layer's full activations (during its recomputation)
+    and the head."""
+    shape = _shape(config)
     full = activation_bytes_per_token(
-        config, chunked_loss=chunked_loss, bytes_per_element=bytes_per_element
+        shape, chunked_loss=chunked_loss, bytes_per_element=bytes_per_element
     )
-    num_layers = _layers_of(config)
-    inputs = num_layers * bytes_per_element * int(config.hidden_size)
-    return float(inputs + full.layers / num_layers + full.head)
+    inputs = shape.num_layers * bytes_per_element * shape.hidden_size
+    largest = max(layer_bytes_per_token(shape, bytes_per_element=bytes_per_element))
+    return float(inputs + largest + full.head)
 
 
 # ----------------------------------------------------------------------------- model states
@@ -125,8 +175,10 @@ LARGE_MODELS = {
     "Qwen2.5-14B": QWEN2_5_14B,
     "Qwen2.5-32B": QWEN2_5_32B,
     "Qwen2.5-72B": QWEN2_5_72B,
+    "Qwen3-30B-A3B": QWEN3_30B_A3B,
+    "Mixtral-8x7B": MIXTRAL_8X7B,
 }
-"""The shapes of the memory table in docs/strategies.md (untied heads, q/k/v biases)."""
+"""The shapes of the memory table in docs/strategies.md (untied heads)."""
 
 MemoryStrategy = Literal["ddp", "zero2", "fsdp_cp", "fsdp_world"]
 """The strategies :func:`model_state_bytes` knows: ``SkrullStrategy`` (DDP),
@@ -141,10 +193,11 @@ DEEPSPEED_BUCKET_ELEMENTS = 2 * 200_000_000
 
 @dataclass(frozen=True)
 class ParameterCount:
-    """Parameters of a Qwen2-style decoder.
+    """Parameters of a Qwen2-style decoder, dense or Mixture-of-Experts.
 
     Attributes:
-        per_layer: one decoder layer (projections with q/k/v biases, MLP, two norms).
+        per_layer: the largest decoder layer (projections, MLP or every expert and the router,
+            norms): what FSDP2 gathers for the layer in flight.
         layers: all decoder layers.
         outside_layers: the embedding, the final norm and the (untied) LM head.
     """
@@ -160,13 +213,23 @@ class ParameterCount:
 
 
 def parameter_count(shape: ModelShape, *, tied_head: bool = False) -> ParameterCount:
-    """Parameters of a Qwen2-style decoder of ``shape`` (q/k/v biases, RMSNorm weights)."""
+    """Parameters of a decoder of ``shape``: q/k/v biases where ``shape.qkv_bias``, Qwen3's
+    q/k head norms where ``shape.qk_norm``, RMSNorm weights; a sparse layer holds all
+    ``num_experts`` experts, the router and the shared expert with its gate, whichever few a
+    token runs."""
     h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    attention = h * q + q + 2 * (h * kv + kv) + q * h
-    per_layer = attention + 3 * h * f + 2 * h
+    attention = 2 * h * q + 2 * h * kv + 2 * h
+    attention += (q + 2 * kv) if shape.qkv_bias else 0
+    attention += 2 * shape.head_dim if shape.qk_norm else 0
+    dense = attention + 3 * h * f
+    shared = shape.shared_expert_intermediate_size
+    experts = shape.num_experts * (3 * h * shape.expert_intermediate_size + h)
+    sparse = attention + experts + (3 * h * shared + h if shared else 0)
+    layers = shape.dense_layers * dense + shape.sparse_layers * sparse
+    largest = max(dense if shape.dense_layers else 0, sparse if shape.sparse_layers else 0)
     embedding = shape.vocab_size * h
     outside = embedding + h + (0 if tied_head else embedding)
-    return ParameterCount(per_layer, shape.num_layers * per_layer, outside)
+    return ParameterCount(largest, layers, outside)
 
 
 @dataclass(frozen=True)
@@ -249,7 +312,8 @@ def largest_bucket(
     measured line; 0 when the model states alone do not fit.
 
     The activations are the chunked loss's in bf16 (:func:`activation_bytes_per_token`, or
-    :func:`activation_bytes_per_token_checkpointed`).
+    :func:`activation_bytes_per_token_checkpointed`); a MoE layer's experts as
+    ``"grouped_mm"`` runs them.
     """
     states = model_state_bytes(shape, strategy, cp_size=cp_size, world_size=world_size)
     if activation_checkpointing:

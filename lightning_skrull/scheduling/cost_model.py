@@ -2,8 +2,8 @@
 
 The model is deliberately simple and explicit, so that every number can be checked by hand:
 
-* **Compute.** Forward FLOPs of a Qwen2-style decoder (GQA projections, SwiGLU MLP, causal
-  attention, LM head); training costs ``train_flops_factor`` (3) times the forward; time is FLOPs
+* **Compute.** Forward FLOPs of a Qwen2-style decoder (GQA projections, SwiGLU MLP or the
+  experts a token is routed to, causal attention, LM head); training costs ``train_flops_factor`` (3) times the forward; time is FLOPs
   divided by ``achieved_flops``.
 * **Tiles.** Attention kernels work on ``tile_size`` x ``tile_size`` blocks of (query, key)
   pairs and compute every block that holds at least one unmasked pair. A short sequence, and
@@ -39,17 +39,30 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from typing import Any
 
 import numpy as np
 
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""Hugging Face ``model_type``s whose sparse MLP :meth:`ModelShape.from_hf_config` reads."""
+
+_EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+"""Config fields that mark a Mixture-of-Experts model in the families transformers ships."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ModelShape:
-    """Shape of a Qwen2-style decoder (what the FLOP count needs).
+    """Shape of a Qwen2-style decoder (what the FLOP count and the memory model need).
+
+    A Mixture-of-Experts decoder (Qwen3-MoE, Qwen2-MoE, Mixtral) replaces the MLP of
+    ``sparse_layers`` of its layers by a router (``hidden_size x num_experts``), ``num_experts``
+    SwiGLU experts of width ``expert_intermediate_size`` of which every token runs
+    ``experts_per_token``, and optionally a shared SwiGLU expert every token runs, scaled by a
+    sigmoid gate (``hidden_size x 1``). The other layers keep the dense MLP of
+    ``intermediate_size``. A dense decoder leaves the expert fields at 0.
 
     Attributes:
         hidden_size: model width ``h``.
@@ -57,8 +70,15 @@ class ModelShape:
         num_attention_heads: query heads.
         num_key_value_heads: key/value heads (GQA); equal to the query heads without GQA.
         head_dim: width of one head.
-        intermediate_size: width of the SwiGLU MLP.
+        intermediate_size: width of the dense SwiGLU MLP (the layers without experts).
         vocab_size: rows of the LM head.
+        num_experts: routed experts of a sparse layer; 0 for a dense decoder.
+        experts_per_token: experts each token runs in a sparse layer (top-k).
+        expert_intermediate_size: width of one routed expert's SwiGLU MLP.
+        shared_expert_intermediate_size: width of the shared expert (Qwen2-MoE); 0: none.
+        sparse_layers: layers whose MLP is the sparse one; the others are dense.
+        qkv_bias: the q, k and v projections have biases (Qwen2); parameters only.
+        qk_norm: an RMSNorm over each head of q and k (Qwen3); activation memory only.
     """
 
     hidden_size: int
@@ -68,15 +88,141 @@ class ModelShape:
     head_dim: int
     intermediate_size: int
     vocab_size: int
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    sparse_layers: int = 0
+    qkv_bias: bool = True
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(f.default, bool):
+                if not isinstance(value, bool):
+                    raise ValueError(f"ModelShape.{f.name}={value!r} is invalid; give a bool.")
+                continue
+            least = 1 if f.default is MISSING else 0
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
                 raise ValueError(
-                    f"ModelShape.{f.name}={value!r} is invalid; give a positive int "
+                    f"ModelShape.{f.name}={value!r} is invalid; give an int >= {least} "
                     "(read it from the model's config)."
                 )
+        moe = (
+            self.experts_per_token,
+            self.expert_intermediate_size,
+            self.shared_expert_intermediate_size,
+            self.sparse_layers,
+        )
+        if self.num_experts == 0 and any(moe):
+            raise ValueError(
+                f"ModelShape has num_experts=0 but expert fields {moe}; a dense decoder leaves "
+                "experts_per_token, expert_intermediate_size, shared_expert_intermediate_size "
+                "and sparse_layers at 0, a sparse one sets num_experts."
+            )
+        if self.num_experts:
+            rules = (
+                (1 <= self.experts_per_token <= self.num_experts, "1 <= experts_per_token <= num_experts"),
+                (self.expert_intermediate_size >= 1, "expert_intermediate_size >= 1"),
+                (1 <= self.sparse_layers <= self.num_layers, "1 <= sparse_layers <= num_layers"),
+            )  # fmt: skip
+            for ok, rule in rules:
+                if not ok:
+                    raise ValueError(
+                        f"ModelShape with num_experts={self.num_experts}, experts_per_token="
+                        f"{self.experts_per_token}, expert_intermediate_size="
+                        f"{self.expert_intermediate_size}, sparse_layers={self.sparse_layers}, "
+                        f"num_layers={self.num_layers} breaks {rule}; read them from the config."
+                    )
+
+    @classmethod
+    def from_hf_config(cls, config: Any) -> ModelShape:
+        """Shape of a Hugging Face decoder config: dense (Qwen2, Llama, Mistral, Qwen3 shape) or
+        Mixture-of-Experts (``model_type`` ``"qwen3_moe"``, ``"qwen2_moe"`` or ``"mixtral"``).
+
+        Dense fields: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
+        ``intermediate_size`` and ``vocab_size``; ``num_key_value_heads`` and ``head_dim`` are
+        optional (defaults: no GQA, ``hidden_size // num_attention_heads``). Qwen3-MoE and
+        Qwen2-MoE: ``num_experts`` experts of ``moe_intermediate_size``,
+        ``num_experts_per_tok`` per token, on the layers not in ``mlp_only_layers`` whose index
+        + 1 is a multiple of ``decoder_sparse_step``; Qwen2-MoE adds its
+        ``shared_expert_intermediate_size``. Mixtral: ``num_local_experts`` experts of
+        ``intermediate_size`` on every layer.
+
+        Raises:
+            ValueError: when the config lacks a needed field, or has experts of a family not
+                listed (its count would silently be a dense one).
+        """
+        needed = (
+            "hidden_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "intermediate_size",
+            "vocab_size",
+        )
+        missing = [n for n in needed if getattr(config, n, None) is None]
+        if missing:
+            raise ValueError(
+                f"{type(config).__name__} lacks {missing}; CostModel.from_hf_config needs a "
+                "decoder config of Qwen2/Llama shape (or build ModelShape yourself)."
+            )
+        model_type = getattr(config, "model_type", None)
+        layers = int(config.num_hidden_layers)
+        heads = int(config.num_attention_heads)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
+        moe: dict[str, int] = {}
+        if model_type in ("qwen3_moe", "qwen2_moe") and int(config.num_experts) > 0:
+            dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
+            step = int(config.decoder_sparse_step)
+            sparse = [i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0]
+            if sparse:
+                moe = {
+                    "num_experts": int(config.num_experts),
+                    "experts_per_token": int(config.num_experts_per_tok),
+                    "expert_intermediate_size": int(config.moe_intermediate_size),
+                    "sparse_layers": len(sparse),
+                }
+                if model_type == "qwen2_moe":
+                    shared = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
+                    moe["shared_expert_intermediate_size"] = shared
+        elif model_type == "mixtral":
+            moe = {
+                "num_experts": int(config.num_local_experts),
+                "experts_per_token": int(config.num_experts_per_tok),
+                "expert_intermediate_size": int(config.intermediate_size),
+                "sparse_layers": layers,
+            }
+        elif model_type not in MOE_MODEL_TYPES:
+            experts = {n: getattr(config, n, None) for n in _EXPERT_FIELDS}
+            experts = {n: v for n, v in experts.items() if v}
+            if experts:
+                raise ValueError(
+                    f"{type(config).__name__} (model_type={model_type!r}) has experts "
+                    f"{experts}, a Mixture-of-Experts family ModelShape.from_hf_config does not "
+                    f"read (it reads {MOE_MODEL_TYPES}); counting it as a dense MLP of "
+                    "intermediate_size would be wrong. Build ModelShape yourself with its "
+                    "num_experts, experts_per_token, expert_intermediate_size and sparse_layers."
+                )
+        if model_type == "qwen2":
+            qkv_bias = True  # Qwen2's q/k/v projections always have biases
+        else:
+            qkv_bias = bool(getattr(config, "qkv_bias", False)) or bool(
+                getattr(config, "attention_bias", False)
+            )
+        return cls(
+            hidden_size=int(config.hidden_size),
+            num_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(config.intermediate_size),
+            vocab_size=int(config.vocab_size),
+            qkv_bias=qkv_bias,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            **moe,
+        )
 
     @property
     def q_dim(self) -> int:
@@ -88,18 +234,43 @@ class ModelShape:
         """Width of all key (or value) heads together."""
         return self.num_key_value_heads * self.head_dim
 
+    @property
+    def dense_layers(self) -> int:
+        """Layers with the dense MLP (all of them for a dense decoder)."""
+        return self.num_layers - self.sparse_layers
+
+    def sparse_mlp_flops_per_token(self) -> int:
+        """Forward FLOPs per token of one sparse layer's MLP (0 for a dense decoder).
+
+        Router ``2*h*num_experts``; ``experts_per_token`` experts of three matmuls
+        ``2*h*expert_ffn`` each; the shared expert's three ``2*h*shared_ffn`` and its gate
+        ``2*h``. The routing itself (softmax, top-k, gathers, weighting) is not a matmul.
+        """
+        if not self.num_experts:
+            return 0
+        h = self.hidden_size
+        routed = self.experts_per_token * 3 * 2 * h * self.expert_intermediate_size
+        shared = self.shared_expert_intermediate_size
+        shared_flops = 3 * 2 * h * shared + 2 * h if shared else 0
+        return 2 * h * self.num_experts + routed + shared_flops
+
     def linear_flops_per_token(self) -> int:
         """Forward FLOPs per token of every matmul that is not attention, all layers + LM head.
 
-        Per layer: q and o projections ``2*h*q_dim`` each, k and v ``2*h*kv_dim`` each, SwiGLU
-        MLP three matmuls ``2*h*ffn`` each. Once: LM head ``2*h*vocab``. Biases, norms,
+        Per layer: q and o projections ``2*h*q_dim`` each, k and v ``2*h*kv_dim`` each; the
+        dense layers' SwiGLU MLP three matmuls ``2*h*ffn`` each, the sparse layers'
+        :meth:`sparse_mlp_flops_per_token`. Once: LM head ``2*h*vocab``. Biases, norms,
         rotary embedding and the activation are ignored (well under 1% of the FLOPs).
         """
         h = self.hidden_size
-        per_layer = (
-            2 * h * self.q_dim * 2 + 2 * h * self.kv_dim * 2 + 3 * 2 * h * self.intermediate_size
+        attention = 2 * h * self.q_dim * 2 + 2 * h * self.kv_dim * 2
+        dense = 3 * 2 * h * self.intermediate_size
+        return (
+            self.num_layers * attention
+            + self.dense_layers * dense
+            + self.sparse_layers * self.sparse_mlp_flops_per_token()
+            + 2 * h * self.vocab_size
         )
-        return self.num_layers * per_layer + 2 * h * self.vocab_size
 
     def attention_flops_per_pair(self) -> int:
         """Forward FLOPs of one (query, key) pair, all heads, all layers.
@@ -171,6 +342,42 @@ QWEN2_5_72B = ModelShape(
     vocab_size=152064,
 )
 """Shape of Qwen2.5-72B."""
+
+QWEN3_30B_A3B = ModelShape(
+    hidden_size=2048,
+    num_layers=48,
+    num_attention_heads=32,
+    num_key_value_heads=4,
+    head_dim=128,
+    intermediate_size=6144,
+    vocab_size=151936,
+    num_experts=128,
+    experts_per_token=8,
+    expert_intermediate_size=768,
+    sparse_layers=48,
+    qkv_bias=False,
+    qk_norm=True,
+)
+"""Shape of Qwen3-30B-A3B (its config.json: ``moe_intermediate_size`` 768, 128 experts, 8 per
+token, ``decoder_sparse_step`` 1, no ``mlp_only_layers``, no attention bias; ``head_dim`` 128,
+not ``hidden_size / heads``): 30.5B parameters, 3.3B of them per token."""
+
+MIXTRAL_8X7B = ModelShape(
+    hidden_size=4096,
+    num_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=32000,
+    num_experts=8,
+    experts_per_token=2,
+    expert_intermediate_size=14336,
+    sparse_layers=32,
+    qkv_bias=False,
+)
+"""Shape of Mixtral-8x7B (its config.json: ``num_local_experts`` 8, 2 per token, experts of
+``intermediate_size`` 14336): 46.7B parameters, 12.9B of them per token."""
 
 
 def kv_pipeline_span(comm: Sequence[float], attention: Sequence[float]) -> tuple[float, int]:
@@ -353,47 +560,24 @@ class CostModel:
 
     @classmethod
     def from_hf_config(cls, config: Any, **constants: Any) -> CostModel:
-        """Cost model of a Hugging Face decoder config (Qwen2, Llama, Mistral, Qwen3 shape).
+        """Cost model of a Hugging Face decoder config: dense (Qwen2, Llama, Mistral, Qwen3
+        shape) or Mixture-of-Experts (Qwen3-MoE, Qwen2-MoE, Mixtral).
 
         Args:
             config: a ``transformers`` config (or any object) with ``hidden_size``,
                 ``num_hidden_layers``, ``num_attention_heads``, ``intermediate_size`` and
                 ``vocab_size``; ``num_key_value_heads`` and ``head_dim`` are optional
-                (defaults: no GQA, ``hidden_size // num_attention_heads``).
+                (defaults: no GQA, ``hidden_size // num_attention_heads``); the expert fields
+                of the MoE families (:meth:`ModelShape.from_hf_config`).
             **constants: any other :class:`CostModel` field (``achieved_flops=...``).
 
         Returns:
             The cost model.
 
         Raises:
-            ValueError: when the config lacks a needed field.
+            ValueError: when the config lacks a needed field, or has experts of another family.
         """
-        needed = (
-            "hidden_size",
-            "num_hidden_layers",
-            "num_attention_heads",
-            "intermediate_size",
-            "vocab_size",
-        )
-        missing = [n for n in needed if getattr(config, n, None) is None]
-        if missing:
-            raise ValueError(
-                f"{type(config).__name__} lacks {missing}; CostModel.from_hf_config needs a "
-                "decoder config of Qwen2/Llama shape (or build ModelShape yourself)."
-            )
-        heads = int(config.num_attention_heads)
-        kv_heads = getattr(config, "num_key_value_heads", None) or heads
-        head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-        shape = ModelShape(
-            hidden_size=int(config.hidden_size),
-            num_layers=int(config.num_hidden_layers),
-            num_attention_heads=heads,
-            num_key_value_heads=int(kv_heads),
-            head_dim=int(head_dim),
-            intermediate_size=int(config.intermediate_size),
-            vocab_size=int(config.vocab_size),
-        )
-        return cls(shape=shape, **constants)
+        return cls(shape=ModelShape.from_hf_config(config), **constants)
 
     @classmethod
     def from_dict(cls, values: Mapping[str, Any]) -> CostModel:
