@@ -18,6 +18,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from lightning_skrull.data import IGNORE_INDEX, SFTDataset, TruncationWarning, load_sft_data
+from lightning_skrull.data.cache import cached_sft_data
 
 SAMPLES = [
     {"input_ids": [5, 6, 7, 8], "labels": [-100, -100, 7, 8]},
@@ -195,6 +196,48 @@ def test_bad_samples_raise_value_error_naming_sample_rule_and_fix(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         load_sft_data(samples)
+
+
+def test_padding_marked_by_attention_mask_is_refused_in_every_input_kind(tmp_path: Path) -> None:
+    # a tokenizer's left padding: the mask is not read and every sequence is packed whole, so the
+    # pad tokens would be context for the real ones; refused, wherever the samples come from
+    samples = [
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1]},
+        {"input_ids": [0, 0, 8, 9], "labels": [-100, -100, 8, 9], "attention_mask": [0, 0, 1, 1]},
+    ]
+    path = tmp_path / "padded.jsonl"
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    parquet = tmp_path / "padded.parquet"
+    pq.write_table(pa.Table.from_pylist(samples), parquet)
+    table = datasets.Dataset.from_list(samples)
+    expected = {
+        "list": "sample 1: attention_mask has 2 zeros among its 4 entries",
+        "jsonl": r"sample 1 \(.*padded.jsonl line 2\): attention_mask has 2 zeros",
+        "parquet": r"sample 1 \(.*padded.parquet row 1\): attention_mask has 2 zeros",
+        "datasets": r"sample 1 \(datasets.Dataset row 1\): attention_mask has 2 zeros",
+    }
+    for kind, data in (
+        ("list", samples),
+        ("jsonl", path),
+        ("parquet", parquet),
+        ("datasets", table),
+    ):
+        with pytest.raises(ValueError, match=expected[kind]) as refused:
+            load_sft_data(data)
+        assert "keep only the tokens whose mask is 1" in str(refused.value)
+    for data in (path, parquet):  # the data module's cache reads files in parts, same message
+        with pytest.raises(ValueError, match=r"sample 1 .* attention_mask has 2 zeros"):
+            cached_sft_data(data, cache_dir=tmp_path / "cache", progress=False)
+    # an all-ones mask (no padding) is accepted, and changes nothing
+    unpadded = [samples[0], {"input_ids": [8, 9], "attention_mask": [True, True]}]
+    dataset = load_sft_data(unpadded)
+    assert [dataset[i]["input_ids"] for i in range(2)] == [[5, 6, 7], [8, 9]]
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2,\) for 3 input_ids"):
+        load_sft_data([{"input_ids": [1, 2, 3], "attention_mask": [1, 1]}])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2,\) for 3 input_ids"):
+        load_sft_data(
+            datasets.Dataset.from_list([{"input_ids": [1, 2, 3], "attention_mask": [1, 1]}])
+        )
 
 
 def test_wrong_types_raise_type_error(tmp_path: Path) -> None:

@@ -87,6 +87,52 @@ def _check_shapes(ids: np.ndarray, labels: np.ndarray | None, where: str) -> Non
         )
 
 
+def _padding_error(where: str, zeros: int, length: int) -> ValueError:
+    return ValueError(
+        f"{where}: attention_mask has {zeros} zeros among its {length} entries, so the sample "
+        "holds padding. Samples are packed whole and the mask is not read: the padding tokens "
+        "would be trained on as context (left padding changes what every later token sees). "
+        "Fix: keep only the tokens whose mask is 1, in input_ids and labels alike (tokenise "
+        "without padding=...), or drop the attention_mask column."
+    )
+
+
+def _check_attention_mask(mask: object, ids: np.ndarray, where: str) -> None:
+    """Refuse a sample's ``attention_mask`` that marks padding, or does not match its ids."""
+    array = np.asarray(mask)
+    if array.ndim != 1 or array.shape != ids.shape:
+        raise ValueError(
+            f"{where}: attention_mask has shape {array.shape} for {ids.size} input_ids; give one "
+            "flat 0/1 entry per token, or drop the attention_mask column (it is not read)."
+        )
+    zeros = int((array == 0).sum())
+    if zeros:
+        raise _padding_error(where, zeros, array.size)
+
+
+def _check_attention_mask_column(
+    table: Any, ids: Sequence[np.ndarray], source: str, start: int, row_base: int
+) -> None:
+    """:func:`_check_attention_mask` for a table's ``attention_mask`` column, column-wide."""
+    import pyarrow.compute as pc
+
+    column = table.column("attention_mask").combine_chunks()
+    lengths = pc.fill_null(pc.list_value_length(column), 0).to_numpy(zero_copy_only=False)
+    nulls = column.is_null().to_numpy(zero_copy_only=False)
+    for row, (length, null, row_ids) in enumerate(zip(lengths, nulls, ids, strict=True)):
+        if not null and int(length) != row_ids.size:
+            where = f"sample {start + row} ({source} row {row_base + row})"
+            _check_attention_mask(np.ones(int(length)), row_ids, where)
+    values = column.flatten().to_numpy(zero_copy_only=False)
+    zero = np.flatnonzero(values == 0)
+    if zero.size:
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        row = int(np.searchsorted(offsets, zero[0], side="right") - 1)
+        in_row = values[offsets[row] : offsets[row + 1]]
+        where = f"sample {start + row} ({source} row {row_base + row})"
+        raise _padding_error(where, int((in_row == 0).sum()), int(lengths[row]))
+
+
 class SampleBuilder:
     """Accumulates per-sample arrays, then builds one :class:`SFTDataset`."""
 
@@ -118,6 +164,8 @@ class SampleBuilder:
             raw_labels = sample.get("labels")
             labels = None if raw_labels is None else _to_ids(raw_labels, "labels", where)
             _check_shapes(ids, labels, where)
+            if sample.get("attention_mask") is not None:
+                _check_attention_mask(sample["attention_mask"], ids, where)
         elif "messages" in sample:
             if self.tokenizer is None:
                 raise ValueError(
@@ -162,6 +210,8 @@ class SampleBuilder:
                 if "labels" in names
                 else [None] * len(ids_column)
             )
+            if "attention_mask" in names:
+                _check_attention_mask_column(table, ids_column, source, start, row_base)
             for i, (ids, labels) in enumerate(zip(ids_column, labels_column, strict=True)):
                 where = f"sample {start + i} ({source} row {row_base + i})"
                 _check_shapes(ids, labels, where)
