@@ -41,6 +41,8 @@ SEED = 6  # shuffle seed: the DP ranks run different micro-batch counts in some 
 FIT_STEPS = 3  # one epoch of make_data()'s 24 samples in global batches of 8
 RESUMED_STEPS = 4  # the resumed fit trains one more step, in epoch 1
 STRATEGIES = ("ddp", "zero2", "fsdp")
+PRECISIONS = ("32-true", "bf16-mixed")
+CASES = [f"{name}/{precision}" for precision in PRECISIONS for name in STRATEGIES]
 VAL_DATA = make_data(GLOBAL_BATCH, seed=3)
 TEST_DATA = make_data(GLOBAL_BATCH, seed=4)
 # float32: the packed, sharded steps sum the same token terms as the reference in another order
@@ -81,15 +83,19 @@ def _params(module: PlainLM, strategy: Any) -> dict[str, np.ndarray]:
 
 
 class ValLosses(BatchRecorder):
-    """:class:`BatchRecorder` that also keeps the synced ``val_loss`` after every step."""
+    """:class:`BatchRecorder` that also keeps, after every validation of a fit, the synced
+    ``val_loss`` and the parameters the validation saw."""
 
     def __init__(self) -> None:
         super().__init__()
         self.val_losses: list[float] = []
+        self.params: list[dict[str, np.ndarray]] = []
 
     def on_validation_end(self, trainer: Any, module: Any) -> None:
-        if not trainer.sanity_checking:
-            self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+        if trainer.sanity_checking or trainer.state.fn != "fit":
+            return
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+        self.params.append(_params(module, trainer.strategy))
 
 
 def _checkpoints(directory: str) -> list[Any]:
@@ -116,49 +122,62 @@ def _checkpoints(directory: str) -> list[Any]:
     ]
 
 
+def _continued(
+    name: str, precision: str, directory: str, ckpt_path: str | None = "last"
+) -> tuple[Any, ...]:
+    """``(recorded steps, parameters)`` of a new run to step :data:`RESUMED_STEPS`, continued
+    from ``ckpt_path`` (``None``: from the start)."""
+    recorder, strategy, module = BatchRecorder(), _strategy(name), PlainLM(momentum=MOMENTUM)
+    cpu_trainer(
+        strategy,
+        max_steps=RESUMED_STEPS,
+        val_check_interval=1,
+        callbacks=[recorder, *_checkpoints(directory)],
+        enable_checkpointing=True,
+        precision=precision,
+    ).fit(module, _data(), ckpt_path=ckpt_path)
+    return recorder.steps, _params(module, strategy)
+
+
 def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in STRATEGIES:
-        directory = os.path.join(tmp, name)
-        # one Trainer: the pretrained model's loss first, then a fit that validates after every
-        # step and keeps the best and the last checkpoint
-        module = PlainLM(momentum=MOMENTUM)
-        recorder, kept = ValLosses(), _checkpoints(directory)
-        strategy = _strategy(name)
-        trainer = cpu_trainer(
-            strategy,
-            max_steps=FIT_STEPS,
-            val_check_interval=1,
-            callbacks=[recorder, *kept],
-            enable_checkpointing=True,
-        )
-        baseline = trainer.validate(module, _data())[0]["val_loss"]
-        recorder.val_losses.clear()
-        trainer.fit(module, _data())
-        fitted = _params(module, strategy)
-        best = os.path.basename(kept[0].best_model_path)
-        test_loss = trainer.test(module, _data(), ckpt_path="best")[0]["test_loss"]
-        # a new run that continues from the last checkpoint, one step further
-        resumed_recorder = BatchRecorder()
-        resumed_strategy = _strategy(name)
-        resumed_module = PlainLM(momentum=MOMENTUM)
-        cpu_trainer(
-            resumed_strategy,
-            max_steps=RESUMED_STEPS,
-            val_check_interval=1,
-            callbacks=[resumed_recorder, *_checkpoints(directory)],
-            enable_checkpointing=True,
-        ).fit(resumed_module, _data(), ckpt_path="last")
-        out[name] = {
-            "baseline": float(baseline),
-            "steps": recorder.steps,
-            "val_losses": recorder.val_losses,
-            "params": fitted,
-            "best": best,
-            "test_loss": float(test_loss),
-            "resumed_steps": resumed_recorder.steps,
-            "resumed_params": _params(resumed_module, resumed_strategy),
-        }
+    for precision in PRECISIONS:
+        for name in STRATEGIES:
+            directory = os.path.join(tmp, precision, name)
+            # one Trainer: the pretrained model's loss first, then a fit that validates after
+            # every step and keeps the best and the last checkpoint, then the best one tested
+            module = PlainLM(momentum=MOMENTUM)
+            recorder, kept = ValLosses(), _checkpoints(directory)
+            strategy = _strategy(name)
+            trainer = cpu_trainer(
+                strategy,
+                max_steps=FIT_STEPS,
+                val_check_interval=1,
+                callbacks=[recorder, *kept],
+                enable_checkpointing=True,
+                precision=precision,
+            )
+            baseline = trainer.validate(module, _data())[0]["val_loss"]
+            trainer.fit(module, _data())
+            best = os.path.basename(kept[0].best_model_path)
+            test_loss = trainer.test(module, _data(), ckpt_path="best")[0]["test_loss"]
+            tested = _params(module, strategy)
+            resumed_steps, resumed = _continued(name, precision, directory)
+            run = {
+                "baseline": float(baseline),
+                "steps": recorder.steps,
+                "val_losses": recorder.val_losses,
+                "validated_params": recorder.params,
+                "best": best,
+                "test_loss": float(test_loss),
+                "tested_params": tested,
+                "resumed_steps": resumed_steps,
+                "resumed_params": resumed,
+            }
+            if precision != "32-true":  # the uninterrupted run the resumed one must equal
+                whole = os.path.join(directory, "uninterrupted")
+                _, run["whole_params"] = _continued(name, precision, whole, ckpt_path=None)
+            out[f"{name}/{precision}"] = run
     return out
 
 
@@ -204,60 +223,97 @@ def reference(batches: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
     return out
 
 
-def _reference_of(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
-    runs = [out[name]["steps"] + out[name]["resumed_steps"] for out in ranks]
+def _reference_of(ranks: list[dict[str, Any]], case: str) -> dict[str, Any]:
+    runs = [out[case]["steps"] + out[case]["resumed_steps"] for out in ranks]
     batches = _global_batches(runs)
     assert len(batches) == RESUMED_STEPS
     return reference(tuple(tuple(b) for b in batches))
 
 
+@functools.cache
+def bf16_baseline(strategy: str) -> float:
+    """The initial model's validation loss on one process in the dtypes ``strategy`` computes in
+    under ``bf16-mixed`` (docs/precision.md): DDP autocasts a float32 model; ZeRO-2 (DeepSpeed
+    bf16) and FSDP2 (``MixedPrecisionPolicy(param_dtype=bf16)``) run the parameters in bf16,
+    the buffers (the rotary ``inv_freq``) in float32, without autocast."""
+    model = reference_model()
+    if strategy == "ddp":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return mean_token_loss(model, VAL_DATA)
+    for parameter in model.parameters():
+        parameter.data = parameter.data.to(torch.bfloat16)
+    return mean_token_loss(model, VAL_DATA)
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]], name: str) -> None:
+@pytest.mark.parametrize("case", CASES)
+def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]], case: str) -> None:
     # processes 0, 1 are DP rank 0 and processes 2, 3 DP rank 1
     for key in ("steps", "resumed_steps"):
-        counts = [[s["run"] for s in out[name][key]] for out in ranks]
+        counts = [[s["run"] for s in out[case][key]] for out in ranks]
         assert counts[0] == counts[1] and counts[2] == counts[3]
-    fitted = [[s["planned"] for s in out[name]["steps"]] for out in ranks]
+    fitted = [[s["planned"] for s in out[case]["steps"]] for out in ranks]
     assert fitted[0] != fitted[2]  # the plan gave the DP ranks different counts
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("case", CASES)
 def test_validate_before_fit_gives_the_initial_models_loss(
-    ranks: list[dict[str, Any]], name: str
+    ranks: list[dict[str, Any]], case: str
 ) -> None:
-    expected = _reference_of(ranks, name)["baseline"]
+    expected = _reference_of(ranks, case)["baseline"]
     for out in ranks:
-        assert out[name]["baseline"] == pytest.approx(expected, rel=LOSS_REL)
+        if case.endswith("32-true"):
+            assert out[case]["baseline"] == pytest.approx(expected, rel=LOSS_REL)
+        else:  # the 16-bit rule: within twice single-process bf16's distance from float32
+            own = bf16_baseline(case.split("/")[0])
+            distance = abs(out[case]["baseline"] - expected)
+            assert distance <= 2 * abs(own - expected) + 1e-3, (out[case]["baseline"], own)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", STRATEGIES)
-def test_test_on_the_best_checkpoint(ranks: list[dict[str, Any]], name: str) -> None:
-    ref = _reference_of(ranks, name)
-    fitted = ref["steps"][:FIT_STEPS]
-    val_losses = [step["val_loss"] for step in fitted]
-    best = int(np.argmin(val_losses))
-    # the best step is not the last one, so testing the best checkpoint differs from testing
-    # the module as the fit left it
-    assert best != FIT_STEPS - 1
+@pytest.mark.parametrize("case", CASES)
+def test_test_on_the_best_checkpoint(ranks: list[dict[str, Any]], case: str) -> None:
     for out in ranks:
-        assert out[name]["val_losses"] == pytest.approx(val_losses, rel=LOSS_REL)
-        assert out[name]["best"] == f"step={best + 1}.ckpt"
-        assert out[name]["test_loss"] == pytest.approx(fitted[best]["test_loss"], rel=LOSS_REL)
-        if out[name]["params"]:  # FSDP gathers the full weights on rank 0 only
-            assert max_diff(out[name]["params"], fitted[-1]["params"]) < PARAM_ATOL
+        run = out[case]
+        best = int(np.argmin(run["val_losses"]))
+        # the best step is not the last one, so testing the best checkpoint differs from testing
+        # the module as the fit left it
+        assert best != FIT_STEPS - 1
+        assert run["best"] == f"step={best + 1}.ckpt"
+        if run["tested_params"]:  # FSDP gathers the full weights on rank 0 only
+            # the tested module holds exactly the weights the best step's validation saw, and
+            # not the last step's
+            assert max_diff(run["tested_params"], run["validated_params"][best]) == 0.0
+            assert max_diff(run["tested_params"], run["validated_params"][-1]) > 1e-3
+    if case.endswith("32-true"):  # and every value is one process's
+        fitted = _reference_of(ranks, case)["steps"][:FIT_STEPS]
+        best = int(np.argmin([step["val_loss"] for step in fitted]))
+        for out in ranks:
+            run = out[case]
+            assert run["val_losses"] == pytest.approx(
+                [step["val_loss"] for step in fitted], rel=LOSS_REL
+            )
+            assert run["test_loss"] == pytest.approx(fitted[best]["test_loss"], rel=LOSS_REL)
+            if run["tested_params"]:
+                assert max_diff(run["tested_params"], fitted[best]["params"]) < PARAM_ATOL
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("name", STRATEGIES)
+@pytest.mark.parametrize("case", CASES)
 def test_fit_from_the_last_checkpoint_continues_the_run(
-    ranks: list[dict[str, Any]], name: str
+    ranks: list[dict[str, Any]], case: str
 ) -> None:
-    ref = _reference_of(ranks, name)
     for out in ranks:
+        run = out[case]
         # the resumed run trained only the step after the last checkpoint
-        assert [(s["epoch"], s["index"]) for s in out[name]["resumed_steps"]] == [(1, 0)]
-        if out[name]["resumed_params"]:
-            assert max_diff(out[name]["resumed_params"], ref["steps"][-1]["params"]) < PARAM_ATOL
+        assert [(s["epoch"], s["index"]) for s in run["resumed_steps"]] == [(1, 0)]
+        if not run["resumed_params"]:  # FSDP gathers the full weights on rank 0 only
+            continue
+        if case.endswith("32-true"):
+            expected = _reference_of(ranks, case)["steps"][-1]["params"]
+            assert max_diff(run["resumed_params"], expected) < PARAM_ATOL
+        else:
+            # the same steps in the same layout and precision as the run that never stopped;
+            # only the restart lies between them (measured equal to float32 rounding)
+            assert max_diff(run["resumed_params"], run["whole_params"]) < PARAM_ATOL

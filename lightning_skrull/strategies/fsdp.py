@@ -211,6 +211,21 @@ class FSDPPrecision(Precision):
         return MixedPrecisionPolicy()
 
     @property
+    def root_policy(self) -> MixedPrecisionPolicy:
+        """The policy of the root module: :attr:`mixed_precision_policy` without casting its
+        forward inputs. The root's only floating-point input is ``num_items_in_batch``, the
+        loss's divisor, which must stay float32: cast to bf16 (8 significant bits) a count of
+        257 supervised tokens becomes 256, and the loss and every gradient grow by 0.4%. The
+        decoder layers keep the cast (their inputs come from the bf16 embedding anyway)."""
+        policy = self.mixed_precision_policy
+        return MixedPrecisionPolicy(
+            param_dtype=policy.param_dtype,
+            reduce_dtype=policy.reduce_dtype,
+            output_dtype=policy.output_dtype,
+            cast_forward_inputs=False,
+        )
+
+    @property
     def master_dtype(self) -> torch.dtype:
         """The dtype of the sharded parameters (what the optimizer steps)."""
         return torch.bfloat16 if self.precision == "bf16-true" else torch.float32
@@ -466,7 +481,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
                 reshard_after_forward=self._reshard_after_forward,
             )
         _cast_unsharded_trainable_parameters(hf_model, precision.master_dtype)
-        fully_shard(hf_model, mesh=mesh, mp_policy=policy)
+        fully_shard(hf_model, mesh=mesh, mp_policy=precision.root_policy)
         self._sharded_model = hf_model
 
     @staticmethod
