@@ -321,6 +321,15 @@ CHAT_VOCAB: dict[str, int] = {
             "thanks",
             "<think>",
             "</think>",
+            "<tool_call>",
+            "</tool_call>",
+            "<tool_response>",
+            "</tool_response>",
+            "tools:",
+            "weather",
+            "paris",
+            "sunny",
+            "tool",
         ]
     )
 }

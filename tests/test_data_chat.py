@@ -224,3 +224,69 @@ def test_chat_turns_reaches_the_cache_through_the_datamodule(tmp_path: Path) -> 
     assert module.train_dataset[0] == {"input_ids": THINKING_IDS, "labels": THINKING_LAST_LABELS}
     with pytest.raises(ValueError, match=r"chat_turns='every' is not supported"):
         SkrullDataModule(train_data=path, chat_turns="every")  # type: ignore[arg-type]
+
+
+# A tool-calling template in the style of Qwen2.5's: the tools are listed in the system turn, an
+# assistant turn renders its tool calls, and consecutive tool results are grouped into one user
+# turn of <tool_response> blocks (the group closes when the next message is not a tool result).
+TOOL_TEMPLATE = (
+    "{% if tools %}<|im_start|>system tools: {% for t in tools %}{{ t['function']['name'] }} "
+    "{% endfor %}<|im_end|> "
+    "{% endif %}{% for m in messages %}"
+    "{% if m['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user {% endif %}"
+    "<tool_response> {{ m['content'] }} </tool_response> "
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|> {% endif %}"
+    "{% elif m['role'] == 'assistant' %}<|im_start|>assistant "
+    "{% if m['content'] %}{{ m['content'] }} {% endif %}"
+    "{% for c in m.get('tool_calls', []) %}<tool_call> {{ c['function']['name'] }} "
+    "{{ c['function']['arguments']['city'] }} </tool_call> {% endfor %}<|im_end|> "
+    "{% else %}<|im_start|>{{ m['role'] }} {{ m['content'] }}<|im_end|> {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant {% endif %}"
+)
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
+TOOL_CONVERSATION = [
+    {"role": "user", "content": "weather paris"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "weather", "arguments": {"city": "paris"}}}],
+    },
+    {"role": "tool", "content": "sunny"},
+    {"role": "tool", "content": "fine"},
+    {"role": "assistant", "content": "sunny thanks"},
+]
+# (token, supervised?): the tool call and the answer are the assistant's; the tool list, the
+# user turn and the grouped tool results are not
+TOOL_EXPECTED = [
+    ("<|im_start|>", False), ("system", False), ("tools:", False), ("weather", False),
+    ("<|im_end|>", False),
+    ("<|im_start|>", False), ("user", False), ("weather", False), ("paris", False),
+    ("<|im_end|>", False),
+    ("<|im_start|>", False), ("assistant", False),
+    ("<tool_call>", True), ("weather", True), ("paris", True), ("</tool_call>", True),
+    ("<|im_end|>", True),
+    ("<|im_start|>", False), ("user", False),
+    ("<tool_response>", False), ("sunny", False), ("</tool_response>", False),
+    ("<tool_response>", False), ("fine", False), ("</tool_response>", False),
+    ("<|im_end|>", False),
+    ("<|im_start|>", False), ("assistant", False),
+    ("sunny", True), ("thanks", True), ("<|im_end|>", True),
+]  # fmt: skip
+
+
+def test_tool_calls_are_supervised_and_tool_results_are_not() -> None:
+    tokenizer = make_tokenizer(TOOL_TEMPLATE)
+    ids, labels = tokenize_chat(TOOL_CONVERSATION, tokenizer, chat_template_kwargs={"tools": TOOLS})
+    assert ids == [CHAT_VOCAB[word] for word, _ in TOOL_EXPECTED]
+    assert labels == [CHAT_VOCAB[w] if sup else -100 for w, sup in TOOL_EXPECTED]
+    # only the final answer with chat_turns="last"
+    _, last = tokenize_chat(
+        TOOL_CONVERSATION,
+        tokenizer,
+        chat_template_kwargs={"tools": TOOLS},
+        chat_turns="last",
+    )
+    assert last == [
+        CHAT_VOCAB[w] if sup and i >= 26 else -100 for i, (w, sup) in enumerate(TOOL_EXPECTED)
+    ]
