@@ -419,6 +419,23 @@ def reference_sgd_step(
     return loss
 
 
+def momentum_training(batches: Sequence[Sequence[int]], momentum: float) -> Iterator[nn.Module]:
+    """Plain HF training of ``batches`` (indices into :func:`make_data`) on one process, SGD of
+    :data:`LR` with ``momentum``: the model after each step."""
+    data = make_data()
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    for batch in batches:
+        total, tokens = torch.zeros(()), 0
+        for i in batch:
+            loss, n = token_loss_sum(model, data[i])
+            total, tokens = total + loss, tokens + n
+        optimizer.zero_grad()
+        (total / tokens).backward()
+        optimizer.step()
+        yield model
+
+
 def max_param_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
     """Largest absolute parameter difference between two models of the same shape, and where."""
     worst, where = 0.0, ""

@@ -23,15 +23,14 @@ import pytest
 import torch
 from helpers import (
     GLOBAL_BATCH,
-    LR,
     BatchRecorder,
     PlainLM,
     cpu_trainer,
     make_data,
     max_diff,
     mean_token_loss,
+    momentum_training,
     reference_model,
-    token_loss_sum,
 )
 
 from lightning_skrull.runtime.launch import spawn
@@ -201,18 +200,8 @@ def _global_batches(runs: list[list[dict[str, Any]]]) -> list[list[int]]:
 def reference(batches: tuple[tuple[int, ...], ...]) -> dict[str, Any]:
     """Plain HF training of ``batches`` on one process (SGD with momentum), with the validation
     and test loss after every step."""
-    data = make_data()
-    model = reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    out: dict[str, Any] = {"baseline": mean_token_loss(model, VAL_DATA), "steps": []}
-    for batch in batches:
-        total, tokens = torch.zeros(()), 0
-        for i in batch:
-            loss, n = token_loss_sum(model, data[i])
-            total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
+    out: dict[str, Any] = {"baseline": mean_token_loss(reference_model(), VAL_DATA), "steps": []}
+    for model in momentum_training(batches, MOMENTUM):
         out["steps"].append(
             {
                 "params": {k: v.detach().numpy().copy() for k, v in model.state_dict().items()},

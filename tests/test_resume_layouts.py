@@ -29,19 +29,16 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
-    LR,
     PARAM_ATOL,
     BatchRecorder,
     PlainLM,
     cpu_trainer,
     make_data,
     max_diff,
-    reference_model,
-    token_loss_sum,
+    momentum_training,
 )
 
 from lightning_skrull.runtime.launch import spawn
@@ -133,17 +130,7 @@ def _resume(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 @functools.cache
 def _reference(batches: tuple[tuple[int, ...], ...]) -> dict[str, np.ndarray]:
     """Plain HF training of ``batches`` (sample indices) on one process, SGD with momentum."""
-    data = make_data()
-    model = reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    for batch in batches:
-        total, tokens = torch.zeros(()), 0
-        for i in batch:
-            loss, n = token_loss_sum(model, data[i])
-            total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
+    *_, model = momentum_training(batches, MOMENTUM)
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 
