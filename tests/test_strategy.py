@@ -21,6 +21,7 @@ from helpers import (
     reference_loss,
     reference_training,
 )
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import StrategyRegistry
 
 import lightning_skrull
@@ -160,6 +161,29 @@ def test_accumulate_grad_batches_is_refused(world_of_one: None) -> None:
     )
     with pytest.raises(ValueError, match="global_batch_size"):
         trainer.fit(PlainLM(), _data())
+
+
+def test_accumulation_switched_on_later_is_refused(world_of_one: None) -> None:
+    # Lightning's scheduler raises accumulate_grad_batches at an epoch's start, after setup:
+    # refused at setup, naming the schedule
+    trainer = cpu_trainer(
+        SkrullStrategy(bucket_size=BUCKET),
+        max_epochs=2,
+        callbacks=[GradientAccumulationScheduler({1: 2})],
+    )
+    with pytest.raises(ValueError, match=r"scheduling=\{.*1: 2.*\}\) would set"):
+        trainer.fit(PlainLM(), _data())
+
+    class Accumulate(L.Callback):  # any other way of setting it mid-run
+        def on_train_epoch_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+            if trainer.current_epoch == 1:
+                trainer.accumulate_grad_batches = 2
+
+    # one process holds the longest sample (69 tokens) alone
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=80), max_epochs=2, callbacks=[Accumulate()])
+    with pytest.raises(ValueError, match=r"accumulate_grad_batches=2\) is not supported"):
+        trainer.fit(PlainLM(), _data())
+    assert trainer.current_epoch == 1  # the first epoch trained; the second step was refused
 
 
 class ManualLM(PlainLM):

@@ -26,10 +26,11 @@ import warnings
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.memory import recursive_detach
@@ -222,6 +223,14 @@ class SkrullStrategyMixin(ParallelStrategy):
     def _build_parallel_layout(self) -> None:
         self._skrull_layout = build_process_groups(self._skrull_config.cp_size)
 
+    def _accumulation_message(self, factor: int) -> str:
+        return (
+            f"Trainer(accumulate_grad_batches={factor}) is not supported by "
+            f"{type(self).__name__}: one global batch is one optimizer step and its "
+            "micro-batches are already accumulated. Set SkrullDataModule(global_batch_size=...) "
+            "to the number of sequences per step instead."
+        )
+
     def _check_trainer(self, trainer: pl.Trainer) -> None:
         """Refuse Trainer settings that would silently change the math."""
         accelerator = trainer.accelerator
@@ -233,12 +242,19 @@ class SkrullStrategyMixin(ParallelStrategy):
                 "'gpu'."
             )
         if trainer.accumulate_grad_batches != 1:
-            raise ValueError(
-                f"Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches}) is not "
-                f"supported by {type(self).__name__}: one global batch is one optimizer step and "
-                "its micro-batches are already accumulated. Set SkrullDataModule("
-                "global_batch_size=...) to the number of sequences per step instead."
-            )
+            raise ValueError(self._accumulation_message(trainer.accumulate_grad_batches))
+        for callback in cast(list[Any], getattr(trainer, "callbacks", [])):
+            if not isinstance(callback, GradientAccumulationScheduler):
+                continue
+            scheduling: dict[int, int] = callback.scheduling
+            if any(factor != 1 for factor in scheduling.values()):
+                raise ValueError(
+                    f"GradientAccumulationScheduler(scheduling={scheduling}) would set "
+                    "Trainer.accumulate_grad_batches above 1 in a later epoch. "
+                    + self._accumulation_message(max(scheduling.values()))
+                    + " To grow the batch during training, use a new fit with a larger "
+                    "global_batch_size."
+                )
         config = self._skrull_config
         if config.attention_backend == "flash" and device_type != "cuda":
             raise ValueError(
@@ -465,6 +481,9 @@ class SkrullStrategyMixin(ParallelStrategy):
             context.close()
 
     def _skrull_training_step(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.accumulate_grad_batches != 1:  # set after setup
+            raise ValueError(self._accumulation_message(trainer.accumulate_grad_batches))
         self._step_start = time.perf_counter()
         self._close_last_context()
         self._stashed_grads = []
