@@ -53,7 +53,7 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
     hooks = len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)
     prepare_model(model, backend="sdpa")  # again: nothing is added
     assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks
-    assert set(SUPPORTED_ARCHITECTURES) == {*ARCHITECTURES, *MOE_ARCHITECTURES}
+    assert set(SUPPORTED_ARCHITECTURES) == {*ARCHITECTURES, *MOE_ARCHITECTURES, "gemma3_text"}
 
 
 @pytest.mark.parametrize(
@@ -66,8 +66,17 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         # layer only (layer_types [full, sliding])
         ("mistral", {"sliding_window": 3}, {}),
         ("qwen2", {"use_sliding_window": True, "sliding_window": 2, "max_window_layers": 1}, {}),
+        # Gemma 3 text: layers sliding (5 keys, RoPE base 1e4), full (1e6), sliding; a window
+        # of 3 so the 7-token sequence exceeds it, and its final logit soft-capping
+        ("gemma3_text", {"sliding_window": 3, "final_logit_softcapping": 30.0}, {}),
     ],
-    ids=[*ARCHITECTURES, "mistral-window-7", "mistral-window-3", "qwen2-mixed-window-2"],
+    ids=[
+        *ARCHITECTURES,
+        "mistral-window-7",
+        "mistral-window-3",
+        "qwen2-mixed-window-2",
+        "gemma3-text-window-3",
+    ],
 )
 def test_prepared_model_on_one_rank_equals_reference(
     arch: str, overrides: dict[str, int], prepare_kwargs: dict[str, int]
@@ -180,6 +189,17 @@ def _sequence_classifier() -> nn.Module:
             r"Qwen2MoeForCausalLM cannot .*window of 4096 tokens.*max_sequence_length=5000 exceeds",
         ),
         (
+            lambda: tiny_model("gemma3_text", attn_logit_softcapping=50.0),
+            {},
+            r"Gemma3ForCausalLM cannot .*attn_logit_softcapping=50.0 \(the Skrull attention has "
+            r"no soft-capping",
+        ),
+        (
+            lambda: tiny_model("gemma3_text", use_bidirectional_attention=True),
+            {},
+            r"Gemma3ForCausalLM cannot .*use_bidirectional_attention=True",
+        ),
+        (
             lambda: tiny_model("llama", attention_dropout=0.1),
             {},
             r"LlamaForCausalLM cannot .*attention_dropout=0.1",
@@ -203,6 +223,8 @@ def _sequence_classifier() -> nn.Module:
         "not-a-causal-lm",
         "qwen2-moe-unpassed-window",
         "qwen2-moe-window-shorter-than-sequences",
+        "gemma3-attention-softcap",
+        "gemma3-bidirectional",
         "attention-dropout",
         "attention-outside-interface",
         "no-rope-before-attention",

@@ -9,8 +9,9 @@ Two spawns (each process start costs seconds, so every case of a world size runs
   trained exactly once per epoch). The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
   with ``trainer.strategy.save_pretrained``, read back on one process by plain transformers: the
   trained weights (ZeRO-2's float32 masters) and the validation loss the runs logged.
-  Sliding-window models: a Mistral with a 12-token window on every layer and a Qwen2 whose
-  second layer slides over 9 tokens (``layer_types`` full, sliding), trained on sequences of up
+  Sliding-window models: a Mistral with a 12-token window on every layer, a Qwen2 whose
+  second layer slides over 9 tokens (``layer_types`` full, sliding) and a Gemma 3 text model
+  (sliding over 7 tokens, full, sliding; RoPE per layer kind, q/k norms), trained on sequences of up
   to 69 tokens (windows cut inside and across the zigzag chunks), equal single-process HF
   training in float32, and the Mistral in bf16-mixed by the rule of
   tests/test_precision_matrix.py.
@@ -194,8 +195,15 @@ WINDOWED: dict[str, dict[str, Any]] = {
         "sliding_window": 9,
         "max_window_layers": 1,
     },
+    # Gemma 3 text: sliding (7 keys, RoPE base 1e4), full (1e6), sliding layers; q/k norms
+    "gemma3": {"arch": "gemma3_text", "sliding_window": 7},
 }
-WINDOWED_CASES = (("mistral", "32-true"), ("qwen2", "32-true"), ("mistral", "bf16-mixed"))
+WINDOWED_CASES = (
+    ("mistral", "32-true"),
+    ("qwen2", "32-true"),
+    ("gemma3", "32-true"),
+    ("mistral", "bf16-mixed"),
+)
 WINDOWED_STEPS = 2
 
 
@@ -218,8 +226,10 @@ def _windowed_fit(name: str, precision: str) -> dict[str, Any]:
     from lightning_skrull import SkrullDataModule, SkrullStrategy
 
     recorder = BatchRecorder()
+    # Gemma 3 is not among the chunked loss's architectures: the dense loss
+    chunked = WINDOWED[name]["arch"] != "gemma3_text"
     trainer = cpu_trainer(
-        SkrullStrategy(cp_size=2, bucket_size=BUCKET),
+        SkrullStrategy(cp_size=2, bucket_size=BUCKET, chunked_loss=chunked),
         max_steps=WINDOWED_STEPS,
         callbacks=[recorder],
         precision=precision,
@@ -238,10 +248,11 @@ def windowed_reference(
     (which applies the window through transformers' own mask), one process, one sequence at a
     time, :data:`WINDOWED_STEPS` SGD steps on :func:`make_data`'s global batches; the forward
     under ``torch.autocast("cpu", bfloat16)`` with ``autocast``; ``window=False``: the same
-    model with ``sliding_window=None`` (to show the window changes the result)."""
+    model with a window longer than every sequence, so full attention (to show the window
+    changes the result)."""
     kwargs = dict(WINDOWED[name])
     if not window:
-        kwargs["sliding_window"] = None
+        kwargs["sliding_window"] = 4096
     model = tiny_model(**kwargs)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     before = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
@@ -647,8 +658,9 @@ def test_sliding_window_models_equal_single_process(
 ) -> None:
     """DP=2 x CP=2, float32, 2 SGD steps: parameters equal plain HF training (eager attention,
     transformers' own window mask) to PARAM_ATOL, as the dense models' (measured 1.0e-8 for
-    the Mistral, 6.0e-8 for the Qwen2); without the window the reference lands 6.4e-3 / 6.8e-3
-    away, so the window is applied, not ignored."""
+    the Mistral, 6.0e-8 for the Qwen2, 3.7e-8 for the Gemma 3); with a window longer than every
+    sequence the reference lands 6.4e-3 / 6.8e-3 / 5.6e-2 away, so the window is applied, not
+    ignored."""
     before, after = windowed_reference(name)
     _, full = windowed_reference(name, window=False)
     assert max_diff(full, after) > 100 * PARAM_ATOL  # the window bites on this data

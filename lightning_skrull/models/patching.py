@@ -59,6 +59,7 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeModel"),
         "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeModel"),
         "mixtral": ("MixtralForCausalLM", "MixtralModel"),
+        "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
     }
 )
 """``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
@@ -73,6 +74,12 @@ sparse layers by a top-k router and experts that compute each token from its own
 alone (no capacity factor, no token dropping; Qwen2-MoE adds a sigmoid-gated shared expert, also
 per token), so the same holds for them, given
 :func:`~lightning_skrull.models.moe.router_problems` finds nothing.
+
+Gemma 3's text model (``gemma3_text``) adds per-token pieces only (RMSNorms of q and k per
+head, a scaled embedding, ``query_pre_attn_scalar`` as the softmax scale, a RoPE per layer
+kind) and interleaves sliding and full layers, whose window it passes to the attention
+function; its attention logit soft-capping and bidirectional attention are refused
+(:func:`_gemma3_problems`).
 """
 
 
@@ -211,6 +218,20 @@ def _attention_path_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+def _gemma3_problems(config: Any) -> list[str]:
+    """Reasons a Gemma 3 text config cannot run exactly under the Skrull attention."""
+    problems = []
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        problems.append(
+            f"attn_logit_softcapping={softcap} (the Skrull attention has no soft-capping of the "
+            "attention scores; Gemma 3 checkpoints set it to null)"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        problems.append("use_bidirectional_attention=True (the Skrull attention is causal only)")
+    return problems
+
+
 def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> None:
     """Check that Skrull runs ``model`` exactly; raise if not.
 
@@ -278,6 +299,8 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
         )
     reasons.extend(rope_problems(model, max_sequence_length))
     reasons.extend(router_problems(model))
+    if model_type == "gemma3_text":
+        reasons.extend(_gemma3_problems(config))
     if reasons:
         raise ValueError(
             f"{name} cannot be trained with Skrull context parallelism: " + "; ".join(reasons) + "."
