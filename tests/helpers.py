@@ -162,6 +162,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
     that model has 3 layers and a shared expert of 24 units).
     """
     from transformers import (
+        Gemma3TextConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -202,6 +203,19 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
                 "num_experts_per_tok": 2,
                 "intermediate_size": 16,
                 "sliding_window": None,
+            },
+        )
+    elif arch == "gemma3_text":
+        # Gemma 3's text model: q/k norms, query_pre_attn_scalar, a local (sliding, RoPE base
+        # 1e4) and a global (full, 1e6) layer kind; three layers: sliding, full, sliding
+        cls, extra = (
+            Gemma3TextConfig,
+            {
+                "head_dim": 8,
+                "num_hidden_layers": 3,
+                "sliding_window": 5,
+                "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+                "query_pre_attn_scalar": 16,
             },
         )
     else:

@@ -62,6 +62,41 @@ def _reference(
     ).transpose(0, 1)
 
 
+def _hf_window_mask(length: int, window: int) -> torch.Tensor:
+    """transformers' own sliding-window causal mask of one sequence, ``[L, L]`` bool."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    mask = sdpa_mask(
+        batch_size=1,
+        q_length=length,
+        kv_length=length,
+        mask_function=sliding_window_causal_mask_function(window),
+        allow_is_causal_skip=False,
+    )
+    return mask[0, 0]
+
+
+def _window_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    window: int | None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Plain SDPA on one whole sequence with transformers' sliding-window mask (``None``: plain
+    causal), K/V heads repeated for GQA: ``[L, H, D]``."""
+    if window is None:
+        return _reference(q, k, v, scale)
+    groups = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(
+        q.transpose(0, 1),
+        k.repeat_interleave(groups, dim=1).transpose(0, 1),
+        v.repeat_interleave(groups, dim=1).transpose(0, 1),
+        attn_mask=_hf_window_mask(q.shape[0], window).to(q.device),
+        scale=scale,
+    ).transpose(0, 1)
+
+
 def _emulated_context(
     layout: RankLayout, backend: str, device: torch.device
 ) -> SkrullAttentionContext:
@@ -81,6 +116,7 @@ def _emulate_ranks(
     seqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     scale: float | None,
     backend: str = "sdpa",
+    window: int | None = None,
 ) -> list[torch.Tensor]:
     """Each rank's output computed with the backend's local and distributed parts."""
     dist_ids = layouts[0].distributed_sequence_ids
@@ -93,10 +129,11 @@ def _emulate_ranks(
         q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
         n = layout.num_local_tokens
         parts = []
+        kw = {"scale": scale, "window": window}
         if n:
-            parts.append(module.local_attention(q[:n], k[:n], v[:n], ctx, scale=scale))
+            parts.append(module.local_attention(q[:n], k[:n], v[:n], ctx, **kw))
         if layout.distributed_chunks:
-            parts.append(module.distributed_attention(q[n:], k_whole, v_whole, ctx, scale=scale))
+            parts.append(module.distributed_attention(q[n:], k_whole, v_whole, ctx, **kw))
         outs.append(torch.cat(parts) if parts else q[:0])
     return outs
 
@@ -158,6 +195,97 @@ def test_lower_right_blocks_equal_the_tail_of_full_causal_attention(mask_element
     assert (got - want).abs().max().item() < 1e-12
 
 
+def test_window_semantics_are_transformers_own() -> None:
+    # transformers: query i sees key j iff 0 <= i - j < W (the window counts the query itself)
+    mask = _hf_window_mask(7, 3)
+    rows, cols = torch.arange(7).unsqueeze(1), torch.arange(7).unsqueeze(0)
+    assert torch.equal(mask, (rows - cols >= 0) & (rows - cols < 3))
+    assert torch.equal(sdpa_backend.block_causal_mask([7], window=3), mask)
+    assert torch.equal(sdpa_backend.block_causal_mask([7], window=7), _hf_window_mask(7, 7))
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 9, 23, 40])
+@pytest.mark.parametrize("mask_elements", [1, 7, 40, 1 << 22])
+def test_sliding_window_blocks_equal_the_tail_of_windowed_attention(
+    window: int, mask_elements: int
+) -> None:
+    # queries are the last 9 of 23 positions, against transformers' window mask: blocks of one
+    # row, a few rows, or all; windows inside, at and beyond the sequence. float64, 1e-12.
+    gen = torch.Generator().manual_seed(window)
+    q_all = torch.randn(23, 4, HEAD_DIM, generator=gen, dtype=torch.float64)
+    k = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
+    v = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
+    want = _window_reference(q_all, k, v, window)[14:]
+    got = sdpa_backend.sliding_window_attention(
+        q_all[14:], k, v, window=window, mask_elements=mask_elements
+    )
+    assert (got - want).abs().max().item() < 1e-12
+    # the block's keys are the window's: a wrong window (one more key) differs
+    wrong = sdpa_backend.sliding_window_attention(q_all[14:], k, v, window=window + 1)
+    assert window >= 23 or (wrong - want).abs().max().item() > 1e-3
+
+
+def test_sliding_window_masks_stay_bounded() -> None:
+    # a long sequence with a small window: every SDPA call's mask fits the bound and its keys
+    # are only those the block's queries see (no call reads the whole prefix)
+    assert sdpa_backend.window_rows(10, 4, 1 << 22) == 10  # all fits: one call
+    for keys, window, bound in ((100_000, 4096, 1 << 22), (5000, 8, 1000), (50, 1, 1)):
+        rows = sdpa_backend.window_rows(keys, window, bound)
+        assert rows >= 1 and (rows == 1 or rows * min(keys, rows + window - 1) <= bound)
+    shapes: list[tuple[int, int]] = []
+    real = sdpa_backend._sdpa
+
+    def spy(q, k, v, *, scale, is_causal=False, mask=None):
+        shapes.append(tuple(mask.shape))
+        return real(q, k, v, scale=scale, is_causal=is_causal, mask=mask)
+
+    q = torch.randn(3000, 2, HEAD_DIM, dtype=torch.float64)
+    kv = torch.randn(3000, 1, HEAD_DIM, dtype=torch.float64)
+    sdpa_backend._sdpa = spy
+    try:
+        out = sdpa_backend.sliding_window_attention(q, kv, kv, window=16, mask_elements=4096)
+    finally:
+        sdpa_backend._sdpa = real
+    assert max(r * c for r, c in shapes) <= 4096 and max(c for _, c in shapes) < 16 + 64
+    want = _window_reference(q[-65:], kv[-65:], kv[-65:], 16)[-50:]  # the last 50 queries
+    assert (out[-50:] - want).abs().max().item() < 1e-12
+
+
+@pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("window", [1, 2, 3, 6, 13, 70])
+def test_emulated_ranks_with_a_window_equal_sdpa_with_transformers_mask(
+    cp_size: int, window: int
+) -> None:
+    # Windows shorter than, equal to and longer than the sequences; with lengths up to 70 over
+    # 2N chunks, windows cut inside one zigzag chunk and across several. Forward and q/k/v
+    # gradients against plain SDPA with transformers' mask on each whole sequence, float64,
+    # 1e-10 (summation order only).
+    rng = random.Random(cp_size * 100 + window)
+    for trial in range(3):
+        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths[ids[0]] = window  # a sequence exactly as long as the window
+        hq, hkv = ((4, 2), (4, 1), (2, 2))[trial]
+        seqs = {
+            s: tuple(t.requires_grad_() for t in qkv)
+            for s, qkv in _random_seqs(lengths, ids, hq, hkv, torch.float64).items()
+        }
+        layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+        scale = 0.25 if trial % 2 else None
+        got = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, scale, window=window))
+        grads = {s: torch.randn_like(got[s]) for s in ids}
+        torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
+        for s in ids:
+            ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
+            want = _window_reference(*ref_in, window, scale=scale)
+            want.backward(grads[s])
+            err = (got[s] - want).abs().max().item()
+            assert err < 1e-10, (lengths, ids, placement, s, err)
+            for name, t, r in zip("qkv", seqs[s], ref_in, strict=True):
+                assert (t.grad - r.grad).abs().max().item() < 1e-10, (s, name)
+            if lengths[s] > window:  # the window bites: full causal attention differs
+                assert (got[s] - _reference(*ref_in, scale=scale)).abs().max().item() > 1e-6
+
+
 def test_cp1_through_dispatch_with_gradients() -> None:
     # cp_size 1: a "distributed" sequence is two chunks on the one rank, no collective
     lengths, ids, placement = [6, 1, 9, 4], [2, 0, 1, 3], [0, DISTRIBUTED, DISTRIBUTED, 0]
@@ -182,6 +310,41 @@ def test_cp1_through_dispatch_with_gradients() -> None:
         assert (got[s] - ref.detach()).abs().max().item() < 1e-10
         for name, t in zip("qkv", ref_in, strict=True):
             assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (s, name)
+
+
+@pytest.mark.parametrize("only_local", [False, True])
+def test_cp1_through_dispatch_with_a_window(only_local: bool) -> None:
+    # The layer's window arrives as transformers passes it (sliding_window=); local sequences
+    # grouped in a masked call, alone, and batched by equal length, and distributed chunks,
+    # forward and gradients against transformers' mask, float64 1e-10. A window no sequence
+    # is longer than leaves the full causal calls.
+    lengths = [6, 1, 9, 4, 40, 40, 40, 3, 2, 70]
+    ids = list(range(len(lengths)))
+    placement = [0] * len(ids) if only_local else [0, DISTRIBUTED, DISTRIBUTED, 0, 0, 0, 0, 0,
+                                                   DISTRIBUTED, DISTRIBUTED]  # fmt: skip
+    seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
+    layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
+    for window in (3, 8, 69, 70):
+        q, k, v = (
+            pack(layout, {s: t[i] for s, t in seqs.items()}).requires_grad_() for i in range(3)
+        )
+        with attention_context(SkrullAttentionContext.build(layout)):
+            out, _ = skrull_attention_forward(
+                None, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None,
+                scaling=0.4, sliding_window=window,
+            )  # fmt: skip
+        grad_out = torch.randn_like(out[0])
+        out[0].backward(grad_out)
+        got = unpack([layout], [out[0].detach()])
+        got_grads = {n: unpack([layout], [t.grad]) for n, t in (("q", q), ("k", k), ("v", v))}
+        g = unpack([layout], [grad_out])
+        for s in ids:
+            ref_in = [t.clone().requires_grad_() for t in seqs[s]]
+            ref = _window_reference(*ref_in, window, scale=0.4)
+            ref.backward(g[s])
+            assert (got[s] - ref.detach()).abs().max().item() < 1e-10, (window, s)
+            for name, t in zip("qkv", ref_in, strict=True):
+                assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (window, s, name)
 
 
 def test_no_distributed_sequence_starts_no_gather() -> None:
@@ -239,10 +402,11 @@ def test_dispatch_refuses_unsupported_inputs() -> None:
         with pytest.raises(ValueError, match="dropout"):
             skrull_attention_forward(training, q, kv, kv, None, dropout=0.1)
         skrull_attention_forward(evaluating, q, kv, kv, None, dropout=0.1)  # inert in eval
-        # a window only matters for sequences longer than it (HF: key distance < window)
-        with pytest.raises(ValueError, match="sliding_window=4 is shorter"):
-            skrull_attention_forward(None, q, kv, kv, None, sliding_window=4)
-        skrull_attention_forward(None, q, kv, kv, None, sliding_window=5)
+        # a window is an int >= 1 (Qwen2-MoE's config writes 0 for "none"); None = full
+        for bad in (0, -3, 2.5, True):
+            with pytest.raises(ValueError, match=f"sliding_window={bad!r}; a window is an int"):
+                skrull_attention_forward(None, q, kv, kv, None, sliding_window=bad)
+        skrull_attention_forward(None, q, kv, kv, None, sliding_window=4)
         skrull_attention_forward(None, q, kv, kv, None, sliding_window=None)
         with pytest.raises(ValueError, match="attention_mask"):
             skrull_attention_forward(None, q, kv, kv, torch.ones(1, 1, 5, 5, dtype=torch.bool))
@@ -367,6 +531,47 @@ def test_flash_equals_sdpa_on_emulated_ranks(cp_size: int, hq: int, hkv: int) ->
                                                           err_flash, err_sdpa)  # fmt: skip
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("window", [1, 40, 200, 5000])
+def test_flash_with_a_window_equals_whole_sequence_sdpa(cp_size: int, window: int) -> None:
+    # The real kernel with window_size=(W - 1, 0) on random layouts (lengths up to ~1200, so
+    # windows cut inside chunks, across them, and exceed the sequences) in bf16, against plain
+    # SDPA with transformers' window mask on each whole sequence in float32. The yardstick is
+    # the same whole-sequence SDPA in bf16: the flash error may be at most twice its error plus
+    # 1e-2 (bf16 keeps 8 mantissa bits; both round differently). A window off by one key, or
+    # aligned top-left in the distributed chunks, gives errors of order 1.
+    if backends.flash_kernel() is None:
+        pytest.skip("no varlen kernel: neither flash-attn nor torch.nn.attention.varlen")
+    if not flash_backend.window_supported():
+        pytest.skip("the installed varlen kernel takes no window_size")
+    rng = random.Random(cp_size * 7 + window)
+    for _ in range(3):
+        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths = [n * 17 for n in lengths]
+        layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+        base = _random_seqs(lengths, ids, 4, 2, torch.float32, device="cuda", head_dim=64)
+        out_grad = {s: torch.randn_like(base[s][0]) for s in ids}
+        seqs = {s: tuple(t.bfloat16().requires_grad_() for t in qkv) for s, qkv in base.items()}
+        out = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, None, "flash", window))
+        torch.autograd.backward([out[s].float() for s in ids], [out_grad[s] for s in ids])
+        for s in ids:
+            results = {}
+            for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+                ref_in = [t.to(dtype).requires_grad_() for t in base[s]]
+                ref = _window_reference(*ref_in, window)
+                ref.float().backward(out_grad[s])
+                results[name] = [ref.detach().float()] + [t.grad.float() for t in ref_in]
+            got = [out[s].detach().float()] + [t.grad.float() for t in seqs[s]]
+            for i, what in enumerate(("out", "dq", "dk", "dv")):
+                want = results["fp32"][i]
+                err_flash = (got[i] - want).abs().max().item()
+                err_sdpa = (results["bf16"][i] - want).abs().max().item()
+                assert err_flash <= 2 * err_sdpa + 1e-2, (lengths, ids, placement, s, what,
+                                                          err_flash, err_sdpa)  # fmt: skip
+
+
 def test_sdpa_attention_is_the_sdpa_backend_entry_point() -> None:
     # the public entry point runs the same schedule as the parts (cp_size 1, no group)
     lengths, ids, placement = [4, 7], [0, 1], [DISTRIBUTED, 0]
@@ -432,11 +637,14 @@ def _varlen_reference(bottom_right: bool = True):
     its arguments (int32 offsets on the tensors' device, ``max_seqlen`` covering every segment),
     which a wrong call would violate silently on a GPU. ``bottom_right=False`` gives the
     top-left alignment of older flash-attn, to show the tests notice the difference.
+    ``window_size=(left, right)`` (flash-attn >= 2.3): query ``j`` also sees no key before
+    ``j + seqlen_k - seqlen_q - left`` (``left = -1``: no limit; causal needs ``right`` 0 or -1).
     """
 
     def varlen(
-        q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal
-    ):
+        q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+        window_size=(-1, -1),
+    ):  # fmt: skip
         for cu, rows in ((cu_seqlens_q, q.shape[0]), (cu_seqlens_k, k.shape[0])):
             assert cu.dtype == torch.int32 and cu.device == q.device
             assert cu[0].item() == 0 and cu[-1].item() == rows
@@ -458,6 +666,9 @@ def _varlen_reference(bottom_right: bool = True):
             rows = torch.arange(lq).unsqueeze(1)
             cols = torch.arange(lk).unsqueeze(0)
             scores = scores.masked_fill(cols > rows + offset, float("-inf"))
+            assert window_size[1] in (-1, 0)
+            if window_size[0] >= 0:
+                scores = scores.masked_fill(cols < rows + offset - window_size[0], float("-inf"))
             outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
         return torch.cat(outs)
 
@@ -479,9 +690,11 @@ def _torch_varlen_reference(signature: str):
     def new(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
             window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
             num_splits=None):  # fmt: skip
-        assert window_size == (-1, 0) and isinstance(window_size, tuple)
+        assert window_size[1] == 0 and window_size[0] >= -1 and isinstance(window_size, tuple)
         assert enable_gqa or q.shape[1] == k.shape[1]
-        return call(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale)
+        return varlen(q, k, v, cu_seqlens_q=cu_seq_q, cu_seqlens_k=cu_seq_k, max_seqlen_q=max_q,
+                      max_seqlen_k=max_k, softmax_scale=scale, causal=True,
+                      window_size=window_size)  # fmt: skip
 
     def old(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
         assert is_causal and q.shape[1] == k.shape[1]
@@ -490,10 +703,11 @@ def _torch_varlen_reference(signature: str):
     return new if signature == "window_size" else old
 
 
-def _flash_contract(cp_size: int, hq: int, hkv: int) -> None:
-    """The flash backend on random layouts against whole-sequence SDPA: forward and the
-    gradients of q, k and v, float64 to 1e-10 (the same terms summed in another order)."""
-    rng = random.Random(100 + cp_size * 10 + hkv)
+def _flash_contract(cp_size: int, hq: int, hkv: int, window: int | None = None) -> None:
+    """The flash backend on random layouts against whole-sequence SDPA (with transformers'
+    window mask for a ``window``): forward and the gradients of q, k and v, float64 to 1e-10
+    (the same terms summed in another order)."""
+    rng = random.Random(100 + cp_size * 10 + hkv + (window or 0))
     for trial in range(4):
         lengths, ids, placement = _random_case(rng, cp_size)
         seqs = {
@@ -502,13 +716,13 @@ def _flash_contract(cp_size: int, hq: int, hkv: int) -> None:
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.3 if trial % 2 else None
-        got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, scale, "flash"))
+        got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, scale, "flash", window))
         grads = {s: torch.randn_like(got[s]) for s in ids}
         torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
         got_grads = {s: [t.grad.clone() for t in seqs[s]] for s in ids}
         for s in ids:
             ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
-            want = _reference(*ref_in, scale=scale)
+            want = _window_reference(*ref_in, window, scale=scale)
             want.backward(grads[s])
             err = (got[s].detach() - want.detach()).abs().max().item()
             assert err < 1e-10, (lengths, ids, placement, s, err)
@@ -518,13 +732,16 @@ def _flash_contract(cp_size: int, hq: int, hkv: int) -> None:
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (4, 1)])
-def test_flash_backend_call_contract_on_cpu(monkeypatch, cp_size: int, hq: int, hkv: int) -> None:
+@pytest.mark.parametrize("window", [None, 5])
+def test_flash_backend_call_contract_on_cpu(
+    monkeypatch, cp_size: int, hq: int, hkv: int, window: int | None
+) -> None:
     # The flash backend's own code (offsets, key prefixes copied end to end, max lengths, the
-    # bottom-right causal alignment it relies on) checked on CPU against whole-sequence SDPA,
-    # with flash-attn's kernel replaced by its documented semantics. The kernel itself is
-    # checked on GPU (test_flash_equals_sdpa_...).
+    # bottom-right causal alignment it relies on, window_size=(W - 1, 0) for a window) checked
+    # on CPU against whole-sequence SDPA, with flash-attn's kernel replaced by its documented
+    # semantics. The kernel itself is checked on GPU (test_flash_equals_sdpa_...).
     monkeypatch.setattr(flash_backend, "_varlen_func", _varlen_reference)
-    _flash_contract(cp_size, hq, hkv)
+    _flash_contract(cp_size, hq, hkv, window)
 
 
 @pytest.mark.parametrize("signature", ["window_size", "is_causal"])
@@ -536,12 +753,22 @@ def test_flash_backend_on_torch_varlen_call_contract_on_cpu(
     # Without flash-attn the backend calls torch.nn.attention.varlen.varlen_attn; both of its
     # signatures (scale and GQA native, or folded into q and repeated K/V) give the same
     # results as whole-sequence SDPA, forward and gradients (the scale folded into q included).
+    # A window runs on the window_size signature and is refused on the older one.
     import torch.nn.attention.varlen as torch_varlen
 
     monkeypatch.setattr(backends, "flash_attn_available", lambda: False)
     monkeypatch.setattr(torch_varlen, "varlen_attn", _torch_varlen_reference(signature))
     assert backends.flash_kernel() == "torch"
     _flash_contract(cp_size, hq, hkv)
+    assert flash_backend.window_supported() == (signature == "window_size")
+    if signature == "window_size":
+        _flash_contract(cp_size, hq, hkv, window=3)
+        return
+    layout = build_rank_layout([0], [0], [5], cp_rank=0, cp_size=1)
+    q = torch.zeros(5, hq, HEAD_DIM)
+    kv = torch.zeros(5, hkv, HEAD_DIM)
+    with pytest.raises(ValueError, match=r"takes no window_size; install flash-attn >= 2\.3"):
+        flash_backend.flash_attention(q, kv, kv, SkrullAttentionContext.build(layout), window=3)
 
 
 def test_flash_backend_contract_test_notices_top_left_alignment(monkeypatch) -> None:

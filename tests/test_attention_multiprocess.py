@@ -4,10 +4,13 @@ Each CP size is one spawn call running a batch of random micro-batches that mix 
 distributed sequences (lengths 1, primes, lengths < 2N, zero-token ranks, no distributed
 sequence at all), GQA 4/2 and 4/1, float64 and float32, the distributed sequences exchanged in
 one K/V group or cut into 2 or 3 (``kv_groups``, also a group in which some rank holds no
-token, and a group of only such a sequence). Every rank runs the registered
+token, and a group of only such a sequence), and sliding windows (transformers'
+``sliding_window``: shorter than, equal to and longer than the sequences, cutting inside one
+zigzag chunk and across several). Every rank runs the registered
 ``"skrull"`` attention function on its packed tokens and backpropagates a given output
 gradient; the parent unpacks outputs and dq/dk/dv to whole sequences and compares them with
-plain SDPA run on each whole sequence in one process (float64 reference).
+plain SDPA run on each whole sequence in one process (float64 reference; with transformers' own
+sliding-window mask for a window).
 
 Tolerances: float64 1e-10 (the only differences are summation order in softmax and in the
 reduce-scatter of dK/dV, ~1e-15 here); float32 1e-5 (float32 rounding, ~1e-7 relative, on
@@ -25,6 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from lightning_skrull.attention import (
     SkrullAttentionContext,
@@ -56,6 +60,7 @@ class Case:
     seed: int
     broken: bool = False
     kv_groups: tuple[int, ...] = ()
+    window: int | None = None
 
 
 def _make_cases(cp_size: int, seed: int) -> list[Case]:
@@ -142,6 +147,32 @@ def _make_cases(cp_size: int, seed: int) -> list[Case]:
         cuts = sorted(rng.sample(range(1, num_distributed), rng.randint(1, num_distributed - 1)))
         groups = [b - a for a, b in zip([0, *cuts], [*cuts, num_distributed], strict=True)]
         add(lengths, ids, placement, dtype=torch.float64, kv_groups=tuple(groups))
+    # Sliding windows. One long distributed sequence (chunks of 97 / 2N tokens) with a window
+    # inside one chunk, one spanning a few chunks, and one equal to the longest sequence;
+    # local sequences shorter and longer than the window on the first and last rank.
+    for window in (3, 29, 97):
+        add(
+            [97, 5, 40, 2 * cp_size - 1],
+            [0, 1, 2, 3],
+            [DISTRIBUTED, 0, cp_size - 1, DISTRIBUTED],
+            dtype=torch.float64,
+            window=window,
+        )
+    # a window of one key (each query sees only itself), two K/V groups, float32
+    add(
+        [23, 1, 9, 6],
+        [0, 1, 2, 3],
+        [DISTRIBUTED, DISTRIBUTED, 0, cp_size - 1],
+        dtype=torch.float32,
+        kv_groups=(1, 1),
+        window=1,
+    )
+    # random micro-batches with random windows, one of them longer than every sequence
+    for window in (rng.randint(2, 20), 61):
+        lengths = [rng.choice(pool) if rng.random() < 0.6 else rng.randint(1, 60) for _ in range(7)]
+        ids = rng.sample(range(len(lengths)), rng.randint(3, len(lengths)))
+        placement = [rng.choice([DISTRIBUTED, DISTRIBUTED, *range(cp_size)]) for _ in ids]
+        add(lengths, ids, placement, dtype=torch.float64, window=window)
     return cases
 
 
@@ -218,6 +249,7 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
                     v.transpose(0, 1).unsqueeze(0),
                     None,
                     scaling=case.scale,
+                    sliding_window=case.window,
                 )
             assert weights is None and out.shape == (1, layout.num_tokens, case.num_heads, HEAD_DIM)
             # backward runs outside the context: the collective saved its group at forward
@@ -240,15 +272,27 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
 
 
 def _reference(case: Case, sid: int) -> dict[str, torch.Tensor]:
-    """Plain causal SDPA on the whole sequence in float64, K/V heads repeated for GQA."""
+    """Plain causal SDPA on the whole sequence in float64, K/V heads repeated for GQA; with a
+    window, under transformers' own sliding-window causal mask."""
     d = {name: t.to(torch.float64) for name, t in _sequence_data(case, sid).items()}
     q, k, v = (d[n].clone().requires_grad_() for n in ("q", "k", "v"))
     groups = case.num_heads // case.num_kv_heads
+    mask = None
+    if case.window is not None:
+        length = case.lengths[sid]
+        mask = sdpa_mask(
+            batch_size=1,
+            q_length=length,
+            kv_length=length,
+            mask_function=sliding_window_causal_mask_function(case.window),
+            allow_is_causal_skip=False,
+        )[0, 0]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1),
         k.repeat_interleave(groups, dim=1).transpose(0, 1),
         v.repeat_interleave(groups, dim=1).transpose(0, 1),
-        is_causal=True,
+        is_causal=mask is None,
+        attn_mask=mask,
         scale=case.scale,
     ).transpose(0, 1)
     out.backward(d["grad_out"])
@@ -299,6 +343,7 @@ def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
     cases, results = cp_results[cp_size]
     checked_broken = 0
     checked_groups: set[int] = set()
+    windows_that_bite = 0
     for i, case in enumerate(cases):
         per_rank = [results[rank][i] for rank in range(cp_size)]
         problems = _mismatches(case, per_rank)
@@ -314,5 +359,13 @@ def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
         for rank, r in enumerate(per_rank):
             assert (r["all_gather"], r["reduce_scatter"]) == (expected, expected), (i, rank, r)
         checked_groups.add(groups)
+        if case.window is not None and case.window < max(
+            case.lengths[s] for s in case.sequence_ids
+        ):
+            # the window changes the result here: full causal attention would be flagged
+            full = dataclasses.replace(case, window=None)
+            assert _mismatches(full, per_rank), f"case {i}: window {case.window} changed nothing"
+            windows_that_bite += 1
     assert checked_broken == 1
     assert checked_groups >= {1, 2, 3}
+    assert windows_that_bite >= 4

@@ -23,9 +23,12 @@ from lightning_skrull.scheduling.cost_model import (
     QWEN2_5_0_5B,
     QWEN2_5_7B,
     causal_tiles,
+    window_pairs,
+    window_tiles,
     zigzag_bounds,
     zigzag_tiles,
     zigzag_tiles_many,
+    zigzag_window_tiles,
 )
 from lightning_skrull.scheduling.sequence_costs import BULK_SEQUENCES, SequenceCosts
 
@@ -425,3 +428,169 @@ def test_a_checkpointed_dense_model_still_loads() -> None:
     values = dataclasses.asdict(CostModel())
     values["shape"] = {k: v for k, v in values["shape"].items() if k in DENSE_FIELDS}
     assert CostModel.from_dict(values) == CostModel()
+
+
+# ----------------------------------------------------------------------------- sliding windows
+def hf_window_mask(length: int, window: int) -> torch.Tensor:
+    """transformers' own sliding-window causal mask of one sequence, ``[L, L]`` bool."""
+    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
+
+    return sdpa_mask(
+        batch_size=1,
+        q_length=length,
+        kv_length=length,
+        mask_function=sliding_window_causal_mask_function(window),
+        allow_is_causal_skip=False,
+    )[0, 0]
+
+
+def brute_force_window_blocks(start: int, end: int, tile: int, window: int) -> int:
+    """Blocks (query tile x key tile, key tiles aligned at 0) holding at least one pair that
+    transformers' window mask of the whole sequence allows, by enumeration."""
+    mask = hf_window_mask(end, window)
+    blocks = 0
+    for q0 in range(start, end, tile):
+        rows = mask[q0 : min(q0 + tile, end)]
+        blocks += sum(bool(rows[:, k0 : k0 + tile].any()) for k0 in range(0, end, tile))
+    return blocks
+
+
+def test_window_pairs_count_transformers_mask() -> None:
+    # W (W + 1) / 2 + (s - W) W pairs for s > W, s (s + 1) / 2 otherwise: the True entries of
+    # transformers' own mask, windows shorter than, equal to and longer than the sequence
+    for length in (1, 2, 7, 30, 64):
+        for window in (1, 2, 5, 7, 30, 100):
+            assert window_pairs(length, window) == int(hf_window_mask(length, window).sum())
+    assert window_pairs(10, 4) == 4 * 5 // 2 + 6 * 4
+
+
+def test_window_tiles_count_the_blocks_a_kernel_computes() -> None:
+    rng = random.Random(5)
+    for _ in range(150):
+        tile = rng.choice([1, 3, 16])
+        window = rng.choice([1, 2, 5, 17, 40, 500])
+        start = rng.randint(0, 90)
+        end = start + rng.randint(1, 90)
+        want = brute_force_window_blocks(start, end, tile, window)
+        assert window_tiles(start, end, tile, window) == want, (start, end, tile, window)
+    # tile 1: exact pairs; a window no query reaches back past: the causal blocks
+    assert window_tiles(0, 50, 1, 8) == window_pairs(50, 8)
+    assert window_tiles(10, 400, 128, 400) == causal_tiles(10, 400, 128)
+    # a long sequence: far fewer blocks than causal (4096 window, 32k tokens, tile 128)
+    assert window_tiles(0, 32768, 128, 4096) < causal_tiles(0, 32768, 128) / 3
+    for s in (1, 5, 33, 97, 1000):
+        for cp in (1, 2, 3):
+            b = zigzag_bounds(s, cp)
+            want = sum(
+                brute_force_window_blocks(b[i], b[i + 1], 16, 12) if s < 200 else
+                window_tiles(b[i], b[i + 1], 16, 12)
+                for i in range(2 * cp)
+                if b[i + 1] > b[i]
+            )  # fmt: skip
+            assert zigzag_window_tiles(s, cp, 16, 12) == want
+
+
+def window_config(**overrides: object) -> Qwen2Config:
+    return Qwen2Config(**{**TINY, "num_hidden_layers": 4, **overrides})
+
+
+def test_windowed_shape_from_configs() -> None:
+    from transformers import MistralConfig
+
+    dense = ModelShape.from_hf_config(window_config())
+    assert (dense.sliding_window, dense.sliding_layers) == (0, 0)
+    # use_sliding_window=False: transformers drops the window, so does the shape
+    assert ModelShape.from_hf_config(window_config(sliding_window=8)).sliding_layers == 0
+    mixed = ModelShape.from_hf_config(
+        window_config(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    )
+    assert (mixed.sliding_window, mixed.sliding_layers, mixed.full_attention_layers) == (8, 3, 1)
+    mistral = ModelShape.from_hf_config(MistralConfig(**{**TINY, "sliding_window": 16}))
+    assert (mistral.sliding_window, mistral.sliding_layers) == (16, 2)
+    for fields in ({"sliding_window": 8}, {"sliding_layers": 1}, {"sliding_window": 8,
+                                                                  "sliding_layers": 5}):  # fmt: skip
+        with pytest.raises(ValueError, match="a model without a window leaves both at 0"):
+            dataclasses.replace(dense, num_layers=4, **fields)
+
+
+def test_windowed_flops_count_each_layer_kind_apart() -> None:
+    # A Qwen2 whose layers 1..3 slide over 8 tokens: forward FLOPs = the linear ones + the
+    # causal pairs of layer 0 + transformers' window-mask pairs of layers 1..3, each pair
+    # 4 * q_dim; counted here from the masks themselves, layer by layer.
+    config = window_config(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    shape = ModelShape.from_hf_config(config)
+    q_dim = shape.q_dim
+    for length in (1, 8, 9, 30, 70):
+        pairs = 0
+        for layer_type in config.layer_types:
+            window = 8 if layer_type == "sliding_attention" else length
+            pairs += int(hf_window_mask(length, window).sum())
+        linear = length * shape.linear_flops_per_token()
+        assert shape.forward_flops(length) == linear + pairs * 4 * q_dim
+    # no window: the dense numbers, unchanged
+    dense = dataclasses.replace(shape, sliding_window=0, sliding_layers=0)
+    assert dense.forward_flops(70) == 70 * dense.linear_flops_per_token() + 70 * 71 // 2 * (
+        4 * 4 * q_dim
+    )
+
+
+@pytest.mark.parametrize("tile", [1, 16, 128])
+def test_windowed_cost_model_and_cost_table(tile: int) -> None:
+    # The cost of each layer kind apart: full layers as a dense model of those layers, sliding
+    # layers by their window tiles; a window no sequence exceeds costs what full attention
+    # does; the planners' table (one at a time and bulk) equals the cost model, and its lower
+    # bound stays below.
+    shape = dataclasses.replace(QWEN2_5_0_5B, sliding_window=1000, sliding_layers=18)
+    model = CostModel(shape=shape, tile_size=tile)
+    full_only = CostModel(shape=dataclasses.replace(shape, sliding_window=0, sliding_layers=0,
+                                                    num_layers=6), tile_size=tile)  # fmt: skip
+    q4 = 4 * shape.q_dim * 18
+    for s in (1, 200, 1000, 1001, 5000, 70_000):
+        t = tile
+        want = full_only.local_attention_seconds(s) + model._seconds(
+            window_tiles(0, s, t, 1000) * t * t * q4
+        )
+        assert model.local_attention_seconds(s) == pytest.approx(want, rel=1e-12)
+        for cp in (2, 3):
+            want = full_only.distributed_attention_seconds(s, cp) + model._seconds(
+                zigzag_window_tiles(s, cp, t, 1000) * t * t * q4 / cp
+            )
+            assert model.distributed_attention_seconds(s, cp) == pytest.approx(want, rel=1e-12)
+    dense = CostModel(shape=QWEN2_5_0_5B, tile_size=tile)
+    for s in (1, 999, 1000):  # within the window: the full-attention cost
+        assert model.local_attention_seconds(s) == pytest.approx(
+            dense.local_attention_seconds(s), rel=1e-12
+        )
+    assert model.local_attention_seconds(70_000) < dense.local_attention_seconds(70_000) / 3
+    rng = random.Random(tile)
+    lengths = [rng.randint(1, 100_000) for _ in range(BULK_SEQUENCES)]
+    for cp in (1, 4):
+        bulk = SequenceCosts(lengths, cp, model)
+        small = SequenceCosts(lengths[:20], cp, model)
+        for sid in range(20):
+            s = lengths[sid]
+            assert small.local(sid) == pytest.approx(model.local_seconds(s), rel=1e-12)
+            assert small.distributed(sid) == pytest.approx(
+                model.distributed_seconds(s, cp), rel=1e-12
+            )
+            assert bulk.distributed(sid) == small.distributed(sid)
+            assert small.distributed_lower_bound(sid) <= small.distributed(sid) * (1 + 1e-12)
+
+
+def test_dense_costs_do_not_change() -> None:
+    # Without a window the shape's pairs are those of every layer, bit for bit as before
+    # windows were counted: the formulas of the full-attention model, written out here.
+    model = CostModel(tile_size=64)
+    shape = model.shape
+    assert shape.sliding_layers == 0 and shape.full_attention_layers == shape.num_layers
+    per_pair = shape.num_layers * 4 * shape.q_dim
+    for s in (1, 63, 64, 65, 4096, 100_003):
+        assert model.local_attention_seconds(s) == model._seconds(
+            causal_tiles(0, s, 64) * 64 * 64 * per_pair
+        )
+        assert model.distributed_attention_seconds(s, 4) == model._seconds(
+            zigzag_tiles(s, 4, 64) * 64 * 64 * per_pair / 4
+        )
+        assert shape.forward_flops(s) == s * shape.linear_flops_per_token() + s * (s + 1) // 2 * (
+            per_pair
+        )

@@ -472,8 +472,11 @@ def test_train_step_refuses_an_empty_global_batch_and_a_foreign_plan() -> None:
 
 
 def test_train_step_refuses_sequences_longer_than_the_sliding_window() -> None:
+    # Qwen2-MoE keeps its window in its mask, not passed to the attention: a length promise
     model = prepare_model(
-        tiny_model("mistral", sliding_window=8), backend="sdpa", max_sequence_length=8
+        tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=8),
+        backend="sdpa",
+        max_sequence_length=8,
     )
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     with pytest.raises(ValueError, match="sequence 1 has 9 tokens, more than the 8-token sliding"):

@@ -30,6 +30,8 @@ from lightning_skrull.models import (
     find_hf_model,
     is_prepared,
     prepare_model,
+    sequence_length_limit,
+    unpassed_window,
 )
 from lightning_skrull.runtime.engine import forward_backward, micro_batch_context, train_step
 from lightning_skrull.runtime.process_groups import ParallelLayout
@@ -51,7 +53,7 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
     hooks = len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)
     prepare_model(model, backend="sdpa")  # again: nothing is added
     assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks
-    assert set(SUPPORTED_ARCHITECTURES) == {*ARCHITECTURES, *MOE_ARCHITECTURES}
+    assert set(SUPPORTED_ARCHITECTURES) == {*ARCHITECTURES, *MOE_ARCHITECTURES, "gemma3_text"}
 
 
 @pytest.mark.parametrize(
@@ -60,13 +62,27 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         *[(arch, {}, {}) for arch in ARCHITECTURES],
         # a Mistral v0.1-style window exactly as long as the longest sequence: accepted, exact
         ("mistral", {"sliding_window": 7}, {"max_sequence_length": 7}),
+        # windows shorter than the sequences: Mistral on every layer, Qwen2 on its second
+        # layer only (layer_types [full, sliding])
+        ("mistral", {"sliding_window": 3}, {}),
+        ("qwen2", {"use_sliding_window": True, "sliding_window": 2, "max_window_layers": 1}, {}),
+        # Gemma 3 text: layers sliding (5 keys, RoPE base 1e4), full (1e6), sliding; a window
+        # of 3 so the 7-token sequence exceeds it, and its final logit soft-capping
+        ("gemma3_text", {"sliding_window": 3, "final_logit_softcapping": 30.0}, {}),
     ],
-    ids=[*ARCHITECTURES, "mistral-window-7"],
+    ids=[
+        *ARCHITECTURES,
+        "mistral-window-7",
+        "mistral-window-3",
+        "qwen2-mixed-window-2",
+        "gemma3-text-window-3",
+    ],
 )
 def test_prepared_model_on_one_rank_equals_reference(
     arch: str, overrides: dict[str, int], prepare_kwargs: dict[str, int]
 ) -> None:
-    """CP=1, one process: packed micro-batches of the Skrull path vs sequences run alone.
+    """CP=1, one process: packed micro-batches of the Skrull path vs sequences run alone
+    (the reference applies its sliding window through transformers' own mask).
 
     float32; only the summation order differs (packing, one division per micro-batch): atol 1e-5.
     """
@@ -162,15 +178,26 @@ def _sequence_classifier() -> nn.Module:
         (_non_causal, {}, r"Qwen2ForCausalLM cannot .*is_causal=False"),
         (_sequence_classifier, {}, r"Qwen2ForSequenceClassification cannot .*not a causal LM"),
         (
-            lambda: tiny_model("qwen2", use_sliding_window=True, max_window_layers=1),
+            lambda: tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=4096),
             {},
-            r"Qwen2ForCausalLM cannot .*sliding attention window of 4096 tokens.*no "
-            r"max_sequence_length",
+            r"Qwen2MoeForCausalLM cannot .*sliding attention window of 4096 tokens in the mask "
+            r"it builds but does not pass it to the attention function.*no max_sequence_length",
         ),
         (
-            lambda: tiny_model("mistral", sliding_window=4096),
+            lambda: tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=4096),
             {"max_sequence_length": 5000},
-            r"MistralForCausalLM cannot .*window of 4096 tokens.*max_sequence_length=5000 exceeds",
+            r"Qwen2MoeForCausalLM cannot .*window of 4096 tokens.*max_sequence_length=5000 exceeds",
+        ),
+        (
+            lambda: tiny_model("gemma3_text", attn_logit_softcapping=50.0),
+            {},
+            r"Gemma3ForCausalLM cannot .*attn_logit_softcapping=50.0 \(the Skrull attention has "
+            r"no soft-capping",
+        ),
+        (
+            lambda: tiny_model("gemma3_text", use_bidirectional_attention=True),
+            {},
+            r"Gemma3ForCausalLM cannot .*use_bidirectional_attention=True",
         ),
         (
             lambda: tiny_model("llama", attention_dropout=0.1),
@@ -194,8 +221,10 @@ def _sequence_classifier() -> nn.Module:
         "unknown-architecture",
         "non-causal",
         "not-a-causal-lm",
-        "qwen2-sliding-window",
-        "mistral-window-shorter-than-sequences",
+        "qwen2-moe-unpassed-window",
+        "qwen2-moe-window-shorter-than-sequences",
+        "gemma3-attention-softcap",
+        "gemma3-bidirectional",
         "attention-dropout",
         "attention-outside-interface",
         "no-rope-before-attention",
@@ -209,9 +238,17 @@ def test_unsupported_models_are_refused_with_class_and_reason(make, kwargs, mess
     assert model.config._attn_implementation == before  # refused models are left untouched
 
 
-def test_default_mistral_config_is_refused_without_a_length_promise() -> None:
-    with pytest.raises(ValueError, match="sliding attention window of 4096"):
-        prepare_model(tiny_model("mistral", sliding_window=4096))
+def test_windows_passed_to_the_attention_need_no_length_promise() -> None:
+    # Mistral v0.1's default window, and Qwen2 / Qwen3 sliding layers, pass sliding_window= to
+    # the attention function, which applies it: no limit on the sequences
+    for model in (
+        tiny_model("mistral", sliding_window=4096),
+        tiny_model("qwen2", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+        tiny_model("qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=1),
+    ):
+        assert attention_window(model) is not None and unpassed_window(model) is None
+        prepare_model(model, backend="sdpa")
+        assert sequence_length_limit(model) is None
 
 
 def test_prepare_refuses_non_models_and_unknown_backends() -> None:

@@ -55,6 +55,7 @@ from lightning_skrull.models import (
     check_model,
     plain_attention,
     prepare_model,
+    unpassed_window,
 )
 from lightning_skrull.runtime.engine import forward_backward, micro_batch_context
 from lightning_skrull.runtime.launch import spawn
@@ -156,28 +157,30 @@ def test_base_models_are_accepted_and_other_heads_refused() -> None:
 
 
 def test_sliding_window_rule_on_moe_configs() -> None:
-    """The dense models' rule: a window a sequence may exceed is refused unless
-    ``max_sequence_length`` promises none does. Qwen2-MoE and Qwen3-MoE slide only with
-    ``use_sliding_window=True`` (Qwen2-MoE then on the layers ``layer_types`` marks, and its
-    config sets ``sliding_window=0`` otherwise); Mixtral on every layer when set."""
+    """Qwen2-MoE and Qwen3-MoE slide only with ``use_sliding_window=True`` (Qwen2-MoE then on
+    the layers ``layer_types`` marks, and its config sets ``sliding_window=0`` otherwise);
+    Mixtral on every layer when set. Qwen3-MoE and Mixtral pass the window to the attention
+    function, which applies it; Qwen2-MoE keeps it in its mask only, so a window a sequence may
+    exceed is refused there unless ``max_sequence_length`` promises none does."""
     for arch in MOE_ARCHITECTURES:
         assert attention_window(tiny_model(arch)) is None
         prepare_model(tiny_model(arch), backend="sdpa")
     qwen2 = tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=64)
     sliding, full = "sliding_attention", "full_attention"
     assert qwen2.config.layer_types == [sliding, full, sliding]  # layers 0 and 2
-    windowed = [
-        tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=64),
+    for model in (
         tiny_model("qwen3_moe", use_sliding_window=True, sliding_window=64),
         tiny_model("mixtral", sliding_window=64),
-    ]
-    for model in windowed:
-        assert attention_window(model) == 64
-        with pytest.raises(ValueError, match="sliding attention window of 64 tokens"):
-            prepare_model(copy.deepcopy(model), backend="sdpa")
-        with pytest.raises(ValueError, match="max_sequence_length=65 exceeds it"):
-            prepare_model(copy.deepcopy(model), backend="sdpa", max_sequence_length=65)
-        prepare_model(model, backend="sdpa", max_sequence_length=64)
+    ):
+        assert attention_window(model) == 64 and unpassed_window(model) is None
+        prepare_model(model, backend="sdpa")
+    model = tiny_model("qwen2_moe", use_sliding_window=True, sliding_window=64)
+    assert attention_window(model) == 64 and unpassed_window(model) == 64
+    with pytest.raises(ValueError, match="sliding attention window of 64 tokens"):
+        prepare_model(copy.deepcopy(model), backend="sdpa")
+    with pytest.raises(ValueError, match="max_sequence_length=65 exceeds it"):
+        prepare_model(copy.deepcopy(model), backend="sdpa", max_sequence_length=65)
+    prepare_model(model, backend="sdpa", max_sequence_length=64)
 
 
 # ----------------------------------------------------------------------------- aux loss

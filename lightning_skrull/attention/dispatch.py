@@ -12,6 +12,12 @@ q, k and v are cast to one compute dtype (:func:`compute_dtype`) before the back
 float32 cos/sin, so q and k arrive in float32 and v in the autocast dtype. The cast lets the
 ``flash`` backend run under autocast and keeps the K/V exchange and the K/V saved for backward
 in 16 bits there.
+
+The layer's sliding window comes as transformers passes it, the ``sliding_window`` keyword
+(``None`` for full-attention layers), and has transformers' meaning: the query at position ``p``
+of a sequence sees keys ``[p - W + 1, p]`` (``sliding_window_causal_mask_function``). A window
+no sequence of the micro-batch is longer than changes nothing and is dropped, so such a layer
+runs exactly the full causal code.
 """
 
 from __future__ import annotations
@@ -22,7 +28,7 @@ import torch
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.attention.context import current_attention_context
-from lightning_skrull.attention.flash import flash_attention
+from lightning_skrull.attention.flash import flash_attention, window_supported
 from lightning_skrull.attention.schedule import LocalAttention
 from lightning_skrull.attention.sdpa import local_attention_heads_first, sdpa_attention
 
@@ -87,8 +93,8 @@ def skrull_attention_forward(
         dropout: attention dropout; only ``0`` is supported in training.
         **kwargs: other attention kwargs (``position_ids``, ``cu_seq_lens_q``... are ignored in
             favour of the context; ``softcap`` and ``position_bias`` must be ``None``,
-            ``is_causal`` must not be ``False``; a ``sliding_window`` is accepted only when no
-            sequence of the micro-batch is longer than it, where it changes nothing).
+            ``is_causal`` must not be ``False``; ``sliding_window``, an int ``>= 1`` or ``None``,
+            is the layer's window, see :func:`layer_window`).
 
     q, k and v are cast to :func:`compute_dtype` first, so the backend, the K/V exchange and
     the K/V saved for backward all see one dtype.
@@ -98,20 +104,14 @@ def skrull_attention_forward(
 
     Raises:
         RuntimeError: called outside :func:`~lightning_skrull.attention.attention_context`.
-        ValueError: unsupported input (batch size, mask, dropout, an effective sliding window,
-            softcap, position bias, non-causal) or ``T`` not matching the context's layout.
+        ValueError: unsupported input (batch size, mask, dropout, a window that is not an int
+            ``>= 1``, softcap, position bias, non-causal), ``T`` not matching the context's
+            layout, or a window on the ``flash`` backend with a kernel that takes none.
     """
     ctx = current_attention_context()
     _check_inputs(module, query, key, value, attention_mask, dropout, kwargs)
-    window = kwargs.get("sliding_window")
-    if window is not None and window < ctx.layout.max_sequence_length:
-        # every rank sees the same micro-batch maximum, so all ranks raise here together
-        raise ValueError(
-            f"the 'skrull' attention has no sliding window, and sliding_window={window} is shorter "
-            f"than the micro-batch's longest sequence ({ctx.layout.max_sequence_length} tokens), "
-            "so it would change the result; train on sequences of at most the window, or set the "
-            "model config's sliding_window=None if the checkpoint uses full attention."
-        )
+    # every rank sees the same micro-batch maximum, so all ranks take the same path
+    window = layer_window(kwargs.get("sliding_window"), ctx.layout.max_sequence_length)
     if query.shape[2] != ctx.num_tokens:
         raise ValueError(
             f"the 'skrull' attention got {query.shape[2]} tokens but CP rank {ctx.cp_rank}'s "
@@ -130,19 +130,53 @@ def skrull_attention_forward(
                 "'auto'."
             )
         backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
+    if backend == "flash" and window is not None and ctx.auto and not window_supported():
+        backend = "sdpa"  # "auto" with a kernel that takes no window: sdpa runs this layer
     # One dtype for all three (a no-op when they already have it); the cast's backward returns
     # each gradient in its input's dtype.
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     layout = ctx.layout
     if backend == "sdpa" and not layout.has_distributed and layout.num_local_tokens:
         # Only local sequences (always at cp_size 1): SDPA takes transformers' layout as it is.
-        return local_attention_heads_first(query, key, value, ctx, scale=scaling), None
+        out = local_attention_heads_first(query, key, value, ctx, scale=scaling, window=window)
+        return out, None
     # squeeze, not [0]: indexing's backward writes a zero-filled copy of the whole input.
     q = query.squeeze(0).transpose(0, 1)
     k = key.squeeze(0).transpose(0, 1)
     v = value.squeeze(0).transpose(0, 1)
-    out = _BACKENDS[backend](q, k, v, ctx, scale=scaling)
+    out = _BACKENDS[backend](q, k, v, ctx, scale=scaling, window=window)
     return out.unsqueeze(0), None
+
+
+def layer_window(sliding_window: Any, max_sequence_length: int) -> int | None:
+    """The sliding window a layer's attention applies to a micro-batch, or ``None`` (full).
+
+    Args:
+        sliding_window: the ``sliding_window`` keyword transformers passes (``None`` for a
+            full-attention layer): the query at position ``p`` sees keys ``[p - W + 1, p]``.
+        max_sequence_length: the micro-batch's longest sequence (all CP ranks).
+
+    Returns:
+        ``sliding_window``, or ``None`` when it is ``None`` or no sequence is longer than it
+        (every query then sees its whole prefix).
+
+    Raises:
+        ValueError: a window that is not an int ``>= 1`` (0 would leave every query without a
+            key; transformers' Qwen2-MoE config uses 0 for "no window" but never passes it).
+    """
+    if sliding_window is None:
+        return None
+    if (
+        isinstance(sliding_window, bool)
+        or not isinstance(sliding_window, int)
+        or sliding_window < 1
+    ):
+        raise ValueError(
+            f"the 'skrull' attention got sliding_window={sliding_window!r}; a window is an int "
+            ">= 1 (the keys each query sees, itself included), or None for full causal "
+            "attention; fix the model config's sliding_window."
+        )
+    return None if sliding_window >= max_sequence_length else sliding_window
 
 
 def _check_inputs(

@@ -45,10 +45,12 @@ from lightning_skrull.attention.comm import (
 from lightning_skrull.attention.context import SkrullAttentionContext
 
 LocalAttention = Callable[..., torch.Tensor]
-"""``fn(q, k, v, ctx, *, scale) -> out`` over the local part (``[n_local, H, D]`` tensors)."""
+"""``fn(q, k, v, ctx, *, scale, window) -> out`` over the local part (``[n_local, H, D]``
+tensors); ``window`` is the layer's sliding window or ``None``."""
 
 DistributedAttention = Callable[..., torch.Tensor]
-"""``fn(q_dist, k_whole, v_whole, ctx, *, scale) -> out`` over this rank's distributed chunks."""
+"""``fn(q_dist, k_whole, v_whole, ctx, *, scale, window) -> out`` over this rank's distributed
+chunks."""
 
 
 def _local_and_distributed(t: torch.Tensor, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,6 +77,7 @@ def context_parallel_attention(
     scale: float | None,
     local_attention: LocalAttention,
     distributed_attention: DistributedAttention,
+    window: int | None = None,
 ) -> torch.Tensor:
     """The schedule shared by every backend (see the module docstring).
 
@@ -95,6 +98,8 @@ def context_parallel_attention(
         local_attention: the backend's local-sequence attention.
         distributed_attention: the backend's distributed-chunk attention, called once per K/V
             group with the group's context.
+        window: the layer's sliding window, passed to both; ``None`` = full causal. The K/V
+            exchange is the same either way.
 
     Returns:
         ``[T, Hq, D]`` in packed order.
@@ -124,12 +129,12 @@ def context_parallel_attention(
     ]
     outs = []
     if n_local:
-        outs.append(local_attention(q_local, k_local, v_local, ctx, scale=scale))
+        outs.append(local_attention(q_local, k_local, v_local, ctx, scale=scale, window=window))
     for g, q_g, gather in zip(groups, q_parts, pending, strict=True):
         assert gather is not None  # a group has a distributed sequence
         k_whole, v_whole = gather.wait()
         if g.layout.distributed_chunks:
-            outs.append(distributed_attention(q_g, k_whole, v_whole, g, scale=scale))
+            outs.append(distributed_attention(q_g, k_whole, v_whole, g, scale=scale, window=window))
         else:
             # No query here, but the gathered K/V must stay in the graph so that this rank's
             # backward joins the other ranks' reduce-scatter.

@@ -25,6 +25,15 @@ buffer). On CPU, SDPA runs these masks through its fused flash kernel (no score 
 On CUDA those blocks cost one kernel call each (hundreds for a long chunk), which is why the
 bias is used there.
 
+Sliding windows: a layer with ``sliding_window=W`` lets the query at position ``p`` of a sequence
+see keys ``[p - W + 1, p]`` (transformers' ``sliding_window_causal_mask_function``). Where no
+query of a call reaches ``W`` keys back (a sequence, or a chunk ending, within ``W`` tokens)
+the call is the causal one above, unchanged. Otherwise a masked group gets the window in its
+block-diagonal mask, and a longer sequence or chunk runs in query blocks like the distributed
+chunks' (:func:`sliding_window_attention`): block ``[a, a + b)`` attends only keys
+``[a - W + 1, a + b)``, so the keys outside every query's window are skipped and each mask has
+at most ``b x (b + W - 1)`` elements, within :data:`MASK_ELEMENTS_PER_CALL`.
+
 GQA uses ``enable_gqa=True``: K/V are not repeated by this code (the fused kernels read shared
 heads directly; the math fallback repeats internally).
 
@@ -39,6 +48,7 @@ flash kernel GQA but not a mask, and the math kernel, which takes both, keeps th
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -158,6 +168,63 @@ def causal_lower_right_attention(
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
+def window_rows(num_keys: int, window: int, mask_elements: int) -> int:
+    """Query rows per SDPA call of :func:`sliding_window_attention`.
+
+    The largest ``b`` whose mask, ``b`` rows by at most ``min(num_keys, b + window - 1)``
+    keys, fits ``mask_elements`` (at least 1).
+    """
+    if num_keys * num_keys <= mask_elements:
+        return num_keys
+    w = window - 1
+    rows = (math.isqrt(w * w + 4 * mask_elements) - w) // 2  # b * (b + w) <= mask_elements
+    return max(1, rows, mask_elements // num_keys)
+
+
+def sliding_window_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    window: int,
+    scale: float | None = None,
+    mask_elements: int = MASK_ELEMENTS_PER_CALL,
+) -> torch.Tensor:
+    """Sliding-window causal attention of the last ``L`` positions of a sequence against its
+    first ``S``: the query at position ``p`` sees keys ``[max(0, p - window + 1), p]``.
+
+    Queries run in blocks of :func:`window_rows` rows; each block attends only the keys some
+    query of it sees, with a boolean mask built on the fly. Without a query that reaches
+    ``window`` keys back (``S <= window``) it is :func:`causal_lower_right_attention`.
+
+    Args:
+        q: ``[L, Hq, D]`` queries at positions ``S - L .. S - 1``.
+        k: ``[S, Hkv, D]`` keys at positions ``0 .. S - 1`` (``S >= L``).
+        v: ``[S, Hkv, D]`` values.
+        window: keys each query sees, itself included (``>= 1``).
+        scale: softmax scale; ``None`` = ``D ** -0.5``.
+        mask_elements: largest mask one SDPA call may build.
+
+    Returns:
+        ``[L, Hq, D]``.
+    """
+    num_q, num_k = q.shape[0], k.shape[0]
+    if num_k <= window:
+        return causal_lower_right_attention(q, k, v, scale=scale, mask_elements=mask_elements)
+    offset = num_k - num_q
+    block = window_rows(num_k, window, mask_elements)
+    outs = []
+    for a in range(0, num_q, block):
+        b = min(block, num_q - a)
+        first = offset + a  # position of the block's first query
+        lo, hi = max(0, first - window + 1), first + b  # keys the block's queries see
+        rows = torch.arange(first, hi, device=q.device).unsqueeze(1)
+        cols = torch.arange(lo, hi, device=q.device).unsqueeze(0)
+        mask = (cols <= rows) & (cols > rows - window)
+        outs.append(_sdpa(q[a : a + b], k[lo:hi], v[lo:hi], scale=scale, mask=mask))
+    return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
+
+
 def group_local_lengths(
     lengths: Sequence[int], max_mask_elements: int
 ) -> tuple[tuple[int, ...], ...]:
@@ -196,17 +263,23 @@ def group_local_lengths(
     return tuple(groups)
 
 
-def block_causal_mask(lengths: Sequence[int], device: torch.device | str = "cpu") -> torch.Tensor:
+def block_causal_mask(
+    lengths: Sequence[int], device: torch.device | str = "cpu", window: int | None = None
+) -> torch.Tensor:
     """Boolean ``[G, G]`` mask (``G = sum(lengths)``) of sequences laid end to end, each causal.
 
-    ``True`` = attend: position ``i`` sees ``j`` when both are in one sequence and ``j <= i``.
-    Every row sees at least its own position.
+    ``True`` = attend: position ``i`` sees ``j`` when both are in one sequence and ``j <= i``,
+    and, with a ``window``, ``i - j < window``. Every row sees at least its own position.
     """
     seq = torch.repeat_interleave(
         torch.arange(len(lengths), device=device), torch.tensor(lengths, device=device)
     )
     pos = torch.arange(seq.numel(), device=device)
-    return (seq.unsqueeze(1) == seq.unsqueeze(0)) & (pos.unsqueeze(0) <= pos.unsqueeze(1))
+    rows, cols = pos.unsqueeze(1), pos.unsqueeze(0)
+    mask = (seq.unsqueeze(1) == seq.unsqueeze(0)) & (cols <= rows)
+    if window is not None:
+        mask &= cols > rows - window
+    return mask
 
 
 @dataclass(frozen=True)
@@ -281,12 +354,16 @@ class LocalCalls:
     Attributes:
         calls: the calls, packed order.
         sizes: tokens of each call (they sum to the local tokens).
-        masks: per call, its :func:`block_causal_mask` for a masked group, ``None`` otherwise.
+        masks: per call, its :func:`block_causal_mask` (with the window) for a masked group,
+            ``None`` otherwise.
+        window: the sliding window of the layers these calls serve; ``None`` = full causal
+            (also when no local sequence is longer than the window).
     """
 
     calls: tuple[LocalCall, ...]
     sizes: tuple[int, ...]
     masks: tuple[torch.Tensor | None, ...]
+    window: int | None = None
 
 
 def local_calls(
@@ -294,23 +371,32 @@ def local_calls(
     max_mask_elements: int,
     device: torch.device,
     batch_equal_lengths: bool = True,
+    window: int | None = None,
 ) -> LocalCalls:
-    """The micro-batch's :class:`LocalCalls`, built once per context, bound and device."""
+    """The micro-batch's :class:`LocalCalls`, built once per context, bound, device and window.
+
+    A window no local sequence is longer than changes nothing: those calls are the full
+    causal ones (the same cached object).
+    """
+    lengths = ctx.layout.local_lengths
+    if window is not None and window >= max(lengths, default=0):
+        window = None
 
     def build() -> LocalCalls:
-        calls = plan_local_calls(ctx.layout.local_lengths, max_mask_elements, batch_equal_lengths)
+        calls = plan_local_calls(lengths, max_mask_elements, batch_equal_lengths)
         return LocalCalls(
             calls=calls,
             sizes=tuple(c.tokens for c in calls),
             masks=tuple(
-                block_causal_mask(c.lengths, device)
+                block_causal_mask(c.lengths, device, window)
                 if len(c.lengths) > 1 and not c.batched
                 else None
                 for c in calls
             ),
+            window=window,
         )
 
-    key = ("sdpa_local_calls", max_mask_elements, batch_equal_lengths, device)
+    key = ("sdpa_local_calls", max_mask_elements, batch_equal_lengths, device, window)
     return ctx.cached(key, build)
 
 
@@ -321,8 +407,20 @@ def _local_call(
     call: LocalCall,
     mask: torch.Tensor | None,
     scale: float | None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One call on ``[1, H, tokens, D]`` inputs -> ``[1, tokens, Hq, D]``."""
+    if window is not None and mask is None and call.lengths[0] > window:
+        # One sequence, or a batched run of one length, longer than the window: each sequence
+        # in query blocks that skip the keys outside the window.
+        q3, k3, v3 = (t.squeeze(0).transpose(0, 1) for t in (q, k, v))  # [tokens, H, D]
+        outs = [
+            sliding_window_attention(qs, ks, vs, window=window, scale=scale)
+            for qs, ks, vs in zip(
+                q3.split(call.lengths), k3.split(call.lengths), v3.split(call.lengths), strict=True
+            )
+        ]
+        return (torch.cat(outs) if len(outs) > 1 else outs[0]).unsqueeze(0)
     if not call.batched:
         out = _sdpa_heads_first(q, k, v, scale=scale, is_causal=mask is None, mask=mask)
         return out.transpose(1, 2)
@@ -342,6 +440,7 @@ def local_attention_heads_first(
     scale: float | None = None,
     group_mask_elements: int | None = None,
     batch_equal_lengths: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each local sequence on its own, in SDPA's own layout.
 
@@ -360,6 +459,8 @@ def local_attention_heads_first(
             ``batch_equal_lengths=False``).
         batch_equal_lengths: see :func:`plan_local_calls`; ``None`` =
             :data:`LOCAL_BATCH_EQUAL_LENGTHS`.
+        window: the layer's sliding window (each query sees the ``window`` keys up to itself);
+            ``None`` = full causal.
 
     Returns:
         ``[1, n_local, Hq, D]``.
@@ -368,13 +469,14 @@ def local_attention_heads_first(
         group_mask_elements = LOCAL_GROUP_MASK_ELEMENTS
     if batch_equal_lengths is None:
         batch_equal_lengths = LOCAL_BATCH_EQUAL_LENGTHS
-    plan = local_calls(ctx, group_mask_elements, q.device, batch_equal_lengths)
+    plan = local_calls(ctx, group_mask_elements, q.device, batch_equal_lengths, window)
+    window = plan.window
     if len(plan.calls) == 1:
-        return _local_call(q, k, v, plan.calls[0], plan.masks[0], scale)
+        return _local_call(q, k, v, plan.calls[0], plan.masks[0], scale, window)
     # One split per tensor: its backward is one concatenation. Slicing each call's part out
     # instead costs a zero-filled gradient of the whole buffer per call in the backward.
     outs = [
-        _local_call(qs, ks, vs, call, mask, scale)
+        _local_call(qs, ks, vs, call, mask, scale, window)
         for qs, ks, vs, call, mask in zip(
             q.split(plan.sizes, 2),
             k.split(plan.sizes, 2),
@@ -396,6 +498,7 @@ def local_attention(
     scale: float | None = None,
     group_mask_elements: int | None = None,
     batch_equal_lengths: bool | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of each local sequence on its own, short ones grouped in one call.
 
@@ -410,6 +513,7 @@ def local_attention(
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         group_mask_elements: as for :func:`local_attention_heads_first`.
         batch_equal_lengths: as for :func:`local_attention_heads_first`.
+        window: as for :func:`local_attention_heads_first`.
 
     Returns:
         ``[n_local, Hq, D]``.
@@ -423,6 +527,7 @@ def local_attention(
         scale=scale,
         group_mask_elements=group_mask_elements,
         batch_equal_lengths=batch_equal_lengths,
+        window=window,
     )
     return out.squeeze(0)
 
@@ -434,6 +539,7 @@ def distributed_attention(
     ctx: SkrullAttentionContext,
     *,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Lower-right causal attention of this rank's distributed chunks on the whole sequences.
 
@@ -444,6 +550,8 @@ def distributed_attention(
         v_whole: same shape as ``k_whole``.
         ctx: the micro-batch's attention context.
         scale: softmax scale; ``None`` = ``D ** -0.5``.
+        window: the layer's sliding window; ``None`` = full causal. A chunk ending within it
+            runs as without one.
 
     Returns:
         ``[n_dist, Hq, D]``.
@@ -459,6 +567,10 @@ def distributed_attention(
         causal_lower_right_attention(
             q_chunk, ks[c.index][: c.end], vs[c.index][: c.end], scale=scale
         )
+        if window is None or c.end <= window
+        else sliding_window_attention(
+            q_chunk, ks[c.index][: c.end], vs[c.index][: c.end], window=window, scale=scale
+        )
         for q_chunk, c in zip(qs, chunks, strict=True)
     ]
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
@@ -471,6 +583,7 @@ def sdpa_attention(
     ctx: SkrullAttentionContext,
     *,
     scale: float | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Context-parallel causal attention of this rank's packed tokens with PyTorch SDPA.
 
@@ -483,6 +596,8 @@ def sdpa_attention(
         v: ``[T, Hkv, D]`` values.
         ctx: the micro-batch's attention context.
         scale: softmax scale; ``None`` = ``D ** -0.5``.
+        window: the layer's sliding window (transformers' ``sliding_window``: the query at
+            position ``p`` sees keys ``[p - window + 1, p]``); ``None`` = full causal.
 
     Returns:
         ``[T, Hq, D]`` attention output in packed order.
@@ -493,6 +608,7 @@ def sdpa_attention(
         v,
         ctx,
         scale=scale,
+        window=window,
         local_attention=local_attention,
         distributed_attention=distributed_attention,
     )

@@ -27,6 +27,7 @@ from lightning_skrull.models.patching import (
     prepare_model,
     sequence_length_limit,
     sequence_length_rule,
+    unpassed_window,
 )
 from lightning_skrull.models.rope import BATCH_DEPENDENT_ROPE_TYPES, STATIC_ROPE_TYPES
 from lightning_skrull.models.token_loss import CustomLossWarning, shifted_labels, token_mean_loss
@@ -54,6 +55,7 @@ __all__ = [
     "sequence_length_rule",
     "shifted_labels",
     "token_mean_loss",
+    "unpassed_window",
     "use_chunked_loss",
     "use_dense_loss",
     "uses_chunked_loss",

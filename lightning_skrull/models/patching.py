@@ -10,7 +10,10 @@ one whose result under Skrull equals its result on one process:
 - a decoder-only causal LM of an allow-listed architecture (:data:`SUPPORTED_ARCHITECTURES`);
 - every decoder layer's attention applies RoPE (from ``position_ids``) and then calls the
   function registered with the ``AttentionInterface``;
-- causal, without attention dropout, and without an active sliding window;
+- causal, and without attention dropout;
+- a sliding window only where each layer passes it to the attention function (the
+  ``sliding_window`` keyword, which the Skrull attention applies; Qwen2-MoE does not, so its
+  window still limits the sequence length, :func:`unpassed_window`);
 - for a Mixture-of-Experts model, a deterministic router (no ``router_jitter_noise``) and no
   router auxiliary loss (``output_router_logits`` off; :mod:`lightning_skrull.models.moe`);
 - a RoPE whose frequencies depend on the config only, or on the batch only beyond a length no
@@ -34,6 +37,7 @@ from lightning_skrull.attention.backends import (
 )
 from lightning_skrull.attention.context import has_attention_context
 from lightning_skrull.attention.dispatch import register_skrull_attention
+from lightning_skrull.attention.flash import require_window_support
 from lightning_skrull.models.chunked_loss import (
     check_chunked_loss_supported,
     check_loss_kernel,
@@ -55,6 +59,7 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "qwen3_moe": ("Qwen3MoeForCausalLM", "Qwen3MoeModel"),
         "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeModel"),
         "mixtral": ("MixtralForCausalLM", "MixtralModel"),
+        "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
     }
 )
 """``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
@@ -69,6 +74,12 @@ sparse layers by a top-k router and experts that compute each token from its own
 alone (no capacity factor, no token dropping; Qwen2-MoE adds a sigmoid-gated shared expert, also
 per token), so the same holds for them, given
 :func:`~lightning_skrull.models.moe.router_problems` finds nothing.
+
+Gemma 3's text model (``gemma3_text``) adds per-token pieces only (RMSNorms of q and k per
+head, a scaled embedding, ``query_pre_attn_scalar`` as the softmax scale, a RoPE per layer
+kind) and interleaves sliding and full layers, whose window it passes to the attention
+function; its attention logit soft-capping and bidirectional attention are refused
+(:func:`_gemma3_problems`).
 """
 
 
@@ -76,6 +87,7 @@ _PLAIN_ATTENTION = "_skrull_plain_attention"
 """Instance attribute where :func:`prepare_model` keeps the model's attention before it."""
 _INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
 _ROPE_CALL = "apply_rotary_pos_emb("
+_WINDOW_ARGUMENT = "sliding_window="
 
 
 def attention_window(model: nn.Module) -> int | None:
@@ -88,7 +100,7 @@ def attention_window(model: nn.Module) -> int | None:
     """
     config = getattr(model, "config", None)
     window = getattr(config, "sliding_window", None)
-    if window is None:
+    if not window:  # Qwen2-MoE's config sets 0 for "no window"
         return None
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None and "sliding_attention" not in layer_types:
@@ -96,14 +108,42 @@ def attention_window(model: nn.Module) -> int | None:
     return int(window)
 
 
+def _passes_window(cls: type) -> bool:
+    """Whether ``cls.forward`` passes ``sliding_window=`` to its attention function call."""
+    try:
+        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return False
+    call = source.find("attention_interface(")
+    return call >= 0 and source.find(_WINDOW_ARGUMENT, call) >= 0
+
+
+def unpassed_window(model: nn.Module) -> int | None:
+    """The model's sliding window when some attention module does not pass it to the attention
+    function, else ``None``.
+
+    The Skrull attention applies the window each layer passes as ``sliding_window`` (as
+    transformers' FlashAttention integration does). A model whose window lives only in the
+    mask it builds, like Qwen2-MoE (its attention keeps ``self.sliding_window`` but passes
+    nothing), would silently get full attention, so its window still limits the sequences
+    (:func:`sequence_length_rule`).
+    """
+    window = attention_window(model)
+    if window is None:
+        return None
+    if all(_passes_window(type(attn)) for attn in _attention_modules(model)):
+        return None
+    return window
+
+
 def sequence_length_limit(model: nn.Module) -> int | None:
     """Longest sequence the prepared model runs exactly under Skrull (``None``: no limit).
 
-    The Skrull attention is full causal attention; a model with a sliding window ``W`` gives the
-    same result only for sequences of at most ``W`` tokens. A ``"dynamic"`` or ``"longrope"``
-    RoPE keeps the frequencies one process uses only up to its threshold length
-    (:func:`~lightning_skrull.models.rope.rope_length_limit`). The engine checks every global
-    batch against the smaller limit.
+    A model with a sliding window ``W`` that its layers do not pass to the attention function
+    (:func:`unpassed_window`) gives the same result only for sequences of at most ``W`` tokens.
+    A ``"dynamic"`` or ``"longrope"`` RoPE keeps the frequencies one process uses only up to
+    its threshold length (:func:`~lightning_skrull.models.rope.rope_length_limit`). The engine
+    checks every global batch against the smaller limit.
     """
     rule = sequence_length_rule(model)
     return None if rule is None else rule[0]
@@ -116,13 +156,13 @@ def sequence_length_rule(model: nn.Module) -> tuple[int, str] | None:
     """
     name = type(model).__name__
     rules: list[tuple[int, str]] = []
-    window = attention_window(model)
+    window = unpassed_window(model)
     if window is not None:
         rules.append(
             (
                 window,
-                f"the {window}-token sliding attention window of {name}; the Skrull attention is "
-                "full causal attention and would differ from the model's",
+                f"the {window}-token sliding attention window of {name}, which its layers do not "
+                "pass to the attention function, so the Skrull attention would attend beyond it",
             )
         )
     rope = rope_length_limit(model)
@@ -178,14 +218,29 @@ def _attention_path_problems(model: nn.Module) -> list[str]:
     return problems
 
 
+def _gemma3_problems(config: Any) -> list[str]:
+    """Reasons a Gemma 3 text config cannot run exactly under the Skrull attention."""
+    problems = []
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        problems.append(
+            f"attn_logit_softcapping={softcap} (the Skrull attention has no soft-capping of the "
+            "attention scores; Gemma 3 checkpoints set it to null)"
+        )
+    if getattr(config, "use_bidirectional_attention", False):
+        problems.append("use_bidirectional_attention=True (the Skrull attention is causal only)")
+    return problems
+
+
 def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> None:
     """Check that Skrull runs ``model`` exactly; raise if not.
 
     Args:
         model: a Hugging Face ``PreTrainedModel``.
         max_sequence_length: longest sequence you will train on; only needed to accept a model
-            with a sliding window (it must not exceed the window) or a ``"dynamic"`` /
-            ``"longrope"`` RoPE (it must not exceed the rope's threshold length).
+            with a sliding window its layers do not pass to the attention function (it must not
+            exceed the window; :func:`unpassed_window`) or a ``"dynamic"`` / ``"longrope"`` RoPE
+            (it must not exceed the rope's threshold length).
 
     Raises:
         TypeError: ``model`` is not a transformers ``PreTrainedModel``.
@@ -228,7 +283,7 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
             f"attention_dropout={dropout} (the Skrull attention has no dropout; set "
             "config.attention_dropout=0.0)"
         )
-    window = attention_window(model)
+    window = unpassed_window(model)
     if window is not None and (max_sequence_length is None or max_sequence_length > window):
         given = (
             "no max_sequence_length was given"
@@ -236,13 +291,16 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
             else f"max_sequence_length={max_sequence_length} exceeds it"
         )
         reasons.append(
-            f"it applies a sliding attention window of {window} tokens, which the Skrull "
-            f"attention does not implement, and {given} (set config.sliding_window=None for full "
-            "attention if the checkpoint was trained so, or promise sequences no longer than "
-            f"the window with prepare_model(..., max_sequence_length<={window}))"
+            f"it applies a sliding attention window of {window} tokens in the mask it builds but "
+            "does not pass it to the attention function (no sliding_window= argument), so the "
+            f"Skrull attention cannot apply it, and {given} (promise sequences no longer than "
+            f"the window with prepare_model(..., max_sequence_length<={window}), or set "
+            "config.use_sliding_window=False for full attention if the checkpoint was trained so)"
         )
     reasons.extend(rope_problems(model, max_sequence_length))
     reasons.extend(router_problems(model))
+    if model_type == "gemma3_text":
+        reasons.extend(_gemma3_problems(config))
     if reasons:
         raise ValueError(
             f"{name} cannot be trained with Skrull context parallelism: " + "; ".join(reasons) + "."
@@ -274,7 +332,8 @@ def prepare_model(
         backend: attention kernel the engine will use: ``"auto"``, ``"sdpa"`` or ``"flash"``
             (checked here so a missing flash-attn fails before training starts).
         max_sequence_length: longest sequence you will train on; needed only for a model with a
-            sliding window or a ``"dynamic"`` / ``"longrope"`` RoPE (see :func:`check_model`).
+            sliding window its layers do not pass to the attention function or a ``"dynamic"``
+            / ``"longrope"`` RoPE (see :func:`check_model`).
         chunked_loss: route the forward with ``labels`` through the chunked LM head and
             cross-entropy (:func:`~lightning_skrull.models.chunked_loss.use_chunked_loss`): the
             ``[tokens, vocab]`` logits are never held, and ``logits`` comes back ``None``.
@@ -293,13 +352,16 @@ def prepare_model(
     Raises:
         TypeError: ``model`` is not a ``PreTrainedModel``.
         ValueError: unsupported model (the message names the class and why), unknown backend,
-            or ``"flash"`` without a varlen kernel installed.
+            or ``"flash"`` without a varlen kernel installed, or, for a model with a sliding
+            window, with a kernel that takes no window.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}.")
     if backend == "flash":
         require_flash_kernel()
     check_model(model, max_sequence_length=max_sequence_length)
+    if backend == "flash" and attention_window(model) is not None:
+        require_window_support()
     if chunked_loss:
         check_chunked_loss_supported(model)
         check_loss_kernel(loss_kernel)

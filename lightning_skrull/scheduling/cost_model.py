@@ -8,6 +8,11 @@ The model is deliberately simple and explicit, so that every number can be check
 * **Tiles.** Attention kernels work on ``tile_size`` x ``tile_size`` blocks of (query, key)
   pairs and compute every block that holds at least one unmasked pair. A short sequence, and
   even more a short sequence cut into ``2 * cp_size`` zigzag chunks, pays for padded blocks.
+* **Sliding windows.** A layer with a window of ``W`` keys computes, for a sequence of ``s > W``
+  tokens, ``W (W + 1) / 2 + (s - W) W`` pairs instead of ``s (s + 1) / 2``, and its kernel skips
+  the key blocks before each query block's window (:func:`window_tiles`). The full-attention
+  and the windowed layers are counted apart (``ModelShape.sliding_layers``); a model without a
+  window gets exactly the full-attention numbers.
 * **Communication.** A distributed sequence's K/V are all-gathered over the CP group in the
   forward and their gradients reduce-scattered in the backward: one collective per layer and
   direction, each ``comm_latency_s`` plus bytes over ``comm_bandwidth``.
@@ -79,6 +84,9 @@ class ModelShape:
         sparse_layers: layers whose MLP is the sparse one; the others are dense.
         qkv_bias: the q, k and v projections have biases (Qwen2); parameters only.
         qk_norm: an RMSNorm over each head of q and k (Qwen3); activation memory only.
+        sliding_window: keys each query of a sliding layer sees, itself included; 0: none.
+        sliding_layers: layers whose attention slides over ``sliding_window`` keys; the others
+            attend the whole causal prefix.
     """
 
     hidden_size: int
@@ -95,6 +103,8 @@ class ModelShape:
     sparse_layers: int = 0
     qkv_bias: bool = True
     qk_norm: bool = False
+    sliding_window: int = 0
+    sliding_layers: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -135,6 +145,15 @@ class ModelShape:
                         f"{self.expert_intermediate_size}, sparse_layers={self.sparse_layers}, "
                         f"num_layers={self.num_layers} breaks {rule}; read them from the config."
                     )
+        if bool(self.sliding_window) != bool(self.sliding_layers) or (
+            self.sliding_layers > self.num_layers
+        ):
+            raise ValueError(
+                f"ModelShape has sliding_window={self.sliding_window} and sliding_layers="
+                f"{self.sliding_layers} of num_layers={self.num_layers}; a model without a "
+                "window leaves both at 0, one with a window sets both (1 <= sliding_layers <= "
+                "num_layers)."
+            )
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
@@ -148,7 +167,10 @@ class ModelShape:
         ``num_experts_per_tok`` per token, on the layers not in ``mlp_only_layers`` whose index
         + 1 is a multiple of ``decoder_sparse_step``; Qwen2-MoE adds its
         ``shared_expert_intermediate_size``. Mixtral: ``num_local_experts`` experts of
-        ``intermediate_size`` on every layer.
+        ``intermediate_size`` on every layer. A set ``sliding_window`` (transformers' configs
+        leave it ``None``, or Qwen2-MoE's 0, without ``use_sliding_window``) applies to the
+        layers ``layer_types`` marks ``"sliding_attention"``, or to every layer without
+        ``layer_types`` (Mistral, Mixtral, Qwen3-MoE).
 
         Raises:
             ValueError: when the config lacks a needed field, or has experts of a family not
@@ -205,6 +227,14 @@ class ModelShape:
                     "intermediate_size would be wrong. Build ModelShape yourself with its "
                     "num_experts, experts_per_token, expert_intermediate_size and sparse_layers."
                 )
+        window = int(getattr(config, "sliding_window", None) or 0)
+        layer_types = getattr(config, "layer_types", None)
+        if not window:
+            sliding = 0
+        elif layer_types is None:
+            sliding = layers
+        else:
+            sliding = sum(t == "sliding_attention" for t in layer_types[:layers])
         if model_type == "qwen2":
             qkv_bias = True  # Qwen2's q/k/v projections always have biases
         else:
@@ -221,6 +251,8 @@ class ModelShape:
             vocab_size=int(config.vocab_size),
             qkv_bias=qkv_bias,
             qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            sliding_window=window if sliding else 0,
+            sliding_layers=sliding,
             **moe,
         )
 
@@ -272,20 +304,36 @@ class ModelShape:
             + 2 * h * self.vocab_size
         )
 
+    @property
+    def full_attention_layers(self) -> int:
+        """Layers that attend the whole causal prefix (all of them without a window)."""
+        return self.num_layers - self.sliding_layers
+
     def attention_flops_per_pair(self) -> int:
-        """Forward FLOPs of one (query, key) pair, all heads, all layers.
+        """Forward FLOPs of one (query, key) pair, all heads, all full-attention layers (every
+        layer of a model without a sliding window).
 
         ``Q K^T`` and ``P V`` cost ``2 * head_dim`` each per head.
         """
-        return self.num_layers * 4 * self.q_dim
+        return self.full_attention_layers * 4 * self.q_dim
+
+    def sliding_attention_flops_per_pair(self) -> int:
+        """Forward FLOPs of one (query, key) pair, all heads, all sliding-window layers (0
+        without a window); the pairs are :func:`window_pairs`'."""
+        return self.sliding_layers * 4 * self.q_dim
 
     def forward_flops(self, length: int) -> int:
         """Exact forward FLOPs of one sequence of ``length`` tokens run whole (causal, no tiles).
 
-        Causal attention computes ``length * (length + 1) / 2`` pairs (the diagonal included).
+        Causal attention computes ``length * (length + 1) / 2`` pairs (the diagonal included),
+        a sliding layer :func:`window_pairs`.
         """
         pairs = length * (length + 1) // 2
-        return length * self.linear_flops_per_token() + pairs * self.attention_flops_per_pair()
+        flops = length * self.linear_flops_per_token() + pairs * self.attention_flops_per_pair()
+        if self.sliding_layers:
+            windowed = window_pairs(length, self.sliding_window)
+            flops += windowed * self.sliding_attention_flops_per_pair()
+        return flops
 
 
 QWEN2_5_0_5B = ModelShape(
@@ -426,6 +474,45 @@ def causal_tiles(start: int, end: int, tile: int) -> int:
     nq = -(-(end - start) // tile)
     # Blocks u < nq - 1 end at start + (u + 1) * tile: ceil(start / tile) + u + 1 key blocks.
     return (nq - 1) * (-(-start // tile)) + (nq - 1) * nq // 2 + (-(-end // tile))
+
+
+def window_pairs(length: int, window: int) -> int:
+    """(query, key) pairs of a sequence under a sliding window of ``window`` keys.
+
+    The query at position ``p`` sees keys ``[max(0, p - window + 1), p]``
+    (transformers' ``sliding_window_causal_mask_function``): ``s (s + 1) / 2`` pairs for
+    ``s <= window``, ``window (window + 1) / 2 + (s - window) window`` beyond.
+    """
+    if length <= window:
+        return length * (length + 1) // 2
+    return window * (window + 1) // 2 + (length - window) * window
+
+
+def window_tiles(start: int, end: int, tile: int, window: int) -> int:
+    """Blocks a tiled sliding-window kernel computes for queries ``[start, end)`` of a sequence.
+
+    As :func:`causal_tiles`, less the key blocks wholly before each query block's window: query
+    block ``u`` starts at ``p = start + u * tile`` and needs no key block before the one holding
+    ``p - window + 1``. With ``tile == 1`` the result is the exact number of pairs
+    (:func:`window_pairs` for ``start == 0``).
+    """
+    full = causal_tiles(start, end, tile)
+    nq = -(-(end - start) // tile)
+    first = start - window + 1  # first key of query block u: first + u * tile, if positive
+    u0 = 0 if first > 0 else -first // tile + 1  # the first block that skips a key block
+    if u0 >= nq:
+        return full
+    n = nq - u0
+    # key blocks skipped by block u >= u0: floor((first + u * tile) / tile) = first // tile + u
+    return full - (n * (first // tile) + (u0 + nq - 1) * n // 2)
+
+
+def zigzag_window_tiles(length: int, cp_size: int, tile: int, window: int) -> int:
+    """:func:`window_tiles` summed over the non-empty zigzag chunks of :func:`zigzag_bounds`."""
+    b = zigzag_bounds(length, cp_size)
+    return sum(
+        window_tiles(b[i], b[i + 1], tile, window) for i in range(2 * cp_size) if b[i + 1] > b[i]
+    )
 
 
 def zigzag_bounds(length: int, cp_size: int) -> list[int]:
@@ -599,26 +686,40 @@ class CostModel:
         return self._seconds(tokens * self.shape.linear_flops_per_token())
 
     def attention_pair_seconds(self) -> float:
-        """Training seconds of one (query, key) pair of attention, all heads and layers."""
+        """Training seconds of one (query, key) pair of attention, all heads and full-attention
+        layers (every layer without a sliding window)."""
         return self._seconds(self.shape.attention_flops_per_pair())
+
+    def sliding_attention_pair_seconds(self) -> float:
+        """Training seconds of one (query, key) pair, all heads and sliding-window layers."""
+        return self._seconds(self.shape.sliding_attention_flops_per_pair())
 
     def local_attention_seconds(self, length: int) -> float:
         """Training seconds of the attention of a sequence kept whole on one rank (tiled)."""
         t = self.tile_size
-        return self._seconds(
-            causal_tiles(0, length, t) * t * t * self.shape.attention_flops_per_pair()
-        )
+        shape = self.shape
+        flops = causal_tiles(0, length, t) * t * t * shape.attention_flops_per_pair()
+        if shape.sliding_layers:
+            tiles = window_tiles(0, length, t, shape.sliding_window)
+            flops += tiles * t * t * shape.sliding_attention_flops_per_pair()
+        return self._seconds(flops)
 
     def distributed_attention_seconds(self, length: int, cp_size: int) -> float:
         """Training seconds of a distributed sequence's attention on one CP rank (tiled).
 
         Each of the ``2 * cp_size`` zigzag chunks is a block of queries against the whole
-        prefix of keys; its query rows are padded up to ``tile_size``. The work is the mean
-        over CP ranks (the zigzag layout balances it to within one block per chunk).
+        prefix of keys (a sliding layer: against the keys of its queries' windows); its query
+        rows are padded up to ``tile_size``. The work is the mean over CP ranks (the zigzag
+        layout balances it to within one block per chunk for full attention).
         """
         t = self.tile_size
+        shape = self.shape
         tiles = zigzag_tiles(length, cp_size, t)
-        return self._seconds(tiles * t * t * self.shape.attention_flops_per_pair() / cp_size)
+        flops = tiles * t * t * shape.attention_flops_per_pair() / cp_size
+        if shape.sliding_layers:
+            windowed = zigzag_window_tiles(length, cp_size, t, shape.sliding_window)
+            flops += windowed * t * t * shape.sliding_attention_flops_per_pair() / cp_size
+        return self._seconds(flops)
 
     def local_seconds(self, length: int) -> float:
         """Training seconds of a sequence kept whole on one rank (no communication), its fixed

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from lightning_skrull.scheduling.cost_model import CostModel, zigzag_tiles, zigzag_tiles_many
+from lightning_skrull.scheduling.cost_model import (
+    CostModel,
+    window_pairs,
+    window_tiles,
+    zigzag_tiles,
+    zigzag_tiles_many,
+    zigzag_window_tiles,
+)
 from lightning_skrull.scheduling.plan import shard_tokens
 
 BULK_SEQUENCES = 1024
@@ -55,6 +62,17 @@ class SequenceCosts:
         # Local attention of a whole sequence: nb * (nb + 1) / 2 blocks, nb = ceil(s / tile).
         blocks = [(s + t - 1) // t for s in lengths]
         self._attn = [per_block * (nb * (nb + 1) // 2) for nb in blocks]
+        # Sliding-window layers (none for most models): their own pairs, their own blocks.
+        shape = cost_model.shape
+        self._window = shape.sliding_window if shape.sliding_layers else 0
+        self._window_seconds_per_pair = cost_model.sliding_attention_pair_seconds()
+        window_block = self._window_seconds_per_pair * t * t
+        if self._window:
+            w = self._window
+            self._attn = [
+                a + window_block * window_tiles(0, s, t, w)
+                for a, s in zip(self._attn, lengths, strict=True)
+            ]
         # Each sequence a rank holds also pays the fixed per-sequence cost, counted with its
         # linear work: like the matmuls, it is never hidden behind communication.
         per_sequence = cost_model.per_sequence_seconds
@@ -68,6 +86,7 @@ class SequenceCosts:
         # Distributed attention seconds per zigzag block on one rank, and linear per rank-token:
         # the same products CostModel.distributed_seconds forms, in the same order.
         self._dist_block = per_block / cp_size
+        self._dist_window_block = window_block / cp_size
         self._dist_linear = lin / cp_size
 
     def linear(self, sid: int) -> float:
@@ -106,8 +125,13 @@ class SequenceCosts:
                 self._fill_distributed()
                 return self._dist[sid]  # type: ignore[return-value]
             s = self.lengths[sid]
-            tiles = zigzag_tiles(s, self.cp_size, self.cost_model.tile_size)
-            attention = self._dist_attn[sid] = tiles * self._dist_block
+            t = self.cost_model.tile_size
+            tiles = zigzag_tiles(s, self.cp_size, t)
+            attention = tiles * self._dist_block
+            if self._window:
+                windowed = zigzag_window_tiles(s, self.cp_size, t, self._window)
+                attention += windowed * self._dist_window_block
+            self._dist_attn[sid] = attention
             value = self._dist[sid] = s * self._dist_linear + attention + self.per_sequence
         return value
 
@@ -122,9 +146,16 @@ class SequenceCosts:
 
     def _fill_distributed(self) -> None:
         """:meth:`distributed` of every sequence at once (the same products, the same floats)."""
-        tiles = zigzag_tiles_many(self.lengths, self.cp_size, self.cost_model.tile_size)
+        tile = self.cost_model.tile_size
+        tiles = zigzag_tiles_many(self.lengths, self.cp_size, tile)
         lin, block = self._dist_linear, self._dist_block
         attention = [t * block for t in tiles]
+        if self._window:
+            w, wblock = self._window, self._dist_window_block
+            attention = [
+                a + zigzag_window_tiles(s, self.cp_size, tile, w) * wblock
+                for a, s in zip(attention, self.lengths, strict=True)
+            ]
         p = self.per_sequence
         self._dist = [s * lin + a + p for s, a in zip(self.lengths, attention, strict=True)]
         self._dist_attn = list(attention)
@@ -135,6 +166,7 @@ class SequenceCosts:
         The tiled attention of the zigzag chunks computes at least every causal pair, and
         every non-empty chunk at least one block row against all keys before its end; when
         all ``M = 2 * cp_size`` chunks are non-empty, ``sum(b[i + 1]) >= s * (M + 1) / 2 - M``.
+        A sliding-window layer computes at least its :func:`window_pairs`.
         """
         s = self.lengths[sid]
         m = 2 * self.cp_size
@@ -142,7 +174,10 @@ class SequenceCosts:
         pairs = s * (s + 1) / 2
         if s >= m:  # every chunk is non-empty
             pairs = max(pairs, t * (s * (m + 1) / 2 - m))
-        arithmetic = (s * self._linear_per_token + pairs * self._seconds_per_pair) / self.cp_size
+        seconds = s * self._linear_per_token + pairs * self._seconds_per_pair
+        if self._window:
+            seconds += window_pairs(s, self._window) * self._window_seconds_per_pair
+        arithmetic = seconds / self.cp_size
         return arithmetic + self.per_sequence
 
     def shard(self, sid: int) -> int:
