@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import TINY_QWEN2
+from helpers import TINY_QWEN2, tiny_model
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.models import (
@@ -37,8 +37,11 @@ def _dense(
     bias: torch.Tensor | None,
     target: torch.Tensor,
     num_items: float | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     logits = torch.nn.functional.linear(hidden, weight, bias).float()
+    if softcap is not None:  # as Gemma's forward soft-caps the full logits
+        logits = torch.tanh(logits / softcap) * softcap
     if num_items is None:
         return torch.nn.functional.cross_entropy(logits, target, ignore_index=-100)
     total = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
@@ -62,8 +65,9 @@ def _case(n: int, ignore: str, seed: int = 0) -> tuple[torch.Tensor, ...]:
 @pytest.mark.parametrize("ignore", ["none", "some", "first_chunk"])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("num_items", [None, 13.0])
+@pytest.mark.parametrize("softcap", [None, 2.0])  # 2.0: below these logits' range, so it bites
 def test_loss_and_gradients_equal_the_dense_loss(
-    chunk: int, ignore: str, with_bias: bool, num_items: float | None
+    chunk: int, ignore: str, with_bias: bool, num_items: float | None, softcap: float | None
 ) -> None:
     hidden, weight, bias, target = _case(40, ignore)
     b = bias if with_bias else None
@@ -76,10 +80,19 @@ def test_loss_and_gradients_equal_the_dense_loss(
         bias=inputs[2] if with_bias else None,
         num_items_in_batch=num_items,
         chunk_tokens=chunk,
+        softcap=softcap,
     )
     ref = _dense(
-        ref_inputs[0], ref_inputs[1], ref_inputs[2] if with_bias else None, target, num_items
+        ref_inputs[0],
+        ref_inputs[1],
+        ref_inputs[2] if with_bias else None,
+        target,
+        num_items,
+        softcap,
     )
+    if softcap is not None:  # the cap changes the loss, so the comparison could fail
+        uncapped = _dense(hidden, weight, bias if with_bias else None, target, num_items)
+        assert abs(float(uncapped) - float(ref.detach())) > 1e-2
     assert got.dtype == torch.float32
     assert float(got.detach()) == pytest.approx(float(ref.detach()), rel=FP32_REL)
     for g, r in zip(
@@ -105,6 +118,8 @@ def test_bad_shapes_and_chunks_are_refused() -> None:
         linear_cross_entropy(hidden, weight, target[:-1])
     with pytest.raises(ValueError, match="chunk_tokens=0"):
         linear_cross_entropy(hidden, weight, target, chunk_tokens=0)
+    with pytest.raises(ValueError, match=r"softcap=0\.0 must be positive"):
+        linear_cross_entropy(hidden, weight, target, softcap=0.0)
 
 
 # ----------------------------------------------------------------------------- HF models
@@ -153,6 +168,31 @@ def test_routed_model_equals_plain_transformers(tied: bool, extra: dict[str, Any
     # without labels the original forward runs and returns the logits
     logits = routed(input_ids=batch["input_ids"]).logits
     torch.testing.assert_close(logits, plain(input_ids=batch["input_ids"]).logits, rtol=0, atol=0)
+
+
+def test_gemma3_final_logit_softcapping_equals_plain_transformers() -> None:
+    # Gemma 3's forward soft-caps the logits before its loss; the routed forward caps each chunk
+    plain, routed = (
+        tiny_model("gemma3_text", seed=3, final_logit_softcapping=0.1) for _ in range(2)
+    )
+    use_chunked_loss(routed, chunk_tokens=5)
+    batch = _batch()
+    ref, out = plain(**batch), routed(**batch)
+    uncapped = tiny_model("gemma3_text", seed=3, final_logit_softcapping=None)(**batch)
+    assert abs(float(uncapped.loss) - float(ref.loss)) > 1e-2  # the cap bites
+    assert out.logits is None
+    assert float(out.loss) == pytest.approx(float(ref.loss), rel=FP32_REL)
+    ref.loss.backward()
+    out.loss.backward()
+    ref_grads, got_grads = _grads(plain), _grads(routed)
+    names = sorted(ref_grads)
+    assert (
+        _rel(
+            torch.cat([got_grads[n].flatten() for n in names]),
+            torch.cat([ref_grads[n].flatten() for n in names]),
+        )
+        < FP32_REL
+    )
 
 
 def test_pre_shifted_labels_are_used_as_given() -> None:

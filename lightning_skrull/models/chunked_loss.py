@@ -52,10 +52,18 @@ IGNORE_INDEX = -100
 LOGIT_ELEMENTS_PER_CHUNK = 1 << 25
 """Float32 logits one chunk may hold (128 MiB): 220 tokens of Qwen2.5's vocabulary."""
 
-CHUNKED_LOSS_MODEL_TYPES = ("qwen2", "qwen3", "llama", "mistral", *MOE_MODEL_TYPES)
-"""Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``
-(no logit scaling or soft-capping), so routing it through :func:`linear_cross_entropy` changes
-nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with
+CHUNKED_LOSS_MODEL_TYPES = (
+    "qwen2",
+    "qwen3",
+    "llama",
+    "mistral",
+    *MOE_MODEL_TYPES,
+    "gemma3_text",
+)
+"""Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``,
+with Gemma 3's final logit soft-capping (``config.final_logit_softcapping``:
+``cap * tanh(logits / cap)``) applied per chunk when set, so routing it through
+:func:`linear_cross_entropy` changes nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with
 ``output_router_logits=True``, which the routed forward refuses
 (:func:`~lightning_skrull.models.moe.refuse_router_aux_loss`) rather than drop it."""
 
@@ -147,11 +155,13 @@ def _fused_summed_loss(
     weight: Tensor,
     bias: Tensor | None,
     target: Tensor,
+    softcap: float | None = None,
 ) -> Tensor:
     """The summed token loss of a fused kernel (inputs already in the compute dtype)."""
     if kernel == "liger":
         functional = importlib.import_module("liger_kernel.transformers.functional")
         fused = functional.liger_fused_linear_cross_entropy
+        capping = _softcap_argument(kernel, fused, softcap)
         # the head's gradient summed over the kernel's chunks in float32, as the chunked path
         # sums it (Liger's default sums in the weight's dtype: bf16 rounding per chunk)
         accumulate = {"accum_dtype": torch.float32} if _takes(fused, "accum_dtype") else {}
@@ -163,18 +173,36 @@ def _fused_summed_loss(
             ignore_index=IGNORE_INDEX,
             reduction="sum",
             **accumulate,
+            **capping,
         )
     else:
         cce = importlib.import_module("cut_cross_entropy")
-        if bias is None:
-            loss = cce.linear_cross_entropy(
-                hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
-        else:
-            loss = cce.linear_cross_entropy(
-                hidden, weight, target, bias=bias, ignore_index=IGNORE_INDEX, reduction="sum"
-            )
+        capping = _softcap_argument(kernel, cce.linear_cross_entropy, softcap)
+        with_bias = {} if bias is None else {"bias": bias}
+        loss = cce.linear_cross_entropy(
+            hidden,
+            weight,
+            target,
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+            **with_bias,
+            **capping,
+        )
     return cast(Tensor, loss).float()
+
+
+def _softcap_argument(kernel: str, function: Any, softcap: float | None) -> dict[str, float]:
+    """``{"softcap": softcap}`` for a fused kernel that takes it, ``{}`` without one; raises
+    when the installed kernel cannot soft-cap."""
+    if softcap is None:
+        return {}
+    if not _takes(function, "softcap"):
+        raise ValueError(
+            f"loss_kernel={kernel!r}: the installed {_PIP_NAMES[kernel]} takes no softcap, and "
+            f"this model soft-caps its logits (final_logit_softcapping={softcap}). Upgrade "
+            f"{_PIP_NAMES[kernel]}, or pass loss_kernel='chunked'."
+        )
+    return {"softcap": softcap}
 
 
 @functools.cache
@@ -207,6 +235,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         chunk_tokens: int,
         compute_dtype: torch.dtype,
         need_grad: bool,
+        softcap: float | None,
     ) -> Tensor:
         h = hidden.to(compute_dtype)
         w = weight.to(compute_dtype)
@@ -219,6 +248,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
             end = min(start + chunk_tokens, h.shape[0])
             rows = h[start:end]
             logits = F.linear(rows, w, b).float()
+            slope = None
+            if softcap is not None:  # cap * tanh(z / cap); its derivative 1 - tanh^2
+                logits = torch.tanh(logits.div_(softcap))
+                slope = 1.0 - logits * logits if need_grad else None
+                logits.mul_(softcap)
             t = target[start:end]
             valid = t != IGNORE_INDEX
             picked = t.clamp_min(0).unsqueeze(1)
@@ -230,6 +264,8 @@ class _LinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(lse.unsqueeze(1)).exp_()
             probs.scatter_add_(1, picked, torch.full_like(lse, -1.0).unsqueeze(1))
             probs.mul_(valid.unsqueeze(1))
+            if slope is not None:
+                probs.mul_(slope)
             g = probs.to(compute_dtype)
             assert grad_h is not None
             torch.mm(g, w, out=grad_h[start:end])
@@ -258,7 +294,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         out_h = (grad_h.float() * scale).to(hidden_dtype)
         out_w = (grad_w * scale).to(weight_dtype)
         out_b = None if grad_b is None else (grad_b * scale).to(bias_dtype)
-        return out_h, out_w, out_b, None, None, None, None
+        return out_h, out_w, out_b, None, None, None, None, None
 
 
 def linear_cross_entropy(
@@ -270,6 +306,7 @@ def linear_cross_entropy(
     num_items_in_batch: Tensor | float | None = None,
     chunk_tokens: int | None = None,
     kernel: str = "chunked",
+    softcap: float | None = None,
 ) -> Tensor:
     """Causal-LM loss of ``hidden`` under the head ``weight`` without materialising the logits.
 
@@ -285,6 +322,8 @@ def linear_cross_entropy(
             :func:`default_chunk_tokens`).
         kernel: ``"chunked"`` (default), ``"auto"``, ``"liger"`` or ``"cce"``; see
             :data:`LossKernel` and :func:`resolve_loss_kernel`.
+        softcap: soft-cap the logits to ``softcap * tanh(logits / softcap)`` before the
+            cross-entropy (Gemma's ``final_logit_softcapping``); ``None``: no capping.
 
     Returns:
         The 0-dim float32 loss, with gradients to ``hidden``, ``weight`` and ``bias``.
@@ -302,6 +341,8 @@ def linear_cross_entropy(
     chunk = default_chunk_tokens(weight.shape[0]) if chunk_tokens is None else chunk_tokens
     if chunk < 1:
         raise ValueError(f"chunk_tokens={chunk_tokens} must be at least 1.")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap={softcap} must be positive (or None for no capping).")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         compute_dtype = torch.get_autocast_dtype(device_type)
@@ -316,7 +357,7 @@ def linear_cross_entropy(
     with torch.autocast(device_type, enabled=False):
         if chosen == "chunked":
             total = _LinearCrossEntropy.apply(
-                flat_hidden, weight, bias, flat_target, chunk, compute_dtype, need_grad
+                flat_hidden, weight, bias, flat_target, chunk, compute_dtype, need_grad, softcap
             )
         else:
             total = _fused_summed_loss(
@@ -325,6 +366,7 @@ def linear_cross_entropy(
                 weight.to(compute_dtype),
                 None if bias is None else bias.to(compute_dtype),
                 flat_target,
+                softcap,
             )
     if num_items_in_batch is None:
         return total / (flat_target != IGNORE_INDEX).sum()
@@ -374,6 +416,7 @@ def _chunked_forward(
         num_items_in_batch=extra.get("num_items_in_batch"),
         chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
         kernel=getattr(model, "_skrull_loss_kernel", "chunked"),
+        softcap=getattr(getattr(model, "config", None), "final_logit_softcapping", None),
     )
     return CausalLMOutputWithPast(
         loss=loss,
