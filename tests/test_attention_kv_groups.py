@@ -345,19 +345,21 @@ def _record_schedule(rank: int, world_size: int) -> list[str]:
         log.append(f"reduce-scatter start {g}")
         return _LoggedWork(real_scatter(output, input, grp), log, f"reduce-scatter wait {g}")
 
-    def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any, *, scale: Any) -> Any:
+    def local(
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any, *, scale: Any, window: Any
+    ) -> Any:
         log.append("local forward")
         q = _Mark.apply(q, log, "local backward done")
-        out = sdpa_backend.local_attention(q, k, v, c, scale=scale)
+        out = sdpa_backend.local_attention(q, k, v, c, scale=scale, window=window)
         return _Mark.apply(out, log, "local backward starts")
 
     def distributed(
-        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any, *, scale: Any
+        q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, c: Any, *, scale: Any, window: Any
     ) -> Any:
         g = rows[world_size * c.layout.max_distributed_tokens]
         log.append(f"distributed forward {g}")
         q = _Mark.apply(q, log, f"distributed backward done {g}")
-        out = sdpa_backend.distributed_attention(q, k, v, c, scale=scale)
+        out = sdpa_backend.distributed_attention(q, k, v, c, scale=scale, window=window)
         return _Mark.apply(out, log, f"distributed backward starts {g}")
 
     gen = torch.Generator().manual_seed(rank)

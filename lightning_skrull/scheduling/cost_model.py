@@ -194,47 +194,8 @@ class ModelShape:
         heads = int(config.num_attention_heads)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
-        moe: dict[str, int] = {}
-        if model_type in ("qwen3_moe", "qwen2_moe") and int(config.num_experts) > 0:
-            dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
-            step = int(config.decoder_sparse_step)
-            sparse = [i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0]
-            if sparse:
-                moe = {
-                    "num_experts": int(config.num_experts),
-                    "experts_per_token": int(config.num_experts_per_tok),
-                    "expert_intermediate_size": int(config.moe_intermediate_size),
-                    "sparse_layers": len(sparse),
-                }
-                if model_type == "qwen2_moe":
-                    shared = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
-                    moe["shared_expert_intermediate_size"] = shared
-        elif model_type == "mixtral":
-            moe = {
-                "num_experts": int(config.num_local_experts),
-                "experts_per_token": int(config.num_experts_per_tok),
-                "expert_intermediate_size": int(config.intermediate_size),
-                "sparse_layers": layers,
-            }
-        elif model_type not in MOE_MODEL_TYPES:
-            experts = {n: getattr(config, n, None) for n in _EXPERT_FIELDS}
-            experts = {n: v for n, v in experts.items() if v}
-            if experts:
-                raise ValueError(
-                    f"{type(config).__name__} (model_type={model_type!r}) has experts "
-                    f"{experts}, a Mixture-of-Experts family ModelShape.from_hf_config does not "
-                    f"read (it reads {MOE_MODEL_TYPES}); counting it as a dense MLP of "
-                    "intermediate_size would be wrong. Build ModelShape yourself with its "
-                    "num_experts, experts_per_token, expert_intermediate_size and sparse_layers."
-                )
-        window = int(getattr(config, "sliding_window", None) or 0)
-        layer_types = getattr(config, "layer_types", None)
-        if not window:
-            sliding = 0
-        elif layer_types is None:
-            sliding = layers
-        else:
-            sliding = sum(t == "sliding_attention" for t in layer_types[:layers])
+        moe = _expert_fields(config, model_type, layers)
+        window, sliding = _sliding_window(config, layers)
         if model_type == "qwen2":
             qkv_bias = True  # Qwen2's q/k/v projections always have biases
         else:
@@ -250,8 +211,8 @@ class ModelShape:
             intermediate_size=int(config.intermediate_size),
             vocab_size=int(config.vocab_size),
             qkv_bias=qkv_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
-            sliding_window=window if sliding else 0,
+            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            sliding_window=window,
             sliding_layers=sliding,
             **moe,
         )
@@ -334,6 +295,60 @@ class ModelShape:
             windowed = window_pairs(length, self.sliding_window)
             flops += windowed * self.sliding_attention_flops_per_pair()
         return flops
+
+
+def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, int]:
+    """The :class:`ModelShape` expert fields of a Hugging Face config (``{}``: dense).
+
+    Raises:
+        ValueError: experts of a Mixture-of-Experts family not read here.
+    """
+    moe: dict[str, int] = {}
+    if model_type in ("qwen3_moe", "qwen2_moe") and int(config.num_experts) > 0:
+        dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
+        step = int(config.decoder_sparse_step)
+        sparse = [i for i in range(layers) if i not in dense_layers and (i + 1) % step == 0]
+        if sparse:
+            moe = {
+                "num_experts": int(config.num_experts),
+                "experts_per_token": int(config.num_experts_per_tok),
+                "expert_intermediate_size": int(config.moe_intermediate_size),
+                "sparse_layers": len(sparse),
+            }
+            if model_type == "qwen2_moe":
+                shared = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
+                moe["shared_expert_intermediate_size"] = shared
+    elif model_type == "mixtral":
+        moe = {
+            "num_experts": int(config.num_local_experts),
+            "experts_per_token": int(config.num_experts_per_tok),
+            "expert_intermediate_size": int(config.intermediate_size),
+            "sparse_layers": layers,
+        }
+    elif model_type not in MOE_MODEL_TYPES:
+        experts = {n: getattr(config, n, None) for n in _EXPERT_FIELDS}
+        experts = {n: v for n, v in experts.items() if v}
+        if experts:
+            raise ValueError(
+                f"{type(config).__name__} (model_type={model_type!r}) has experts "
+                f"{experts}, a Mixture-of-Experts family ModelShape.from_hf_config does not "
+                f"read (it reads {MOE_MODEL_TYPES}); counting it as a dense MLP of "
+                "intermediate_size would be wrong. Build ModelShape yourself with its "
+                "num_experts, experts_per_token, expert_intermediate_size and sparse_layers."
+            )
+    return moe
+
+
+def _sliding_window(config: Any, layers: int) -> tuple[int, int]:
+    """``(window, sliding layers)`` of a Hugging Face config (``(0, 0)``: full attention)."""
+    window = int(getattr(config, "sliding_window", None) or 0)
+    layer_types = getattr(config, "layer_types", None)
+    if not window:
+        return 0, 0
+    if layer_types is None:
+        return window, layers
+    sliding = sum(t == "sliding_attention" for t in layer_types[:layers])
+    return (window, sliding) if sliding else (0, 0)
 
 
 QWEN2_5_0_5B = ModelShape(
