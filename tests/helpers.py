@@ -433,6 +433,29 @@ def reference_sgd_step(
     return loss
 
 
+def sgd_training(
+    model: nn.Module,
+    data: Sequence[dict[str, list[int]]],
+    steps: int,
+    *,
+    autocast: bool = False,
+) -> None:
+    """Train ``model`` in place as one process would: ``steps`` SGD steps of :data:`LR` on the
+    consecutive global batches of :data:`GLOBAL_BATCH` samples of ``data``, one sequence at a
+    time, the summed token loss over each global batch's supervised tokens; the forward under
+    ``torch.autocast("cpu", bfloat16)`` with ``autocast``."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for step in range(steps):
+        total, tokens = torch.zeros(()), 0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
+                loss, n = token_loss_sum(model, sample)
+                total, tokens = total + loss, tokens + n
+        optimizer.zero_grad()
+        (total / tokens).backward()
+        optimizer.step()
+
+
 def momentum_training(batches: Sequence[Sequence[int]], momentum: float) -> Iterator[nn.Module]:
     """Plain HF training of ``batches`` (indices into :func:`make_data`) on one process, SGD of
     :data:`LR` with ``momentum``: the model after each step."""

@@ -42,9 +42,9 @@ from helpers import (
     make_samples,
     max_diff,
     reference_loss_and_grads,
+    sgd_training,
     tiny_config,
     tiny_model,
-    token_loss_sum,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 from torch import nn
@@ -405,19 +405,9 @@ def reference_training(arch: str, autocast: bool) -> tuple[dict[str, np.ndarray]
     """``(before, after)`` of plain HF training (eager attention, one process, one sequence at
     a time, the summed token loss over the global batch's supervised tokens, SGD), float32 or
     with the forward under ``torch.autocast("cpu", bfloat16)``."""
-    data = make_data(NUM_SAMPLES)
     model = tiny_model(arch)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     before = _full_params(model)
-    for step in range(STEPS):
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
+    sgd_training(model, make_data(NUM_SAMPLES), STEPS, autocast=autocast)
     return before, _full_params(model)
 
 

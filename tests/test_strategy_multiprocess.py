@@ -48,8 +48,8 @@ from helpers import (
     mean_token_loss,
     reference_loss,
     reference_training,
+    sgd_training,
     tiny_model,
-    token_loss_sum,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 
@@ -255,18 +255,8 @@ def windowed_reference(
     if not window:
         kwargs["sliding_window"] = 4096
     model = tiny_model(**kwargs)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     before = {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
-    data = make_data()
-    for step in range(WINDOWED_STEPS):
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
+    sgd_training(model, make_data(), WINDOWED_STEPS, autocast=autocast)
     return before, {k: v.detach().float().numpy().copy() for k, v in model.state_dict().items()}
 
 
