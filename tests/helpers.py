@@ -141,6 +141,19 @@ ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The Mixture-of-Experts architectures (tests/test_moe.py), kept out of :data:`ARCHITECTURES`
 whose tests loop over every dense one."""
+FAMILIES = (
+    "olmo2",
+    "olmo3",
+    "phi3",
+    "glm4",
+    "smollm3",
+    "granite",
+    "ministral",
+    "seed_oss",
+    "exaone4",
+)
+"""More dense decoder families (tests/test_models.py proves each on one process), kept out of
+:data:`ARCHITECTURES` so the engine tests that loop over those stay cheap."""
 VOCAB = TINY_QWEN2["vocab_size"]
 
 
@@ -218,9 +231,62 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
                 "query_pre_attn_scalar": 16,
             },
         )
+    elif arch in FAMILIES:
+        cls, extra = _family_config(arch)
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     return cls(**{**common, **extra, **overrides})
+
+
+def _family_config(arch: str) -> tuple[type, dict[str, Any]]:
+    """Config class and tiny settings of one of :data:`FAMILIES`: each family's own per-token
+    pieces switched on, windows of 3 keys so the test sequences exceed them, and token ids
+    inside the 64-token vocabulary."""
+    import transformers
+
+    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+    families: dict[str, tuple[str, dict[str, Any]]] = {
+        # q/k RMSNorms over all heads together
+        "olmo2": ("Olmo2Config", {}),
+        # and a sliding layer then a full one
+        "olmo3": (
+            "Olmo3Config",
+            {"sliding_window": 3, "layer_types": ["sliding_attention", "full_attention"]},
+        ),
+        # fused qkv and gate_up projections, half the head dim rotated, a window on every layer
+        "phi3": ("Phi3Config", {"partial_rotary_factor": 0.5, "sliding_window": 3}),
+        # extra norms after attention and MLP, interleaved rotary on half the head dim, q/k/v bias
+        "glm4": ("Glm4Config", {"head_dim": 8}),
+        # a RoPE layer then a NoPE layer, which the sliding window applies to
+        "smollm3": (
+            "SmolLM3Config",
+            {"no_rope_layer_interval": 2, "use_sliding_window": True, "sliding_window": 3},
+        ),
+        # embedding, residual and attention multipliers, logits divided by logits_scaling
+        "granite": (
+            "GraniteConfig",
+            {
+                "embedding_multiplier": 12.0,
+                "residual_multiplier": 0.22,
+                "attention_multiplier": 0.125,
+                "logits_scaling": 8.0,
+            },
+        ),
+        # a window on every layer (layer_types all sliding)
+        "ministral": ("MinistralConfig", {"head_dim": 8, "sliding_window": 3}),
+        # q/k/v bias; its config defaults to attention and residual dropout 0.1
+        "seed_oss": (
+            "SeedOssConfig",
+            {"head_dim": 8, "attention_dropout": 0.0, "residual_dropout": 0.0},
+        ),
+        # q/k norms per head, a sliding RoPE layer then a global NoPE layer
+        "exaone4": (
+            "Exaone4Config",
+            {"head_dim": 8, "sliding_window": 3, "sliding_window_pattern": 2},
+        ),
+    }
+    name, extra = families[arch]
+    return getattr(transformers, name), {**ids, **extra}
 
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, **overrides: Any) -> nn.Module:

@@ -195,6 +195,30 @@ def test_gemma3_final_logit_softcapping_equals_plain_transformers() -> None:
     )
 
 
+def test_granite_logits_scaling_equals_plain_transformers() -> None:
+    # Granite's forward divides the logits by logits_scaling before its loss; the routed
+    # forward divides the hidden states (and a head bias) instead: the same logits up to rounding
+    plain, routed = (tiny_model("granite", seed=3, logits_scaling=8.0) for _ in range(2))
+    use_chunked_loss(routed, chunk_tokens=5)
+    batch = _batch()
+    ref, out = plain(**batch), routed(**batch)
+    unscaled = tiny_model("granite", seed=3, logits_scaling=1.0)(**batch)
+    assert abs(float(unscaled.loss) - float(ref.loss)) > 1e-2  # the scale matters
+    assert out.logits is None
+    assert float(out.loss) == pytest.approx(float(ref.loss), rel=FP32_REL)
+    ref.loss.backward()
+    out.loss.backward()
+    ref_grads, got_grads = _grads(plain), _grads(routed)
+    names = sorted(ref_grads)
+    assert (
+        _rel(
+            torch.cat([got_grads[n].flatten() for n in names]),
+            torch.cat([ref_grads[n].flatten() for n in names]),
+        )
+        < FP32_REL
+    )
+
+
 def test_pre_shifted_labels_are_used_as_given() -> None:
     plain, routed = _model(False), _model(False)
     use_chunked_loss(routed, chunk_tokens=4)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from helpers import (
     ARCHITECTURES,
+    FAMILIES,
     MOE_ARCHITECTURES,
     make_samples,
     max_grad_diff,
@@ -53,7 +54,24 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
     hooks = len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)
     prepare_model(model, backend="sdpa")  # again: nothing is added
     assert (len(model._forward_pre_hooks), len(model.model._forward_pre_hooks)) == hooks
-    assert set(SUPPORTED_ARCHITECTURES) == {*ARCHITECTURES, *MOE_ARCHITECTURES, "gemma3_text"}
+    assert set(SUPPORTED_ARCHITECTURES) == {
+        *ARCHITECTURES,
+        *MOE_ARCHITECTURES,
+        "gemma3_text",
+        *FAMILIES,
+    }
+
+
+_PHI3_LONGROPE = {
+    "rope_type": "longrope",
+    "short_factor": [1.0, 1.5],
+    "long_factor": [2.0, 4.0],
+    "rope_theta": 10000.0,
+    "partial_rotary_factor": 0.5,
+    "original_max_position_embeddings": 16,
+}
+"""Phi-3's longrope on the tiny Phi-3's 4 rotated dims (head dim 8, partial_rotary_factor 0.5):
+short factors up to 16 positions, long ones beyond."""
 
 
 @pytest.mark.parametrize(
@@ -69,6 +87,11 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         # Gemma 3 text: layers sliding (5 keys, RoPE base 1e4), full (1e6), sliding; a window
         # of 3 so the 7-token sequence exceeds it, and its final logit soft-capping
         ("gemma3_text", {"sliding_window": 3, "final_logit_softcapping": 30.0}, {}),
+        # the other dense families (tests/helpers.py FAMILIES: windows of 3, NoPE layers,
+        # multipliers, Granite's logits_scaling), through the chunked loss in 3-token chunks
+        *[(arch, {}, {"chunked_loss": True, "chunk_tokens": 3}) for arch in FAMILIES],
+        # Phi-3's longrope below its threshold (16 tokens; the longest sequence has 7)
+        ("phi3", {"rope_parameters": _PHI3_LONGROPE}, {"max_sequence_length": 16}),
     ],
     ids=[
         *ARCHITECTURES,
@@ -76,6 +99,8 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         "mistral-window-3",
         "qwen2-mixed-window-2",
         "gemma3-text-window-3",
+        *FAMILIES,
+        "phi3-longrope",
     ],
 )
 def test_prepared_model_on_one_rank_equals_reference(

@@ -59,10 +59,21 @@ CHUNKED_LOSS_MODEL_TYPES = (
     "mistral",
     *MOE_MODEL_TYPES,
     "gemma3_text",
+    "granite",
+    "olmo2",
+    "olmo3",
+    "phi3",
+    "glm4",
+    "smollm3",
+    "ministral",
+    "seed_oss",
+    "exaone4",
 )
 """Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``,
 with Gemma 3's final logit soft-capping (``config.final_logit_softcapping``:
-``cap * tanh(logits / cap)``) applied per chunk when set, so routing it through
+``cap * tanh(logits / cap)``) applied per chunk when set, and Granite's division of the logits by
+``config.logits_scaling`` applied to the hidden states and head bias before the head (``(h / s)
+W^T + b / s``, the same logits up to rounding), so routing it through
 :func:`linear_cross_entropy` changes nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with
 ``output_router_logits=True``, which the routed forward refuses
 (:func:`~lightning_skrull.models.moe.refuse_router_aux_loss`) rather than drop it."""
@@ -408,11 +419,17 @@ def _chunked_forward(
     decoder = cast(nn.Module, model.model)  # checked by check_chunked_loss_supported
     head = active_lm_head(model)
     outputs = decoder(**arguments, **extra)
+    hidden, bias = outputs.last_hidden_state, head.bias
+    scaling = getattr(getattr(model, "config", None), "logits_scaling", None)
+    if scaling is not None and scaling != 1:
+        # Granite's logits / logits_scaling, as (hidden / s) @ W.T + b / s: only [tokens, hidden]
+        hidden = hidden / scaling
+        bias = None if bias is None else bias / scaling
     loss = linear_cross_entropy(
-        outputs.last_hidden_state,
+        hidden,
         head.weight,
         shifted_target(labels, extra.get("shift_labels")),
-        bias=head.bias,
+        bias=bias,
         num_items_in_batch=extra.get("num_items_in_batch"),
         chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
         kernel=getattr(model, "_skrull_loss_kernel", "chunked"),

@@ -60,6 +60,15 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeModel"),
         "mixtral": ("MixtralForCausalLM", "MixtralModel"),
         "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
+        "olmo2": ("Olmo2ForCausalLM", "Olmo2Model"),
+        "olmo3": ("Olmo3ForCausalLM", "Olmo3Model"),
+        "phi3": ("Phi3ForCausalLM", "Phi3Model"),
+        "glm4": ("Glm4ForCausalLM", "Glm4Model"),
+        "smollm3": ("SmolLM3ForCausalLM", "SmolLM3Model"),
+        "granite": ("GraniteForCausalLM", "GraniteModel"),
+        "ministral": ("MinistralForCausalLM", "MinistralModel"),
+        "seed_oss": ("SeedOssForCausalLM", "SeedOssModel"),
+        "exaone4": ("Exaone4ForCausalLM", "Exaone4Model"),
     }
 )
 """``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
