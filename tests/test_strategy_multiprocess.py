@@ -199,11 +199,17 @@ WINDOWED: dict[str, dict[str, Any]] = {
     # and the final logits soft-capped to 0.1 (within the tiny model's logit range of about
     # +-0.4: it moves the loss by 3e-2), which the chunked loss applies per chunk
     "gemma3": {"arch": "gemma3_text", "sliding_window": 7, "final_logit_softcapping": 0.1},
+    # Phi-3: the window on every layer, fused qkv / gate_up, half of each head rotated
+    "phi3": {"arch": "phi3", "sliding_window": 12},
+    # EXAONE 4: a sliding RoPE layer, then a full layer without RoPE (NoPE); q/k norms per head
+    "exaone4": {"arch": "exaone4", "sliding_window": 9},
 }
 WINDOWED_CASES = (
     ("mistral", "32-true"),
     ("qwen2", "32-true"),
     ("gemma3", "32-true"),
+    ("phi3", "32-true"),
+    ("exaone4", "32-true"),
     ("mistral", "bf16-mixed"),
     ("gemma3", "bf16-mixed"),
 )

@@ -83,7 +83,8 @@ class ModelShape:
         shared_expert_intermediate_size: width of the shared expert (Qwen2-MoE); 0: none.
         sparse_layers: layers whose MLP is the sparse one; the others are dense.
         qkv_bias: the q, k and v projections have biases (Qwen2); parameters only.
-        qk_norm: an RMSNorm over each head of q and k (Qwen3); activation memory only.
+        qk_norm: an RMSNorm of q and k (Qwen3, Gemma 3, OLMo 2 / 3, EXAONE 4); activation memory
+            only.
         sliding_window: keys each query of a sliding layer sees, itself included; 0: none.
         sliding_layers: layers whose attention slides over ``sliding_window`` keys; the others
             attend the whole causal prefix.
@@ -211,7 +212,7 @@ class ModelShape:
             intermediate_size=int(config.intermediate_size),
             vocab_size=int(config.vocab_size),
             qkv_bias=qkv_bias,
-            qk_norm=model_type in ("qwen3", "qwen3_moe", "gemma3_text"),
+            qk_norm=model_type in _QK_NORM_MODEL_TYPES,
             sliding_window=window,
             sliding_layers=sliding,
             **moe,
@@ -295,6 +296,10 @@ class ModelShape:
             windowed = window_pairs(length, self.sliding_window)
             flops += windowed * self.sliding_attention_flops_per_pair()
         return flops
+
+
+_QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4")
+"""Architectures that normalise q and k before RoPE (:attr:`ModelShape.qk_norm`)."""
 
 
 def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, int]:
