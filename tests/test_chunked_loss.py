@@ -170,53 +170,37 @@ def test_routed_model_equals_plain_transformers(tied: bool, extra: dict[str, Any
     torch.testing.assert_close(logits, plain(input_ids=batch["input_ids"]).logits, rtol=0, atol=0)
 
 
-def test_gemma3_final_logit_softcapping_equals_plain_transformers() -> None:
-    # Gemma 3's forward soft-caps the logits before its loss; the routed forward caps each chunk
-    plain, routed = (
-        tiny_model("gemma3_text", seed=3, final_logit_softcapping=0.1) for _ in range(2)
-    )
+@pytest.mark.parametrize(
+    ("arch", "setting", "value", "neutral"),
+    [
+        # Gemma 3's forward soft-caps the logits before its loss; the routed forward caps each
+        # chunk
+        ("gemma3_text", "final_logit_softcapping", 0.1, None),
+        # Granite's divides the logits by logits_scaling; the routed forward divides the hidden
+        # states (and a head bias) instead: the same logits up to rounding
+        ("granite", "logits_scaling", 8.0, 1.0),
+    ],
+)
+def test_logit_transforms_equal_plain_transformers(
+    arch: str, setting: str, value: float, neutral: float | None
+) -> None:
+    plain, routed = (tiny_model(arch, seed=3, **{setting: value}) for _ in range(2))
     use_chunked_loss(routed, chunk_tokens=5)
     batch = _batch()
     ref, out = plain(**batch), routed(**batch)
-    uncapped = tiny_model("gemma3_text", seed=3, final_logit_softcapping=None)(**batch)
-    assert abs(float(uncapped.loss) - float(ref.loss)) > 1e-2  # the cap bites
+    without = tiny_model(arch, seed=3, **{setting: neutral})(**batch)
+    assert abs(float(without.loss) - float(ref.loss)) > 1e-2  # the setting changes the loss
     assert out.logits is None
     assert float(out.loss) == pytest.approx(float(ref.loss), rel=FP32_REL)
     ref.loss.backward()
     out.loss.backward()
     ref_grads, got_grads = _grads(plain), _grads(routed)
     names = sorted(ref_grads)
-    assert (
-        _rel(
-            torch.cat([got_grads[n].flatten() for n in names]),
-            torch.cat([ref_grads[n].flatten() for n in names]),
-        )
-        < FP32_REL
+    every = _rel(
+        torch.cat([got_grads[n].flatten() for n in names]),
+        torch.cat([ref_grads[n].flatten() for n in names]),
     )
-
-
-def test_granite_logits_scaling_equals_plain_transformers() -> None:
-    # Granite's forward divides the logits by logits_scaling before its loss; the routed
-    # forward divides the hidden states (and a head bias) instead: the same logits up to rounding
-    plain, routed = (tiny_model("granite", seed=3, logits_scaling=8.0) for _ in range(2))
-    use_chunked_loss(routed, chunk_tokens=5)
-    batch = _batch()
-    ref, out = plain(**batch), routed(**batch)
-    unscaled = tiny_model("granite", seed=3, logits_scaling=1.0)(**batch)
-    assert abs(float(unscaled.loss) - float(ref.loss)) > 1e-2  # the scale matters
-    assert out.logits is None
-    assert float(out.loss) == pytest.approx(float(ref.loss), rel=FP32_REL)
-    ref.loss.backward()
-    out.loss.backward()
-    ref_grads, got_grads = _grads(plain), _grads(routed)
-    names = sorted(ref_grads)
-    assert (
-        _rel(
-            torch.cat([got_grads[n].flatten() for n in names]),
-            torch.cat([ref_grads[n].flatten() for n in names]),
-        )
-        < FP32_REL
-    )
+    assert every < FP32_REL
 
 
 def test_pre_shifted_labels_are_used_as_given() -> None:
