@@ -117,7 +117,8 @@ def _torch_varlen(
 
     PyTorch's signature changed between releases: 2.9/2.10 take ``is_causal`` and have neither
     ``scale`` nor ``enable_gqa``; later ones express causality as ``window_size=(-1, 0)`` and
-    take both. A sliding window (flash-attn's ``window_size=(left, 0)``) needs the later one. A missing ``scale`` is folded into the queries (softmax of ``(c q) k^T / sqrt(D)``
+    take both. A sliding window (flash-attn's ``window_size=(left, 0)``) needs the later one.
+    A missing ``scale`` is folded into the queries (softmax of ``(c q) k^T / sqrt(D)``
     equals that of ``q k^T * scale`` for ``c = scale * sqrt(D)``, gradients included); missing
     GQA support repeats each K/V head for its query heads, as SDPA's GQA does.
     """

@@ -97,14 +97,18 @@ def _padding_error(where: str, zeros: int, length: int) -> ValueError:
     )
 
 
+def _mask_shape_error(where: str, shape: tuple[int, ...], tokens: int) -> ValueError:
+    return ValueError(
+        f"{where}: attention_mask has shape {shape} for {tokens} input_ids; give one flat 0/1 "
+        "entry per token, or drop the attention_mask column (it is not read)."
+    )
+
+
 def _check_attention_mask(mask: object, ids: np.ndarray, where: str) -> None:
     """Refuse a sample's ``attention_mask`` that marks padding, or does not match its ids."""
     array = np.asarray(mask)
     if array.ndim != 1 or array.shape != ids.shape:
-        raise ValueError(
-            f"{where}: attention_mask has shape {array.shape} for {ids.size} input_ids; give one "
-            "flat 0/1 entry per token, or drop the attention_mask column (it is not read)."
-        )
+        raise _mask_shape_error(where, array.shape, ids.size)
     zeros = int((array == 0).sum())
     if zeros:
         raise _padding_error(where, zeros, array.size)
@@ -122,7 +126,7 @@ def _check_attention_mask_column(
     for row, (length, null, row_ids) in enumerate(zip(lengths, nulls, ids, strict=True)):
         if not null and int(length) != row_ids.size:
             where = f"sample {start + row} ({source} row {row_base + row})"
-            _check_attention_mask(np.ones(int(length)), row_ids, where)
+            raise _mask_shape_error(where, (int(length),), row_ids.size)
     values = column.flatten().to_numpy(zero_copy_only=False)
     zero = np.flatnonzero(values == 0)
     if zero.size:

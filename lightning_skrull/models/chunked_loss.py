@@ -411,16 +411,17 @@ def _chunked_forward(
     if labels is None:
         return original(*args, **kwargs)
     arguments.pop("logits_to_keep", None)
+    config = getattr(model, "config", None)
     router_logits = arguments.get("output_router_logits")
     if router_logits is None:
-        router_logits = getattr(getattr(model, "config", None), "output_router_logits", False)
+        router_logits = getattr(config, "output_router_logits", False)
     if router_logits:
         refuse_router_aux_loss(model)  # its aux loss would be missing from the loss below
     decoder = cast(nn.Module, model.model)  # checked by check_chunked_loss_supported
     head = active_lm_head(model)
     outputs = decoder(**arguments, **extra)
     hidden, bias = outputs.last_hidden_state, head.bias
-    scaling = getattr(getattr(model, "config", None), "logits_scaling", None)
+    scaling = getattr(config, "logits_scaling", None)
     if scaling is not None and scaling != 1:
         # Granite's logits / logits_scaling, as (hidden / s) @ W.T + b / s: only [tokens, hidden]
         hidden = hidden / scaling
@@ -433,7 +434,7 @@ def _chunked_forward(
         num_items_in_batch=extra.get("num_items_in_batch"),
         chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
         kernel=getattr(model, "_skrull_loss_kernel", "chunked"),
-        softcap=getattr(getattr(model, "config", None), "final_logit_softcapping", None),
+        softcap=getattr(config, "final_logit_softcapping", None),
     )
     return CausalLMOutputWithPast(
         loss=loss,
