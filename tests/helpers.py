@@ -599,6 +599,37 @@ class PlainLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
+class LayerCallCounter(L.Callback):
+    """Counts the calls of the first decoder layer's MLP in ``module.model`` (a Hugging Face
+    causal LM whose decoder is ``.model.layers``) while training, and the
+    micro-batches this rank ran, and records whether every module of the model was in training
+    mode when the fit started. A layer whose activations are checkpointed runs twice per
+    micro-batch: in the forward, and again to recompute them in the backward."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.micro_batches = 0
+        self.training_at_start: bool | None = None
+        self._handle: Any = None
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.training_at_start = all(m.training for m in module.model.modules())
+        # a module inside the layer: transformers checkpoints the layer's forward, not its
+        # __call__, so hooks on the layer itself run once
+        self._handle = module.model.model.layers[0].mlp.register_forward_pre_hook(self._count)
+
+    def _count(self, *args: Any) -> None:
+        self.calls += 1
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.micro_batches += len(batch.rank_batch.micro_batches)
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self._handle.remove()
+
+
 class BatchRecorder(L.Callback):
     """Records, per training step, what this rank trained."""
 

@@ -43,6 +43,7 @@ from helpers import (
     LR,
     MIN_SLOWDOWN,
     BatchRecorder,
+    LayerCallCounter,
     PlainLM,
     cpu_trainer,
     make_data,
@@ -291,9 +292,19 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out["sets_val"] = trainer.validate(module, sets, verbose=False)
             out["sets_batches"] = module.val_batches
 
-    module, _, _ = _fit(STEPS, activation_checkpointing=True, gradient_clip_val=CLIP)
+    # from a saved model read with from_pretrained, which returns it in eval mode (where
+    # transformers checkpoints nothing): the strategy's checkpointing must still recompute
+    counter = LayerCallCounter()
+    module, _, _ = _fit(
+        STEPS,
+        module=PretrainedLM(os.path.join(tmp, "untied"), on_rank_zero=False),
+        callbacks=(counter,),
+        activation_checkpointing=True,
+        gradient_clip_val=CLIP,
+    )
     out["clip"] = _full_params(module.model)
     out["checkpointing"] = module.model.is_gradient_checkpointing
+    out["checkpointing_calls"] = (counter.training_at_start, counter.calls, counter.micro_batches)
 
     # resume: 4 steps straight against a run resumed from the sharded checkpoint after step 2
     # (mid-epoch: the loader position and the momentum buffers must both come back)
@@ -522,6 +533,12 @@ def test_gradient_clipping_on_dtensors_with_activation_checkpointing(
     assert max_diff(unclipped, ref) > 100 * PARAM_ATOL
     for out in runs:
         assert out["checkpointing"]
+        # in training mode, and the first layer's MLP ran twice per micro-batch: its forward and
+        # the recompute in the backward
+        training, calls, micro_batches = out["checkpointing_calls"]
+        assert training
+        assert micro_batches > 0
+        assert calls == 2 * micro_batches
         assert max_diff(out["clip"], ref) < PARAM_ATOL
 
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,6 +28,7 @@ from helpers import (
     BUCKET,
     GLOBAL_BATCH,
     LR,
+    LayerCallCounter,
     PlainLM,
     StartRecorder,
     count_exchanged_bytes,
@@ -34,6 +37,7 @@ from helpers import (
     make_data,
     max_diff,
     reference_model,
+    tiny_qwen2,
     token_loss_sum,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
@@ -106,18 +110,29 @@ def _precision_kwargs(precision: str) -> dict[str, Any]:
     return {"plugins": [MixedPrecision("16-mixed", device="cpu", scaler=scaler)]}
 
 
-def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
+def _fit_cell(strategy_name: str, precision: str, checkpoint: str | None = None) -> dict[str, Any]:
+    """One cell's fit of :class:`PlainLM`; ``checkpoint``: its model loaded from that directory
+    with transformers' ``from_pretrained`` defaults (``dtype="auto"``: as stored)."""
+    from transformers import AutoModelForCausalLM
+
     from lightning_skrull import SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
 
     strategy_class = SkrullStrategy if strategy_name == "ddp" else SkrullZero2Strategy
-    recorder = StartRecorder()
+    recorder, counter = StartRecorder(), LayerCallCounter()
     trainer = cpu_trainer(
         strategy_class(cp_size=2, bucket_size=BUCKET),
         max_steps=STEPS,
-        callbacks=[recorder],
+        callbacks=[recorder, counter],
         **_precision_kwargs(precision),
     )
     module = PlainLM()
+    loaded_dtype = None
+    if checkpoint is not None:
+        # what a long-context user writes: from_pretrained (eval mode, bf16 as stored) and
+        # activation checkpointing
+        module.model = AutoModelForCausalLM.from_pretrained(checkpoint)
+        module.model.gradient_checkpointing_enable()
+        loaded_dtype = str(next(module.model.parameters()).dtype)
     data = SkrullDataModule(
         train_data=make_data(NUM_SAMPLES), global_batch_size=GLOBAL_BATCH, shuffle=False
     )
@@ -128,6 +143,10 @@ def _fit_cell(strategy_name: str, precision: str) -> dict[str, Any]:
         "before": recorder.before,
         "after": float64_params(module.model),
         "dtype": str(next(module.model.parameters()).dtype),
+        "loaded_dtype": loaded_dtype,
+        "layer_calls": counter.calls,
+        "micro_batches": counter.micro_batches,
+        "training_at_start": counter.training_at_start,
         "buffer_dtypes": sorted({str(b.dtype) for b in module.model.buffers()}),
         "steps": recorder.steps,
         "exchanged_dtypes": sorted(str(d) for d in exchanged.dtypes),
@@ -226,9 +245,10 @@ def _fit_overflow(rank: int) -> dict[str, Any]:
     }
 
 
-def _matrix(rank: int, world_size: int) -> dict[Any, dict[str, Any]]:
+def _matrix(rank: int, world_size: int, checkpoint: str) -> dict[Any, dict[str, Any]]:
     out: dict[Any, dict[str, Any]] = {cell: _fit_cell(*cell) for cell in CELLS}
     out["overflow"] = _fit_overflow(rank)
+    out["bf16_checkpoint"] = _fit_cell("ddp", "bf16-mixed", checkpoint)
     return out
 
 
@@ -281,6 +301,10 @@ def reference_training(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.n
     model in bf16, SGD on a float32 copy of the parameters that is copied back after each step);
     ``"bf16_params_fp32_master"`` (the same with the parameters cast, the buffers left float32);
     ``"fp16_autocast"`` (float32 model, fp16 autocast forward, a GradScaler).
+    ``"float32@bf16"`` and ``"autocast@bf16"``: ``"float32"`` and ``"autocast"`` started from
+    the initial parameters rounded to bf16 (a bf16 checkpoint's); ``"bf16_params_autocast"``:
+    from the same start, the parameters kept in bf16 (the buffers float32), the forward under
+    bf16 autocast and SGD on the bf16 parameters.
     """
     run = reference_run(kind, STEPS)
     return run.before, run.after
@@ -311,14 +335,22 @@ def _train_reference(
     model = reference_model().to(device)
     if kind in ("bf16", "bf16_fp32_master"):
         model.to(torch.bfloat16)
-    elif kind == "bf16_params_fp32_master":
+    elif kind in ("bf16_params_fp32_master", "bf16_params_autocast"):
         for p in model.parameters():
             p.data = p.data.to(torch.bfloat16)
+    elif kind.endswith("@bf16"):
+        for p in model.parameters():
+            p.data = p.data.to(torch.bfloat16).float()
+        kind = kind.removesuffix("@bf16")
     params = list(model.parameters())
     master = [p.detach().float().clone() for p in params] if "master" in kind else None
     optimizer = torch.optim.SGD(master if master is not None else params, lr=LR)
     scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE, enabled=kind == "fp16_autocast")
-    autocast_dtype = {"autocast": torch.bfloat16, "fp16_autocast": torch.float16}.get(kind)
+    autocast_dtype = {
+        "autocast": torch.bfloat16,
+        "bf16_params_autocast": torch.bfloat16,
+        "fp16_autocast": torch.float16,
+    }.get(kind)
     run = ReferenceRun(float64_params(model), [], [])
     for step in range(steps):
         total, tokens = torch.zeros((), device=device), 0
@@ -363,8 +395,11 @@ def relative_distance(delta: np.ndarray, delta_fp32: np.ndarray) -> float:
 
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
-def matrix() -> list[dict[Any, dict[str, Any]]]:
-    return spawn(_matrix, 4, timeout=900)
+def matrix() -> Iterator[list[dict[Any, dict[str, Any]]]]:
+    with tempfile.TemporaryDirectory() as checkpoint:
+        # a bf16 checkpoint of PlainLM's initial model, as released checkpoints are stored
+        tiny_qwen2().to(torch.bfloat16).save_pretrained(checkpoint)
+        yield spawn(_matrix, 4, checkpoint, timeout=900)
 
 
 @pytest.mark.multiprocess
@@ -454,6 +489,56 @@ def test_dp_ranks_plan_different_micro_batch_counts(
         # empty micro-batches to the plan's largest count
         assert all(len(set(counts.values())) == 1 for counts in runs)
         assert [max(c.values()) for c in runs] == [max(c.values()) for c in planned]
+
+
+# A bf16 checkpoint loaded as a user loads it: from_pretrained's defaults (dtype="auto": bf16
+# parameters; eval mode) and activation checkpointing turned on, trained under "bf16-mixed".
+# SkrullStrategy casts the trainable parameters to float32 when the fit starts, so the run is
+# the autocast reference's from the checkpoint's values. Left in bf16 (what Lightning's autocast
+# alone does), the gradients would accumulate over the micro-batches in bf16 and SGD would step
+# bf16 weights: the "bf16_params_autocast" reference, 2.5e-2 from the float32 update, outside
+# the bound (9.7e-3; the autocast reference is 4.3e-3 from it). Measured: the run is 3.1e-3 from
+# the float32 update, 1.9e-3 from its reference and 9.3e-3 from the bf16 one (norms of the
+# update differences). Left in eval mode, transformers would skip the checkpointing.
+@pytest.mark.multiprocess
+def test_bf16_checkpoint_under_bf16_mixed_trains_float32_master_weights(
+    matrix: list[dict[Any, dict[str, Any]]],
+) -> None:
+    delta_fp32 = update(*reference_training("float32@bf16"))
+    ref_before, ref_after = reference_training("autocast@bf16")
+    own = update(ref_before, ref_after)
+    other = update(*reference_training("bf16_params_autocast"))
+    bound = RATIO * relative_distance(own, delta_fp32) + FLOOR
+    # keeping the loaded bf16 weights would fail the bound: the test tells the two apart
+    assert relative_distance(other, delta_fp32) > bound
+    steps = [out["bf16_checkpoint"]["steps"] for out in matrix]
+    planned = [{s[i]["dp_rank"]: s[i]["planned"] for s in steps} for i in range(STEPS)]
+    assert any(len(set(counts.values())) > 1 for counts in planned)
+    for out in matrix:
+        cell = out["bf16_checkpoint"]
+        assert cell["loaded_dtype"] == "torch.bfloat16"  # as stored
+        assert cell["dtype"] == "torch.float32"  # cast when the fit started
+        # the cast is exact: the run starts from the checkpoint's values
+        assert max_diff(cell["before"], ref_before) == 0.0
+        delta = update(cell["before"], cell["after"])
+        assert relative_distance(delta, delta_fp32) <= bound
+        assert np.linalg.norm(delta - own) < np.linalg.norm(delta - other)
+
+
+@pytest.mark.multiprocess
+def test_model_loaded_in_eval_mode_trains_with_its_checkpointing(
+    matrix: list[dict[Any, dict[str, Any]]],
+) -> None:
+    """from_pretrained returns the model in eval mode, where transformers checkpoints no layer:
+    the strategy starts the fit in training mode, and the first layer runs twice per
+    micro-batch (forward, and the recompute in backward); the other cells' layers once."""
+    for out in matrix:
+        cell = out["bf16_checkpoint"]
+        assert cell["training_at_start"]
+        assert cell["micro_batches"] > 0
+        assert cell["layer_calls"] == 2 * cell["micro_batches"]
+        plain = out[("ddp", "bf16-mixed")]
+        assert plain["layer_calls"] == plain["micro_batches"] > 0
 
 
 @pytest.mark.multiprocess

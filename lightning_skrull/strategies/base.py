@@ -34,6 +34,7 @@ from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.memory import recursive_detach
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -47,6 +48,7 @@ from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.adapters import check_checkpointing_gradients
 from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
 from lightning_skrull.models.generation import plain_attention
+from lightning_skrull.models.modes import train_mode_for_fit
 from lightning_skrull.models.patching import find_hf_model, prepare_model
 from lightning_skrull.models.saving import check_save_dtype, cpu_state_dict, write_pretrained
 from lightning_skrull.models.token_loss import (
@@ -753,11 +755,25 @@ class SkrullStrategyMixin(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self._check_trainer(trainer)
         self._prepare_hf_model()
+        self._train_mode_for_fit(trainer)
         self._refuse_meta_tensors()
         super().setup(trainer)
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
         self._setup_calibration(trainer)
+
+    def _train_mode_for_fit(self, trainer: pl.Trainer) -> None:
+        """When fitting, put a model that ``from_pretrained`` left in eval mode in training mode
+        (:func:`~lightning_skrull.models.modes.train_mode_for_fit`)."""
+        hf_model = self._hf_model
+        if trainer.state.fn != "fit" or hf_model is None:
+            return
+        if train_mode_for_fit(hf_model):
+            rank_zero_info(
+                f"{type(self).__name__}: {type(hf_model).__name__} was in eval mode (as "
+                "from_pretrained returns it); it trains in training mode, so activation "
+                "checkpointing and everything else transformers does only in training apply."
+            )
 
     def _refuse_meta_tensors(self) -> None:
         """Refuse, on every rank (one all-reduce), a model that some rank built on the meta

@@ -19,6 +19,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
@@ -38,6 +39,22 @@ _NO_FORWARD_BUFFER_SYNC = (
     else "broadcast_buffers"
 )
 """DDP's argument that turns off the per-forward buffer sync (renamed in torch 2.13)."""
+
+FLOAT32_MASTER_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
+"""Lightning precisions whose weights and optimizer step are float32: trainable parameters
+loaded in 16 bits are cast to float32 when the fit starts (:func:`cast_trainable_to_float32`)."""
+
+
+def cast_trainable_to_float32(module: torch.nn.Module) -> int:
+    """Cast ``module``'s trainable bf16 / fp16 parameters to float32 in place (the
+    :class:`~torch.nn.Parameter` objects stay, so an optimizer built on them keeps them);
+    frozen ones keep the dtype they were loaded in. Returns the number of parameters cast."""
+    cast = 0
+    for p in module.parameters():
+        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
+            p.data = p.data.to(torch.float32)
+            cast += 1
+    return cast
 
 
 class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
@@ -148,15 +165,39 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
 
     @override
     def configure_ddp(self) -> None:
-        """Wrap the module in DDP, except in a world of one process without a communication hook.
+        """Give the fit float32 master weights where its precision has them, then wrap the
+        module in DDP, except in a world of one process without a communication hook.
 
-        There the gradient all-reduce is the identity, and DDP's reducer (its gradient buckets,
-        hooks and a one-rank all-reduce) is pure overhead: 2-4 ms of a 20 ms step of four short
-        sequences on CPU (docs/benchmarks.md). Lightning does not wrap a single-device run either.
+        transformers 5 loads a checkpoint in the dtype it is stored in (``dtype="auto"``), bf16
+        for most, and Lightning's ``"bf16-mixed"`` only opens an autocast: left as loaded, the
+        gradients would accumulate over a step's micro-batches in bf16 and the optimizer would
+        step bf16 weights, where updates below a weight's bf16 resolution (2^-8 of it) are lost.
+        Under ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"`` trainable 16-bit parameters are
+        therefore cast to float32 (as :class:`~lightning_skrull.SkrullFSDPStrategy` does); frozen
+        ones, such as a LoRA model's bf16 base, stay as loaded. ``"bf16-true"`` keeps bf16.
+
+        In a world of one process the gradient all-reduce is the identity, and DDP's reducer
+        (its gradient buckets, hooks and a one-rank all-reduce) is pure overhead: 2-4 ms of a
+        20 ms step of four short sequences on CPU (docs/benchmarks.md). Lightning does not wrap
+        a single-device run either.
         """
+        self._use_float32_master_weights()
         if self.world_size == 1 and self._ddp_comm_hook is None and self._ddp_comm_state is None:
             return
         super().configure_ddp()
+
+    def _use_float32_master_weights(self) -> None:
+        precision = self.precision_plugin.precision
+        if precision not in FLOAT32_MASTER_PRECISIONS or self.model is None:
+            return
+        cast = cast_trainable_to_float32(self.model)
+        if cast:
+            rank_zero_info(
+                f"{type(self).__name__}: cast {cast} trainable bf16/fp16 parameters to float32 "
+                f"master weights (precision={precision!r} steps float32 weights). Load the "
+                "model with dtype=torch.float32 to skip the cast, or use precision='bf16-true' "
+                "to train the bf16 weights as they are."
+            )
 
     @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:

@@ -398,7 +398,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         self.accelerator.setup(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         full_state = self._rank_zero_weights_for_meta_ranks()
-        self._shard_model()
+        self._shard_model()  # turns on activation checkpointing
+        self._train_mode_for_fit(trainer)
         if full_state is not None:
             fill_from_rank_zero(cast(nn.Module, self.sharded_model), full_state, self.root_device)
             del full_state

@@ -1,0 +1,95 @@
+"""What a fit starts from when the model comes from ``from_pretrained``: training mode, and
+float32 master weights where the precision has them.
+
+The DP=2 x CP=2 runs of both are in tests/test_precision_matrix.py (a bf16 checkpoint with
+activation checkpointing under ``"bf16-mixed"``, against plain HF) and tests/test_fsdp.py
+(``SkrullFSDPStrategy(activation_checkpointing=True)`` on a model read with
+``from_pretrained``); here, the rules on one process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from helpers import PlainLM, cpu_trainer, make_data, tiny_qwen2
+from lightning.pytorch.plugins.precision import MixedPrecision
+
+from lightning_skrull.models.modes import train_mode_for_fit
+from lightning_skrull.strategies.ddp import cast_trainable_to_float32
+
+
+def test_a_model_wholly_in_eval_mode_is_put_in_training_mode() -> None:
+    model = tiny_qwen2().eval()  # as from_pretrained returns it
+    assert train_mode_for_fit(model)
+    assert all(m.training for m in model.modules())
+    assert not train_mode_for_fit(model)  # already training: nothing to do
+
+
+def test_mixed_modes_are_left_as_set() -> None:
+    model = tiny_qwen2()
+    model.model.embed_tokens.eval()  # set on purpose
+    assert not train_mode_for_fit(model)
+    assert not model.model.embed_tokens.training
+    assert model.model.layers[0].training
+
+
+def test_checkpointed_layers_left_in_eval_mode_are_refused() -> None:
+    model = tiny_qwen2()
+    model.gradient_checkpointing_enable()
+    model.model.layers[1].eval()  # its checkpointing would silently not run
+    with pytest.raises(ValueError, match=r"1 module\(s\) of Qwen2ForCausalLM.*model\.layers\.1"):
+        train_mode_for_fit(model)
+    with pytest.raises(ValueError, match=r"Call \.train\(\) on the model before fitting"):
+        train_mode_for_fit(model)
+
+
+def test_cast_keeps_frozen_parameters_and_the_parameter_objects() -> None:
+    model = tiny_qwen2().to(torch.bfloat16)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    head = model.lm_head.weight
+    loaded = head.detach().clone()
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert cast_trainable_to_float32(model) == trainable
+    assert model.lm_head.weight is head  # an optimizer built on it keeps it
+    assert head.dtype == torch.float32
+    assert torch.equal(head.detach(), loaded.float())  # lossless
+    assert model.model.embed_tokens.weight.dtype == torch.bfloat16
+    assert cast_trainable_to_float32(model) == 0
+
+
+@pytest.mark.parametrize(
+    ("precision", "trained_dtype"),
+    [
+        ("32-true", torch.float32),
+        ("bf16-mixed", torch.float32),
+        ("16-mixed", torch.float32),
+        ("bf16-true", torch.bfloat16),
+    ],
+)
+def test_skrull_strategy_gives_float32_master_weights_where_the_precision_has_them(
+    world_of_one: None, precision: str, trained_dtype: torch.dtype
+) -> None:
+    """A model loaded in bf16 with a frozen embedding: the trainable weights train in the
+    precision's master dtype, the frozen one stays as loaded, and every module trains in
+    training mode although the model arrived in eval mode."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    module = PlainLM()
+    module.model.to(torch.bfloat16).eval()
+    module.model.model.embed_tokens.weight.requires_grad_(False)
+    modes: list[bool] = []
+    module.on_train_start = lambda: modes.extend(m.training for m in module.model.modules())  # type: ignore[method-assign]
+    kwargs: dict[str, Any] = {"precision": precision}
+    if precision == "16-mixed":  # fp16 on CPU needs the plugin (the Trainer flag runs bf16)
+        scaler = torch.amp.GradScaler("cpu")
+        kwargs = {"plugins": [MixedPrecision("16-mixed", device="cpu", scaler=scaler)]}
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=80), max_steps=1, **kwargs)
+    data = SkrullDataModule(train_data=make_data(4), global_batch_size=4, shuffle=False)
+    trainer.fit(module, data)
+    assert trainer.global_step == 1
+    assert modes and all(modes)
+    assert module.model.lm_head.weight.dtype == trained_dtype
+    assert module.model.model.layers[0].mlp.up_proj.weight.dtype == trained_dtype
+    assert module.model.model.embed_tokens.weight.dtype == torch.bfloat16
