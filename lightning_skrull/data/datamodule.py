@@ -41,6 +41,7 @@ from lightning_skrull.data.chat import ChatTurns, check_chat_turns
 from lightning_skrull.data.dataset import SFTDataset
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import SFTData, load_sft_data
+from lightning_skrull.models.multimodal import text_config
 from lightning_skrull.models.patching import find_hf_model
 
 if TYPE_CHECKING:
@@ -666,7 +667,7 @@ class SkrullDataModule(pl.LightningDataModule):
         if module is not None:
             # the model the strategy trains: the same lookup as the strategy's own
             hf_model = find_hf_model(module, attribute=strategy.skrull_config.model_attribute)
-            vocab_size = getattr(hf_model.config, "vocab_size", None)
+            vocab_size = getattr(text_config(hf_model.config), "vocab_size", None)
         dataset.validate(
             max_tokens=strategy.cp_size * bucket, vocab_size=vocab_size, truncate=self.truncate
         )
