@@ -58,6 +58,7 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         *ARCHITECTURES,
         *MOE_ARCHITECTURES,
         "gemma3_text",
+        "gemma3",  # Gemma 3 4B-27B on text only: tests/test_gemma3_multimodal.py
         *FAMILIES,
     }
 
