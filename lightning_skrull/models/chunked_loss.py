@@ -61,6 +61,7 @@ CHUNKED_LOSS_MODEL_TYPES = (
     *MOE_MODEL_TYPES,
     "gemma3_text",
     "gemma3",
+    "mistral3",
     "granite",
     "olmo2",
     "olmo3",
@@ -75,7 +76,8 @@ CHUNKED_LOSS_MODEL_TYPES = (
 with Gemma 3's final logit soft-capping (``config.final_logit_softcapping``:
 ``cap * tanh(logits / cap)``) applied per chunk when set and the model's forward applies it
 (:func:`final_logit_softcap`; ``Gemma3ForConditionalGeneration``, ``gemma3``, whose decoder
-``model.model`` runs its text model on text only, does not), and Granite's division of the logits by
+``model.model`` runs its text model on text only, does not; nor does Mistral Small 3.x's
+``mistral3``), and Granite's division of the logits by
 ``config.logits_scaling`` applied to the hidden states and head bias before the head (``(h / s)
 W^T + b / s``, the same logits up to rounding), so routing it through
 :func:`linear_cross_entropy` changes nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with

@@ -1,4 +1,4 @@
-"""Vision-language checkpoints fine-tuned on text only: Gemma 3 4B, 12B and 27B.
+"""Vision-language checkpoints fine-tuned on text only: Gemma 3 4B-27B, Mistral Small 3.1 / 3.2.
 
 ``AutoModelForCausalLM.from_pretrained("google/gemma-3-4b-it")`` returns a
 ``Gemma3ForConditionalGeneration`` (``model_type="gemma3"``): a SigLIP vision tower and a projector
@@ -7,7 +7,9 @@ decoder (``model.model.language_model``, a ``Gemma3TextModel``), whose settings 
 ``config.text_config``. Without images its forward is the text model's: embeddings, decoder
 layers (sliding and full), ``lm_head``, and transformers' causal-LM loss. The vision tower and the
 projector do not run, so their parameters get no gradient (and an optimizer leaves a parameter
-without a gradient unchanged).
+without a gradient unchanged). Mistral Small 3.1 and 3.2 (24B) are the same shape:
+``Mistral3ForConditionalGeneration`` (``model_type="mistral3"``), a Pixtral vision tower and a
+projector beside a Mistral text decoder (``MistralModel``), which they run alone on text.
 
 - :func:`text_config`: the config whose fields the package reads (heads, windows, RoPE,
   ``vocab_size``); the model's own config for a text-only model.
@@ -33,7 +35,9 @@ from torch import nn
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 
-MULTIMODAL_MODEL_TYPES: MappingProxyType[str, str] = MappingProxyType({"gemma3": "gemma3_text"})
+MULTIMODAL_MODEL_TYPES: MappingProxyType[str, str] = MappingProxyType(
+    {"gemma3": "gemma3_text", "mistral3": "mistral"}
+)
 """``config.model_type`` of a supported vision-language model -> ``model_type`` of its language
 model (``config.text_config``), trained on text only."""
 
@@ -65,8 +69,8 @@ def language_model(model: nn.Module) -> nn.Module:
     if not isinstance(inner, nn.Module):
         raise ValueError(
             f"{type(model).__name__} has no model.language_model text decoder; load the "
-            "checkpoint with AutoModelForCausalLM.from_pretrained (Gemma 3: "
-            "Gemma3ForConditionalGeneration)."
+            "checkpoint with its transformers class (Gemma3ForConditionalGeneration, "
+            "Mistral3ForConditionalGeneration)."
         )
     return inner
 

@@ -46,6 +46,7 @@ from lightning_skrull.models.chunked_loss import (
 )
 from lightning_skrull.models.moe import refuse_router_aux_loss, router_problems
 from lightning_skrull.models.multimodal import (
+    MULTIMODAL_MODEL_TYPES,
     is_multimodal,
     language_model,
     refuse_images,
@@ -67,6 +68,7 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "mixtral": ("MixtralForCausalLM", "MixtralModel"),
         "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
         "gemma3": ("Gemma3ForConditionalGeneration",),
+        "mistral3": ("Mistral3ForConditionalGeneration",),
         "olmo2": ("Olmo2ForCausalLM", "Olmo2Model"),
         "olmo3": ("Olmo3ForCausalLM", "Olmo3Model"),
         "phi3": ("Phi3ForCausalLM", "Phi3Model"),
@@ -98,7 +100,8 @@ function; its attention logit soft-capping and bidirectional attention are refus
 (:func:`_gemma3_problems`). Gemma 3's 4B, 12B and 27B checkpoints (``gemma3``) hold that text
 model beside a vision tower; they train on text only
 (:mod:`lightning_skrull.models.multimodal`): every check reads ``config.text_config`` and the
-text decoder's layers.
+text decoder's layers. Mistral Small 3.1 / 3.2 (``mistral3``) hold a Mistral text model beside
+a Pixtral vision tower, trained on text only the same way.
 """
 
 
@@ -300,6 +303,12 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
                 "a subclass)"
             )
         reasons.extend(_attention_path_problems(model))
+        text_type = getattr(decoder, "model_type", None)
+        if is_multimodal(config) and text_type != MULTIMODAL_MODEL_TYPES[model_type]:
+            reasons.append(
+                f"its text model's model_type is {text_type!r}, not the "
+                f"{MULTIMODAL_MODEL_TYPES[model_type]!r} that {model_type!r} checkpoints hold"
+            )
     dropout = float(getattr(decoder, "attention_dropout", 0.0) or 0.0)
     if dropout > 0.0:
         reasons.append(
