@@ -50,6 +50,7 @@ from helpers import (
     tiny_config,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from test_reliability import clean_world  # noqa: F401 (a fixture)
 from torch import nn
 
 from lightning_skrull.data.collate import collate_rank
@@ -285,6 +286,29 @@ def test_prepare_refuses_a_text_model_of_another_family() -> None:
     model.config.text_config.model_type = "llama"
     with pytest.raises(ValueError, match="text model's model_type is 'llama', not the 'mistral'"):
         prepare_model(model, backend="sdpa")
+
+
+@pytest.mark.usefixtures("clean_world")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_data_holding_the_image_token_is_refused_before_training(family: str) -> None:
+    """SkrullDataModule checks the data at setup: a sample holding the image token is named
+    before the first forward (and the dataset check alone names it too)."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+    from lightning_skrull.data import load_sft_data
+
+    data = make_data(6)
+    data[4]["input_ids"][2] = IMAGE_TOKEN
+    with pytest.raises(
+        ValueError, match=rf"sample 4: input_ids\[2\] = {IMAGE_TOKEN} is the model's"
+    ):
+        load_sft_data(data).validate(image_token_id=IMAGE_TOKEN)
+    module = VisionLanguageLM(family)
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=64), devices=1, max_steps=1)
+    steps: list[int] = []
+    module.on_train_batch_start = lambda *args: steps.append(1)  # type: ignore[method-assign]
+    with pytest.raises(ValueError, match=rf"sample 4: input_ids\[2\] = {IMAGE_TOKEN} .*Strip"):
+        trainer.fit(module, SkrullDataModule(data, global_batch_size=2))
+    assert steps == []
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -22,7 +22,8 @@ projector beside a Mistral text decoder (``MistralModel``), which they run alone
   adds to a vision-language model; while it runs the Skrull attention, a forward given
   ``pixel_values``, image features, ``token_type_ids`` marking image tokens or ``input_ids``
   holding the image token is refused (the images' bidirectional attention and the vision tower
-  are not what the Skrull attention computes).
+  are not what the Skrull attention computes). ``SkrullDataModule`` refuses data holding the
+  image token earlier, at setup (:func:`image_token_id`).
 """
 
 from __future__ import annotations
