@@ -47,7 +47,8 @@ TEXT_ONLY_FIX = (
     "images from the data (no pixel_values, and no image placeholder tokens: a chat template "
     "given text-only messages writes none), or train the images without Skrull."
 )
-"""The fix named by every refusal of :func:`refuse_images`."""
+"""The rule and the fix named by every refusal of images (:func:`refuse_images`, and the data
+check of ``SkrullDataModule``)."""
 
 
 def is_multimodal(config: Any) -> bool:
@@ -114,7 +115,8 @@ def refuse_images(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     """Forward pre-hook of a vision-language model: refuse images under the Skrull attention.
 
     Under another attention (switched back to generate,
-    :func:`~lightning_skrull.models.plain_attention`) every call passes.
+    :func:`~lightning_skrull.models.plain_attention`) every call passes. The checks of
+    ``token_type_ids`` and ``input_ids`` read one reduction of each back to the host per forward.
 
     Raises:
         ValueError: ``pixel_values`` or ``mm_encoder_outputs`` given, ``token_type_ids`` marking
@@ -129,30 +131,27 @@ def refuse_images(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     if pixels is not None:
         shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
         raise ValueError(
-            f"{name} got pixel_values ({shape}) under the Skrull attention, which trains it on "
-            f"text only. {TEXT_ONLY_FIX}"
+            f"{name} got pixel_values ({shape}) under the Skrull attention. {TEXT_ONLY_FIX}"
         )
     if kwargs.get("mm_encoder_outputs") is not None:
         raise ValueError(
-            f"{name} got mm_encoder_outputs (image features) under the Skrull attention, which "
-            f"trains it on text only. {TEXT_ONLY_FIX}"
+            f"{name} got mm_encoder_outputs (image features) under the Skrull attention. "
+            f"{TEXT_ONLY_FIX}"
         )
     types = _argument(args, kwargs, "token_type_ids", 5)
     if isinstance(types, torch.Tensor) and bool((types != 0).any()):
         position = tuple(int(i) for i in (types != 0).nonzero()[0])
         raise ValueError(
             f"{name} got token_type_ids marking image tokens (token_type_ids{list(position)} = "
-            f"{int(types[position])}, 1 = image) under the Skrull attention, which trains it on "
-            f"text only. {TEXT_ONLY_FIX}"
+            f"{int(types[position])}, 1 = image) under the Skrull attention. {TEXT_ONLY_FIX}"
         )
     ids = _argument(args, kwargs, "input_ids", 0)
     image = image_token_id(config)
     if isinstance(ids, torch.Tensor) and image is not None and bool((ids == image).any()):
         count = int((ids == image).sum())
         raise ValueError(
-            f"{name} got input_ids holding its image token (id {image}, {count} time(s)) under "
-            "the Skrull attention, which trains it on text only: the token is a placeholder for "
-            f"image features. {TEXT_ONLY_FIX}"
+            f"{name} got input_ids holding its image token (id {image}, {count} time(s)), a "
+            f"placeholder for image features, under the Skrull attention. {TEXT_ONLY_FIX}"
         )
 
 
