@@ -58,6 +58,9 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         *ARCHITECTURES,
         *MOE_ARCHITECTURES,
         "gemma3_text",
+        # Gemma 3 4B-27B and Mistral Small 3.x on text only: tests/test_gemma3_multimodal.py
+        "gemma3",
+        "mistral3",
         *FAMILIES,
     }
 

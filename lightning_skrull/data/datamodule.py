@@ -41,6 +41,7 @@ from lightning_skrull.data.chat import ChatTurns, check_chat_turns
 from lightning_skrull.data.dataset import SFTDataset
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import SFTData, load_sft_data
+from lightning_skrull.models.multimodal import image_token_id, is_multimodal, text_config
 from lightning_skrull.models.patching import find_hf_model
 
 if TYPE_CHECKING:
@@ -661,14 +662,19 @@ class SkrullDataModule(pl.LightningDataModule):
     def _validate(
         self, dataset: SFTDataset | SampleView, strategy: SkrullTrainingStrategy, bucket: int
     ) -> None:
-        vocab_size = None
+        vocab_size = image = None
         module = self.trainer.lightning_module if self.trainer is not None else None
         if module is not None:
             # the model the strategy trains: the same lookup as the strategy's own
             hf_model = find_hf_model(module, attribute=strategy.skrull_config.model_attribute)
-            vocab_size = getattr(hf_model.config, "vocab_size", None)
+            vocab_size = getattr(text_config(hf_model.config), "vocab_size", None)
+            if is_multimodal(hf_model.config):  # trained on text only: no image placeholder
+                image = image_token_id(hf_model.config)
         dataset.validate(
-            max_tokens=strategy.cp_size * bucket, vocab_size=vocab_size, truncate=self.truncate
+            max_tokens=strategy.cp_size * bucket,
+            vocab_size=vocab_size,
+            truncate=self.truncate,
+            image_token_id=image,
         )
 
     def _loader(

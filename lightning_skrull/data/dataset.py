@@ -27,6 +27,7 @@ import numpy as np
 import torch.utils.data
 
 from lightning_skrull.models.chunked_loss import IGNORE_INDEX
+from lightning_skrull.models.multimodal import TEXT_ONLY_FIX
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -268,6 +269,7 @@ class SFTDataset(torch.utils.data.Dataset):
         max_tokens: int | None = None,
         vocab_size: int | None = None,
         truncate: bool = False,
+        image_token_id: int | None = None,
     ) -> SFTDataset:
         """Checks the samples against the model and the parallel layout; linear in tokens.
 
@@ -279,14 +281,18 @@ class SFTDataset(torch.utils.data.Dataset):
             truncate: cut samples longer than ``max_tokens`` to their first ``max_tokens`` tokens,
                 in place, with one :class:`TruncationWarning` that counts them. Off by default:
                 an over-long sample is an error.
+            image_token_id: the image placeholder token of a vision-language model trained on
+                text only (:mod:`lightning_skrull.models.multimodal`); no input id may be it.
 
         Returns:
             ``self`` (truncated in place when ``truncate`` and some sample was too long).
 
         Raises:
-            ValueError: an id or label ``>= vocab_size``, or a sample longer than ``max_tokens``
-                without ``truncate``.
+            ValueError: an id or label ``>= vocab_size``, a sample longer than ``max_tokens``
+                without ``truncate``, or an input id equal to ``image_token_id``.
         """
+        if image_token_id is not None:
+            self._check_no_image_token(image_token_id)
         if vocab_size is not None:
             vocab_size = _check_positive_int("vocab_size", vocab_size)
             known = self._value_range
@@ -325,6 +331,16 @@ class SFTDataset(torch.utils.data.Dataset):
                 f"the model's vocab_size = {vocab_size} ({len(bad)} such value(s), largest "
                 f"{int(values.max())}). Fix: tokenise with the model's own tokenizer, or resize the "
                 "model's embeddings (model.resize_token_embeddings) to cover the added tokens."
+            )
+
+    def _check_no_image_token(self, token_id: int) -> None:
+        hits = np.flatnonzero(self._input_ids == token_id)
+        if len(hits):
+            index, position = sample_of_token(self._offsets, int(hits[0]))
+            raise ValueError(
+                f"{self.describe(index)}: input_ids[{position}] = {token_id} is the model's image "
+                f"token, a placeholder for image features ({len(hits)} in the data). "
+                f"{TEXT_ONLY_FIX}"
             )
 
     def _truncate(self, max_tokens: int, too_long: np.ndarray) -> None:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_skrull.models.moe import MOE_MODEL_TYPES, refuse_router_aux_loss
+from lightning_skrull.models.multimodal import text_config
 
 IGNORE_INDEX = -100
 """Label of a token that is not supervised (the convention of HF causal-LM losses)."""
@@ -59,6 +60,8 @@ CHUNKED_LOSS_MODEL_TYPES = (
     "mistral",
     *MOE_MODEL_TYPES,
     "gemma3_text",
+    "gemma3",
+    "mistral3",
     "granite",
     "olmo2",
     "olmo3",
@@ -71,7 +74,10 @@ CHUNKED_LOSS_MODEL_TYPES = (
 )
 """Architectures whose causal-LM forward is exactly ``decoder -> lm_head -> ForCausalLMLoss``,
 with Gemma 3's final logit soft-capping (``config.final_logit_softcapping``:
-``cap * tanh(logits / cap)``) applied per chunk when set, and Granite's division of the logits by
+``cap * tanh(logits / cap)``) applied per chunk when set and the model's forward applies it
+(:func:`final_logit_softcap`; ``Gemma3ForConditionalGeneration``, ``gemma3``, whose decoder
+``model.model`` runs its text model on text only, does not; nor does Mistral Small 3.x's
+``mistral3``), and Granite's division of the logits by
 ``config.logits_scaling`` applied to the hidden states and head bias before the head (``(h / s)
 W^T + b / s``, the same logits up to rounding), so routing it through
 :func:`linear_cross_entropy` changes nothing but memory. The Mixture-of-Experts ones add the router auxiliary loss only with
@@ -434,7 +440,7 @@ def _chunked_forward(
         num_items_in_batch=extra.get("num_items_in_batch"),
         chunk_tokens=getattr(model, "_skrull_chunk_tokens", None),
         kernel=getattr(model, "_skrull_loss_kernel", "chunked"),
-        softcap=getattr(config, "final_logit_softcapping", None),
+        softcap=final_logit_softcap(model),
     )
     return CausalLMOutputWithPast(
         loss=loss,
@@ -442,6 +448,28 @@ def _chunked_forward(
         hidden_states=outputs.hidden_states,
         attentions=outputs.attentions,
     )
+
+
+def final_logit_softcap(model: nn.Module) -> float | None:
+    """The final logit soft-capping ``model``'s own forward applies (``None``: none).
+
+    ``final_logit_softcapping`` of the model's text config when its class's forward reads that
+    field: ``Gemma3ForCausalLM`` does; ``Gemma3ForConditionalGeneration`` computes
+    ``lm_head(hidden)`` without it, whatever ``config.text_config`` sets. A forward whose source
+    cannot be read is taken to apply a field that is set.
+    """
+    cap = getattr(text_config(getattr(model, "config", None)), "final_logit_softcapping", None)
+    if cap is None or not _forward_reads(type(model).forward, "final_logit_softcapping"):
+        return None
+    return float(cap)
+
+
+@functools.cache
+def _forward_reads(forward: Callable[..., Any], name: str) -> bool:
+    try:
+        return name in inspect.getsource(forward)
+    except (OSError, TypeError):
+        return True
 
 
 @functools.cache
@@ -614,6 +642,7 @@ __all__ = [
     "check_chunked_loss_supported",
     "check_loss_kernel",
     "default_chunk_tokens",
+    "final_logit_softcap",
     "installed_fused_kernels",
     "linear_cross_entropy",
     "note_missing_logits",

@@ -51,6 +51,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
+from lightning_skrull.models.multimodal import text_config
 from lightning_skrull.scheduling.cost_model import (
     MIXTRAL_8X7B,
     QWEN2_5_7B,
@@ -85,7 +86,10 @@ class ActivationEstimate:
 
 
 def _shape(config: Any) -> ModelShape:
-    return config if isinstance(config, ModelShape) else ModelShape.from_hf_config(config)
+    """The decoder shape of a config (a vision-language model's: its ``text_config``'s)."""
+    if isinstance(config, ModelShape):
+        return config
+    return ModelShape.from_hf_config(text_config(config))
 
 
 def layer_bytes_per_token(
@@ -129,7 +133,8 @@ def activation_bytes_per_token(
     """Estimate activation bytes per token for a decoder with this Hugging Face ``config``.
 
     Args:
-        config: a transformers config (dense, or Qwen3-MoE / Qwen2-MoE / Mixtral; read by
+        config: a transformers config (dense, or Qwen3-MoE / Qwen2-MoE / Mixtral, or a
+            vision-language model's, whose ``text_config`` is read; read by
             :meth:`~lightning_skrull.scheduling.cost_model.ModelShape.from_hf_config`) or a
             :class:`~lightning_skrull.scheduling.cost_model.ModelShape`.
         chunked_loss: the chunked LM head + cross-entropy instead of the dense logits.

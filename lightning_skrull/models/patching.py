@@ -45,6 +45,13 @@ from lightning_skrull.models.chunked_loss import (
     use_dense_loss,
 )
 from lightning_skrull.models.moe import refuse_router_aux_loss, router_problems
+from lightning_skrull.models.multimodal import (
+    MULTIMODAL_MODEL_TYPES,
+    is_multimodal,
+    language_model,
+    refuse_images,
+    text_config,
+)
 from lightning_skrull.models.rope import rope_length_limit, rope_problems
 
 if TYPE_CHECKING:
@@ -60,6 +67,8 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "qwen2_moe": ("Qwen2MoeForCausalLM", "Qwen2MoeModel"),
         "mixtral": ("MixtralForCausalLM", "MixtralModel"),
         "gemma3_text": ("Gemma3ForCausalLM", "Gemma3TextModel"),
+        "gemma3": ("Gemma3ForConditionalGeneration",),
+        "mistral3": ("Mistral3ForConditionalGeneration",),
         "olmo2": ("Olmo2ForCausalLM", "Olmo2Model"),
         "olmo3": ("Olmo3ForCausalLM", "Olmo3Model"),
         "phi3": ("Phi3ForCausalLM", "Phi3Model"),
@@ -88,7 +97,11 @@ Gemma 3's text model (``gemma3_text``) adds per-token pieces only (RMSNorms of q
 head, a scaled embedding, ``query_pre_attn_scalar`` as the softmax scale, a RoPE per layer
 kind) and interleaves sliding and full layers, whose window it passes to the attention
 function; its attention logit soft-capping and bidirectional attention are refused
-(:func:`_gemma3_problems`).
+(:func:`_gemma3_problems`). Gemma 3's 4B, 12B and 27B checkpoints (``gemma3``) hold that text
+model beside a vision tower; they train on text only
+(:mod:`lightning_skrull.models.multimodal`): every check reads ``config.text_config`` and the
+text decoder's layers. Mistral Small 3.1 / 3.2 (``mistral3``) hold a Mistral text model beside
+a Pixtral vision tower, trained on text only the same way.
 """
 
 
@@ -105,9 +118,10 @@ def attention_window(model: nn.Module) -> int | None:
     Qwen2 / Qwen3 apply ``config.sliding_window`` to the layers that ``config.layer_types``
     marks ``"sliding_attention"`` (only when ``use_sliding_window=True``); Mistral applies
     ``config.sliding_window`` to every layer whenever it is set (its configs default to 4096).
-    A window at least as long as a sequence changes nothing for that sequence.
+    A window at least as long as a sequence changes nothing for that sequence. A
+    vision-language model's is its text model's (``config.text_config``).
     """
-    config = getattr(model, "config", None)
+    config = text_config(getattr(model, "config", None))
     window = getattr(config, "sliding_window", None)
     if not window:  # Qwen2-MoE's config sets 0 for "no window"
         return None
@@ -188,8 +202,9 @@ def sequence_length_rule(model: nn.Module) -> tuple[int, str] | None:
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``self_attn`` modules of the text decoder (not a vision tower's)."""
     layers: list[nn.Module] = []
-    for module in model.modules():
+    for module in language_model(model).modules():
         attn = getattr(module, "self_attn", None)
         if isinstance(attn, nn.Module):
             layers.append(attn)
@@ -200,7 +215,7 @@ def _attention_path_problems(model: nn.Module) -> list[str]:
     """Reasons why the attention modules do not go through the AttentionInterface."""
     problems: list[str] = []
     attns = _attention_modules(model)
-    num_layers = getattr(model.config, "num_hidden_layers", None)
+    num_layers = getattr(text_config(model.config), "num_hidden_layers", None)
     if not attns:
         return ["no decoder layer with a `self_attn` module was found"]
     if num_layers is not None and len(attns) != num_layers:
@@ -264,6 +279,8 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
             "finds it inside a LightningModule)."
         )
     config = model.config
+    decoder = text_config(config)  # a vision-language model's text model reads its own
+    field = "config.text_config" if is_multimodal(config) else "config"
     name = type(model).__name__
     reasons: list[str] = []
     model_type: str | None = getattr(config, "model_type", None)
@@ -271,8 +288,8 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
         reasons.append(
             "it is an encoder-decoder model (only decoder-only causal LMs are supported)"
         )
-    if not getattr(config, "is_causal", True):
-        reasons.append("its config sets is_causal=False (bidirectional attention)")
+    if not getattr(decoder, "is_causal", True):
+        reasons.append(f"its {field} sets is_causal=False (bidirectional attention)")
     if model_type is None or model_type not in SUPPORTED_ARCHITECTURES:
         reasons.append(
             f"model_type {model_type!r} is not a supported architecture (supported: "
@@ -286,11 +303,17 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
                 "a subclass)"
             )
         reasons.extend(_attention_path_problems(model))
-    dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        text_type = getattr(decoder, "model_type", None)
+        if is_multimodal(config) and text_type != MULTIMODAL_MODEL_TYPES[model_type]:
+            reasons.append(
+                f"its text model's model_type is {text_type!r}, not the "
+                f"{MULTIMODAL_MODEL_TYPES[model_type]!r} that {model_type!r} checkpoints hold"
+            )
+    dropout = float(getattr(decoder, "attention_dropout", 0.0) or 0.0)
     if dropout > 0.0:
         reasons.append(
             f"attention_dropout={dropout} (the Skrull attention has no dropout; set "
-            "config.attention_dropout=0.0)"
+            f"{field}.attention_dropout=0.0)"
         )
     window = unpassed_window(model)
     if window is not None and (max_sequence_length is None or max_sequence_length > window):
@@ -308,8 +331,8 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
         )
     reasons.extend(rope_problems(model, max_sequence_length))
     reasons.extend(router_problems(model))
-    if model_type == "gemma3_text":
-        reasons.extend(_gemma3_problems(config))
+    if model_type in ("gemma3_text", "gemma3"):
+        reasons.extend(_gemma3_problems(decoder))
     if reasons:
         raise ValueError(
             f"{name} cannot be trained with Skrull context parallelism: " + "; ".join(reasons) + "."
@@ -382,6 +405,10 @@ def prepare_model(
     hf_model.set_attn_implementation(ATTENTION_NAME)
     _check_attention_selected(model)
     _run_without_cache(hf_model)
+    if is_multimodal(hf_model.config) and not any(
+        hook is refuse_images for hook in hf_model._forward_pre_hooks.values()
+    ):
+        hf_model.register_forward_pre_hook(refuse_images, with_kwargs=True)
     if chunked_loss:
         use_chunked_loss(hf_model, chunk_tokens=chunk_tokens, kernel=loss_kernel)
     else:

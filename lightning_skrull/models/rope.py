@@ -29,6 +29,8 @@ from typing import Any, cast
 import torch
 from torch import nn
 
+from lightning_skrull.models.multimodal import language_model
+
 STATIC_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "yarn", "llama3"})
 """Rope types whose frequencies depend on the config only: exact under Skrull at any length."""
 
@@ -40,10 +42,11 @@ below which they keep the frequencies of construction."""
 
 
 def rotary_embeddings(model: nn.Module) -> list[nn.Module]:
-    """The rotary embedding modules of ``model`` (those with a ``rope_type`` and ``inv_freq``)."""
+    """The rotary embedding modules of ``model``'s text decoder (those with a ``rope_type`` and
+    ``inv_freq``; a vision tower's, such as Pixtral's 2-D ``"axial"`` one, never runs on text)."""
     return [
         m
-        for m in model.modules()
+        for m in language_model(model).modules()
         if hasattr(m, "rope_type") and isinstance(getattr(m, "inv_freq", None), torch.Tensor)
     ]
 

@@ -28,6 +28,7 @@ from torch.distributed import ProcessGroup
 from lightning_skrull.attention.context import SkrullAttentionContext, attention_context
 from lightning_skrull.data.collate import MicroBatch, RankBatch, collate_rank, sample_length
 from lightning_skrull.data.dataset import IGNORE_INDEX
+from lightning_skrull.models.multimodal import text_config
 from lightning_skrull.models.patching import is_prepared, sequence_length_rule
 from lightning_skrull.runtime.process_groups import ParallelLayout
 from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, Policy, plan_global_batch
@@ -299,7 +300,7 @@ def train_step(
         raise ValueError("the global batch has no sample; give at least one.")
     lengths = [sample_length(s, i) for i, s in enumerate(samples)]
     check_sequence_lengths(model, lengths)
-    vocab_size = getattr(getattr(model, "config", None), "vocab_size", None)
+    vocab_size = getattr(text_config(getattr(model, "config", None)), "vocab_size", None)
     if isinstance(vocab_size, int):
         check_token_ids(samples, vocab_size, sample_indices)
     if plan is None:

@@ -49,6 +49,7 @@ from lightning_skrull.models.adapters import check_checkpointing_gradients
 from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
 from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.modes import train_mode_for_fit
+from lightning_skrull.models.multimodal import text_config
 from lightning_skrull.models.patching import find_hf_model, prepare_model
 from lightning_skrull.models.saving import check_save_dtype, cpu_state_dict, write_pretrained
 from lightning_skrull.models.token_loss import (
@@ -298,7 +299,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         if self._skrull_config.cost_model is not None:
             self._skrull_cost_model = self._skrull_config.cost_model
         else:
-            self._skrull_cost_model = CostModel.from_hf_config(hf_model.config)
+            self._skrull_cost_model = CostModel.from_hf_config(text_config(hf_model.config))
 
     # ------------------------------------------------------------------ steps
     def _as_rank_batch(self, batch: Any, hook: str) -> tuple[RankBatch, PlanStats | None]:
@@ -376,7 +377,7 @@ class SkrullStrategyMixin(ParallelStrategy):
             cp_group=layout.cp_group,
             backend=config.attention_backend,
             device=device,
-            vocab_size=int(hf_model.config.vocab_size),
+            vocab_size=int(text_config(hf_model.config).vocab_size),
             autocast=precision.train_step_context,
         )
         torch.cuda.empty_cache()

@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.models.multimodal import text_only_unused_parameters
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -184,6 +185,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         self._use_float32_master_weights()
         if self.world_size == 1 and self._ddp_comm_hook is None and self._ddp_comm_state is None:
             return
+        self._ignore_text_only_unused_parameters()
         super().configure_ddp()
 
     def _use_float32_master_weights(self) -> None:
@@ -198,6 +200,21 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
                 "model with dtype=torch.float32 to skip the cast, or use precision='bf16-true' "
                 "to train the bf16 weights as they are."
             )
+
+    def _ignore_text_only_unused_parameters(self) -> None:
+        """Leave a vision-language model's vision tower and projector out of DDP's gradient
+        reduction: trained on text only they never get a gradient, and DDP, which waits for one
+        of every parameter it reduces, would fail at the next step."""
+        module = self.model
+        hf_model = self._hf_model
+        if module is None or hf_model is None:
+            return
+        unused = text_only_unused_parameters(hf_model)
+        if not unused:
+            return
+        prefix = next(name for name, sub in module.named_modules() if sub is hf_model)
+        names = [f"{prefix}.{n}" if prefix else n for n in unused]
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
 
     @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
