@@ -141,6 +141,8 @@ ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The Mixture-of-Experts architectures (tests/test_moe.py), kept out of :data:`ARCHITECTURES`
 whose tests loop over every dense one."""
+MLA_MOE_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "deepseek_v2")
+"""DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 (tests/test_mla_moe.py)."""
 FAMILIES = (
     "olmo2",
     "olmo3",
@@ -233,7 +235,7 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         )
     elif arch in FAMILIES:
         cls, extra = _family_config(arch)
-    elif arch in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
+    elif arch in MLA_MOE_ARCHITECTURES:
         cls, extra = _mla_moe_config(arch)
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
