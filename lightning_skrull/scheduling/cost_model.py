@@ -392,13 +392,13 @@ _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "
 """Architectures that normalise q and k before RoPE (:attr:`ModelShape.qk_norm`)."""
 
 
-def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, int]:
+def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, Any]:
     """The :class:`ModelShape` expert fields of a Hugging Face config (``{}``: dense).
 
     Raises:
         ValueError: experts of a Mixture-of-Experts family not read here.
     """
-    moe: dict[str, int] = {}
+    moe: dict[str, Any] = {}
     if model_type in ("qwen3_moe", "qwen2_moe") and int(config.num_experts) > 0:
         dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
         step = int(config.decoder_sparse_step)
@@ -449,7 +449,7 @@ def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str
     return moe
 
 
-def _mla_fields(config: Any) -> dict[str, int]:
+def _mla_fields(config: Any) -> dict[str, Any]:
     """The :class:`ModelShape` fields of DeepSeek's Multi-head Latent Attention."""
     return {
         "v_head_dim": int(config.v_head_dim),
