@@ -39,8 +39,8 @@ heads directly; the math fallback repeats internally).
 
 The values may be narrower than the queries and keys (Multi-head Latent Attention, DeepSeek-V3:
 ``D = 192``, ``Dv = 128``): every function here returns ``Dv`` columns (the ``D`` in the shapes
-below is the key's, the output's is ``Dv``). On CUDA SDPA's memory-efficient kernel takes such
-values as they are. On CPU only the math kernel does, and it keeps the whole score matrix for
+below is the key's, the output's is ``Dv``). On CUDA SDPA's memory-efficient kernel accepts
+such values as they are (not yet run on a GPU). On CPU only the math kernel does, and it keeps the whole score matrix for
 backward, so the values are padded with zero columns to ``D`` and the output cropped back
 (:func:`_sdpa_heads_first`): the fused kernel then runs, and the padded columns, weighted sums
 of zeros with zero gradients, change nothing.
