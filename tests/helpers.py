@@ -141,6 +141,8 @@ ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The Mixture-of-Experts architectures (tests/test_moe.py), kept out of :data:`ARCHITECTURES`
 whose tests loop over every dense one."""
+MLA_MOE_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "deepseek_v2")
+"""DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 (tests/test_mla_moe.py)."""
 FAMILIES = (
     "olmo2",
     "olmo3",
@@ -233,6 +235,8 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         )
     elif arch in FAMILIES:
         cls, extra = _family_config(arch)
+    elif arch in MLA_MOE_ARCHITECTURES:
+        cls, extra = _mla_moe_config(arch)
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     return cls(**{**common, **extra, **overrides})
@@ -287,6 +291,48 @@ def _family_config(arch: str) -> tuple[type, dict[str, Any]]:
     }
     name, extra = families[arch]
     return getattr(transformers, name), {**ids, **extra}
+
+
+def _mla_moe_config(arch: str) -> tuple[type, dict[str, Any]]:
+    """Config class and tiny settings of DeepSeek-V3, GLM-4-MoE and DeepSeek-V2
+    (tests/test_mla_moe.py): 3 layers, the first dense (``first_k_dense_replace``), the others 8
+    routed experts of 16 units (2 per token, in 4 groups of which a token may use 2; GLM-4.5's
+    released single group for GLM-4-MoE) and a shared expert, ``routed_scaling_factor`` 2.5.
+    DeepSeek's Multi-head Latent Attention: q through a rank-16 LoRA, k/v from a rank-12
+    latent, q/k heads 8 + 4 (rotary) wide and values 6 wide; GLM-4-MoE: GQA 4/2 with q/k/v
+    bias and q/k norms, half the head dim rotated."""
+    import transformers
+
+    experts: dict[str, Any] = {
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 16,
+        "n_shared_experts": 1,
+        "routed_scaling_factor": 2.5,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
+    mla: dict[str, Any] = {
+        "num_key_value_heads": 4,
+        "q_lora_rank": 16,
+        "kv_lora_rank": 12,
+        "qk_nope_head_dim": 8,
+        "qk_rope_head_dim": 4,
+        "v_head_dim": 6,
+        "n_group": 4,
+        "topk_group": 2,
+    }
+    if arch == "deepseek_v3":
+        return transformers.DeepseekV3Config, {**experts, **mla, "norm_topk_prob": True}
+    if arch == "deepseek_v2":
+        # softmax router, group-limited greedy top-k (V2; V2-Lite: greedy), no q LoRA (V2-Lite)
+        v2 = {**experts, **mla, "q_lora_rank": None, "topk_method": "group_limited_greedy"}
+        return transformers.DeepseekV2Config, v2
+    glm = {"head_dim": 8, "attention_bias": True, "use_qk_norm": True, "n_group": 1}
+    return transformers.Glm4MoeConfig, {**experts, **glm, "topk_group": 1, "norm_topk_prob": True}
 
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, **overrides: Any) -> nn.Module:

@@ -4,9 +4,10 @@ Each CP size is one spawn call running a batch of random micro-batches that mix 
 distributed sequences (lengths 1, primes, lengths < 2N, zero-token ranks, no distributed
 sequence at all), GQA 4/2 and 4/1, float64 and float32, the distributed sequences exchanged in
 one K/V group or cut into 2 or 3 (``kv_groups``, also a group in which some rank holds no
-token, and a group of only such a sequence), and sliding windows (transformers'
+token, and a group of only such a sequence), sliding windows (transformers'
 ``sliding_window``: shorter than, equal to and longer than the sequences, cutting inside one
-zigzag chunk and across several). Every rank runs the registered
+zigzag chunk and across several), and values narrower than the keys (Multi-head Latent
+Attention's ``v_head_dim < qk_head_dim``) with K/V groups and a window. Every rank runs the registered
 ``"skrull"`` attention function on its packed tokens and backpropagates a given output
 gradient; the parent unpacks outputs and dq/dk/dv to whole sequences and compares them with
 plain SDPA run on each whole sequence in one process (float64 reference; with transformers' own
@@ -61,6 +62,7 @@ class Case:
     broken: bool = False
     kv_groups: tuple[int, ...] = ()
     window: int | None = None
+    value_dim: int = HEAD_DIM
 
 
 def _make_cases(cp_size: int, seed: int) -> list[Case]:
@@ -173,6 +175,19 @@ def _make_cases(cp_size: int, seed: int) -> list[Case]:
         ids = rng.sample(range(len(lengths)), rng.randint(3, len(lengths)))
         placement = [rng.choice([DISTRIBUTED, DISTRIBUTED, *range(cp_size)]) for _ in ids]
         add(lengths, ids, placement, dtype=torch.float64, window=window)
+    # values 5 wide against keys 8 wide (MLA): two K/V groups, then a window, then float32
+    value_cases = [
+        dict(kv_groups=(2, 1)),
+        dict(window=5),
+        dict(dtype=torch.float32, kv_groups=(1, 2), scale=0.3),
+    ]
+    for extra in value_cases:
+        add(
+            [23, 1, 9, 2 * cp_size - 1, 6],
+            [0, 1, 2, 3, 4],
+            [DISTRIBUTED, DISTRIBUTED, 0, DISTRIBUTED, cp_size - 1],
+            **{"dtype": torch.float64, "value_dim": 5, **extra},
+        )
     return cases
 
 
@@ -183,8 +198,8 @@ def _sequence_data(case: Case, sid: int) -> dict[str, torch.Tensor]:
     shapes = {
         "q": (length, case.num_heads, HEAD_DIM),
         "k": (length, case.num_kv_heads, HEAD_DIM),
-        "v": (length, case.num_kv_heads, HEAD_DIM),
-        "grad_out": (length, case.num_heads, HEAD_DIM),
+        "v": (length, case.num_kv_heads, case.value_dim),
+        "grad_out": (length, case.num_heads, case.value_dim),
     }
     return {
         name: torch.randn(shape, generator=gen, dtype=torch.float64).to(case.dtype)
@@ -251,7 +266,8 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
                     scaling=case.scale,
                     sliding_window=case.window,
                 )
-            assert weights is None and out.shape == (1, layout.num_tokens, case.num_heads, HEAD_DIM)
+            width = case.value_dim
+            assert weights is None and out.shape == (1, layout.num_tokens, case.num_heads, width)
             # backward runs outside the context: the collective saved its group at forward
             out[0].backward(packed["grad_out"])
             results.append(
@@ -368,4 +384,5 @@ def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
             windows_that_bite += 1
     assert checked_broken == 1
     assert checked_groups >= {1, 2, 3}
+    assert sum(case.value_dim != HEAD_DIM for case in cases) == 3  # MLA's narrower values
     assert windows_that_bite >= 4

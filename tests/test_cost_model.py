@@ -304,6 +304,28 @@ MOE_FAMILIES = {
                       shared_expert_intermediate_size=8),
     # Mixtral: 4 experts of intermediate_size, 2 per token, on every layer.
     "mixtral": dict(MOE_TINY, num_local_experts=4, num_experts_per_tok=2),
+    # DeepSeek-V3: Multi-head Latent Attention (q LoRA rank 6, k/v latent 5, q/k heads 4 + 2
+    # rotary, values 3; its config's head_dim is the rotary part's), first layer dense, 8
+    # sigmoid-routed experts in 4 groups (3 per token, from 2 groups: with 2, the 24 test tokens
+    # leave an expert without one) and 2 shared ones; tests/test_mla_moe.py.
+    "deepseek_v3": dict(MOE_TINY, num_hidden_layers=3, num_key_value_heads=2, head_dim=2,
+                        q_lora_rank=6, kv_lora_rank=5, qk_nope_head_dim=4, qk_rope_head_dim=2,
+                        v_head_dim=3, n_routed_experts=8, num_experts_per_tok=3, n_group=4,
+                        topk_group=2, moe_intermediate_size=4, n_shared_experts=2,
+                        first_k_dense_replace=1),
+    # GLM-4-MoE: GQA 2/1 with q/k/v bias and q/k norms, the DeepSeek-V3 router in one group.
+    "glm4_moe": dict(MOE_TINY, num_hidden_layers=3, num_key_value_heads=1, head_dim=4,
+                     attention_bias=True, use_qk_norm=True, n_routed_experts=6,
+                     num_experts_per_tok=2, n_group=1, topk_group=1, moe_intermediate_size=4,
+                     n_shared_experts=1, first_k_dense_replace=1),
+    # DeepSeek-V2-Lite's attention (no q LoRA; a latent of 6, an even width its complex RoPE
+    # needs under the counter), softmax routing, group-limited greedy, 3 experts per token (with
+    # 2, the 24 test tokens leave an expert without one).
+    "deepseek_v2": dict(MOE_TINY, num_hidden_layers=3, num_key_value_heads=2, head_dim=2,
+                        q_lora_rank=None, kv_lora_rank=6, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=3,
+                        n_routed_experts=8, num_experts_per_tok=3, n_group=4, topk_group=2,
+                        topk_method="group_limited_greedy", moe_intermediate_size=4,
+                        n_shared_experts=2, first_k_dense_replace=1),
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@ import torch
 from helpers import (
     ARCHITECTURES,
     FAMILIES,
+    MLA_MOE_ARCHITECTURES,
     MOE_ARCHITECTURES,
     make_samples,
     max_grad_diff,
@@ -57,6 +58,7 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
     assert set(SUPPORTED_ARCHITECTURES) == {
         *ARCHITECTURES,
         *MOE_ARCHITECTURES,
+        *MLA_MOE_ARCHITECTURES,
         "gemma3_text",
         # Gemma 3 4B-27B and Mistral Small 3.x on text only: tests/test_gemma3_multimodal.py
         "gemma3",

@@ -5,9 +5,10 @@ The distributed sequences of a micro-batch are exchanged in one or more K/V grou
 :attr:`SkrullAttentionContext.kv_group_contexts` otherwise). One group's exchange is two
 autograd nodes sharing a small state object:
 
-* **start** (:func:`gather_distributed_kv`): every CP rank stacks its rows of the group's K and V
-  (``[n, 2, Hkv, D]``, in their shared dtype: the attention's compute dtype), pads them to the
-  largest rank's rows (ranks hold ``floor`` or ``ceil`` shares) and starts one
+* **start** (:func:`gather_distributed_kv`): every CP rank lays its rows of the group's K and V
+  side by side (``[n, Hkv, D + Dv]``, in their shared dtype: the attention's compute dtype; the
+  value head dim ``Dv`` may differ from the key's ``D``, as in Multi-head Latent Attention),
+  pads them to the largest rank's rows (ranks hold ``floor`` or ``ceil`` shares) and starts one
   ``all_gather_single`` with ``async_op=True``. The node's output is an
   empty "token" tensor; its backward waits for the group's reduce-scatter and hands this rank's
   K and V gradient rows back.
@@ -86,6 +87,7 @@ class _StartGather(torch.autograd.Function):
     ) -> torch.Tensor:
         fctx.exchange = exchange
         fctx.num_rows = k.shape[0]
+        fctx.key_dim = k.shape[-1]
         return k.new_empty(0)  # the token: links this node to the finish node
 
     @staticmethod
@@ -95,8 +97,8 @@ class _StartGather(torch.autograd.Function):
         mine = fctx.exchange.finish()
         if mine is None:
             return None, None, None
-        n = fctx.num_rows
-        return mine[:n, 0], mine[:n, 1], None
+        n, d = fctx.num_rows, fctx.key_dim
+        return mine[:n, :, :d], mine[:n, :, d:], None
 
 
 class _FinishGather(torch.autograd.Function):
@@ -111,16 +113,18 @@ class _FinishGather(torch.autograd.Function):
         gather_index: torch.Tensor,
         group: ProcessGroup | None,
         exchange: _Exchange,
+        key_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if work is not None:
             work.wait()
         fctx.group = group
         fctx.exchange = exchange
+        fctx.key_dim = key_dim
         fctx.width = gathered.shape[0] // (dist.get_world_size(group) if group is not None else 1)
         fctx.gathered_shape = gathered.shape
         fctx.save_for_backward(gather_index)
-        k_whole = gathered[:, 0].index_select(0, gather_index)
-        v_whole = gathered[:, 1].index_select(0, gather_index)
+        k_whole = gathered[..., :key_dim].index_select(0, gather_index)
+        v_whole = gathered[..., key_dim:].index_select(0, gather_index)
         return k_whole, v_whole
 
     @staticmethod
@@ -132,11 +136,12 @@ class _FinishGather(torch.autograd.Function):
         ref = grad_k if grad_k is not None else grad_v
         assert ref is not None
         grad_gathered = ref.new_zeros(shape)
+        d = fctx.key_dim
         # gather_index hits every non-pad row exactly once: a copy, not an accumulation.
         if grad_k is not None:
-            grad_gathered[:, 0].index_copy_(0, gather_index, grad_k.contiguous())
+            grad_gathered[..., :d].index_copy_(0, gather_index, grad_k.contiguous())
         if grad_v is not None:
-            grad_gathered[:, 1].index_copy_(0, gather_index, grad_v.contiguous())
+            grad_gathered[..., d:].index_copy_(0, gather_index, grad_v.contiguous())
         exchange = fctx.exchange
         if fctx.group is None:
             exchange.grad_mine = grad_gathered
@@ -144,7 +149,7 @@ class _FinishGather(torch.autograd.Function):
             mine = ref.new_empty((fctx.width, *shape[1:]))
             exchange.work = _reduce_scatter(mine, grad_gathered, fctx.group)
             exchange.grad_gathered, exchange.grad_mine = grad_gathered, mine
-        return ref.new_zeros(0), None, None, None, None, None
+        return ref.new_zeros(0), None, None, None, None, None, None
 
 
 class PendingKV:
@@ -157,6 +162,7 @@ class PendingKV:
         work: Any,
         ctx: SkrullAttentionContext,
         exchange: _Exchange,
+        key_dim: int,
     ) -> None:
         # The arguments of the finish node; dropped once it has run.
         self._args: tuple[object, ...] = (
@@ -166,6 +172,7 @@ class PendingKV:
             ctx.gather_index,
             ctx.group,
             exchange,
+            key_dim,
         )
         self._done = False
 
@@ -173,7 +180,7 @@ class PendingKV:
         """Wait for the all-gather.
 
         Returns:
-            ``(k_whole, v_whole)``, each ``[sum of distributed lengths, Hkv, D]``: the
+            ``(k_whole [sum of distributed lengths, Hkv, D], v_whole [..., Hkv, Dv])``: the
             distributed sequences in plan order, laid end to end (offsets in
             ``layout.distributed_cu_seqlens``), differentiable back to every owning rank.
 
@@ -201,7 +208,7 @@ def check_one_dtype(**tensors: torch.Tensor) -> None:
 
 def check_distributed_part(k_dist: torch.Tensor, v_dist: torch.Tensor, layout: RankLayout) -> None:
     n = layout.num_distributed_tokens
-    if k_dist.shape[0] != n or v_dist.shape != k_dist.shape:
+    if k_dist.shape[0] != n or v_dist.shape[:-1] != k_dist.shape[:-1]:
         raise ValueError(
             f"distributed K/V have shapes {tuple(k_dist.shape)} and {tuple(v_dist.shape)} but CP "
             f"rank {layout.cp_rank} holds {n} distributed tokens; the packed input does not match "
@@ -225,7 +232,8 @@ def gather_distributed_kv(
     Args:
         k_dist: ``[n, Hkv, D]`` keys of this rank's distributed part (``n`` =
             ``layout.num_distributed_tokens``).
-        v_dist: ``[n, Hkv, D]`` values, same shape and dtype.
+        v_dist: ``[n, Hkv, Dv]`` values, same rows, heads and dtype (``Dv`` may differ from
+            ``D``).
         ctx: the micro-batch's (or K/V group's) attention context.
 
     Returns:
@@ -242,18 +250,19 @@ def gather_distributed_kv(
     check_distributed_part(k_dist, v_dist, layout)
     n = layout.num_distributed_tokens
     width = layout.max_distributed_tokens
-    heads_dim = k_dist.shape[1:]
-    send = k_dist.new_zeros((width, 2, *heads_dim))
-    send[:n, 0] = k_dist.detach()
-    send[:n, 1] = v_dist.detach()
+    heads, key_dim = k_dist.shape[1], k_dist.shape[2]
+    row = (heads, key_dim + v_dist.shape[2])
+    send = k_dist.new_zeros((width, *row))
+    send[:n, :, :key_dim] = k_dist.detach()
+    send[:n, :, key_dim:] = v_dist.detach()
     exchange = _Exchange()
     if ctx.group is None:
         gathered, work = send, None
     else:
-        gathered = send.new_empty((layout.cp_size * width, 2, *heads_dim))
+        gathered = send.new_empty((layout.cp_size * width, *row))
         work = _all_gather(gathered, send, ctx.group)
     token = _StartGather.apply(k_dist, v_dist, exchange)
-    return PendingKV(token, gathered, work, ctx, exchange)
+    return PendingKV(token, gathered, work, ctx, exchange, key_dim)
 
 
 def kv_group_contexts(ctx: SkrullAttentionContext) -> tuple[SkrullAttentionContext, ...]:
@@ -264,14 +273,19 @@ def kv_group_contexts(ctx: SkrullAttentionContext) -> tuple[SkrullAttentionConte
 
 
 def distributed_kv_bytes(
-    ctx: SkrullAttentionContext, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    ctx: SkrullAttentionContext,
+    num_kv_heads: int,
+    head_dim: int,
+    dtype: torch.dtype,
+    value_head_dim: int | None = None,
 ) -> int:
     """Bytes this rank receives per layer in the forward all-gathers (the backward
     reduce-scatters send the same amount); 0 without distributed sequences. ``dtype`` is the
     attention's compute dtype (:func:`~lightning_skrull.attention.dispatch.compute_dtype`).
 
     Each K/V group's gather is padded to that group's largest rank part, so the sum over groups
-    of ``(N - 1) x max_r(n_r)`` rows (never fewer than one group's padding).
+    of ``(N - 1) x max_r(n_r)`` rows (never fewer than one group's padding). A row holds a key
+    of ``head_dim`` and a value of ``value_head_dim`` (default: ``head_dim``) per K/V head.
     """
     layout = ctx.layout
     if layout.cp_size == 1:
@@ -279,4 +293,5 @@ def distributed_kv_bytes(
     rows = sum(
         (layout.cp_size - 1) * g.layout.max_distributed_tokens for g in kv_group_contexts(ctx)
     )
-    return rows * 2 * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    width = head_dim + (head_dim if value_head_dim is None else value_head_dim)
+    return rows * num_kv_heads * width * torch.empty((), dtype=dtype).element_size()

@@ -86,7 +86,8 @@ def skrull_attention_forward(
         module: the calling attention module (its ``training`` flag and ``is_causal`` are read).
         query: ``[1, Hq, T, D]`` with RoPE applied, ``T`` = this rank's packed tokens.
         key: ``[1, Hkv, T, D]`` (GQA not repeated).
-        value: ``[1, Hkv, T, D]``.
+        value: ``[1, Hkv, T, Dv]``; ``Dv`` may differ from ``D`` (Multi-head Latent Attention:
+            DeepSeek-V3's keys are 192 wide, its values 128).
         attention_mask: must be ``None`` (what transformers passes for this attention name);
             the layout in the current attention context defines which tokens attend which.
         scaling: softmax scale; ``None`` = ``D ** -0.5``.
@@ -100,7 +101,7 @@ def skrull_attention_forward(
     the K/V saved for backward all see one dtype.
 
     Returns:
-        ``(out [1, T, Hq, D], None)``, ``out`` in the compute dtype.
+        ``(out [1, T, Hq, Dv], None)``, ``out`` in the compute dtype.
 
     Raises:
         RuntimeError: called outside :func:`~lightning_skrull.attention.attention_context`.
@@ -198,11 +199,17 @@ def _check_inputs(
             f"the 'skrull' attention needs batch size 1 (one packed micro-batch per rank), got "
             f"query batch {query.shape[0]}; pack the micro-batch's sequences along the token dim."
         )
-    if key.shape != value.shape or key.shape[2] != query.shape[2]:
+    if key.shape[:3] != value.shape[:3] or key.shape[2] != query.shape[2]:
         raise ValueError(
             f"key {tuple(key.shape)} / value {tuple(value.shape)} do not match query "
-            f"{tuple(query.shape)} in tokens; the 'skrull' attention runs without a KV cache "
-            "(set use_cache=False)."
+            f"{tuple(query.shape)} in tokens (or each other in heads); the 'skrull' attention "
+            "runs without a KV cache (set use_cache=False)."
+        )
+    if key.shape[3] != query.shape[3]:
+        raise ValueError(
+            f"query head dim {query.shape[3]} differs from key head dim {key.shape[3]}; the "
+            "scores q k^T need one width (the value head dim may differ, as in Multi-head "
+            "Latent Attention)."
         )
     if query.shape[1] % key.shape[1] != 0:
         raise ValueError(

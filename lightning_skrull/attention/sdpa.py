@@ -37,6 +37,14 @@ at most ``b x (b + W - 1)`` elements, within :data:`MASK_ELEMENTS_PER_CALL`.
 GQA uses ``enable_gqa=True``: K/V are not repeated by this code (the fused kernels read shared
 heads directly; the math fallback repeats internally).
 
+The values may be narrower than the queries and keys (Multi-head Latent Attention, DeepSeek-V3:
+``D = 192``, ``Dv = 128``): every function here returns ``Dv`` columns (the ``D`` in the shapes
+below is the key's, the output's is ``Dv``). On CUDA SDPA's memory-efficient kernel accepts
+such values as they are (not yet run on a GPU). On CPU only the math kernel does, and it keeps the whole score matrix for
+backward, so the values are padded with zero columns to ``D`` and the output cropped back
+(:func:`_sdpa_heads_first`): the fused kernel then runs, and the padded columns, weighted sums
+of zeros with zero gradients, change nothing.
+
 On CUDA, SDPA is restricted to its flash, memory-efficient and math kernels. PyTorch prefers
 cuDNN's kernel on Hopper, which builds an execution plan for every new shape: with the many
 different sequence lengths of a packed batch that cost 7.3 s per layer (forward + backward) on
@@ -125,10 +133,14 @@ def _sdpa_heads_first(
     if restrict and gqa and mask is not None:
         groups = q.shape[-3] // k.shape[-3]
         k, v, gqa = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3), False
+    width = v.shape[-1]
+    if width < q.shape[-1] and not q.is_cuda:
+        v = F.pad(v, (0, q.shape[-1] - width))  # CPU's fused kernel takes one head dim
     with sdpa_kernel(list(CUDA_SDPA_KERNELS)) if restrict else contextlib.nullcontext():
-        return F.scaled_dot_product_attention(
+        out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
+    return out if out.shape[-1] == width else out[..., :width]
 
 
 def causal_lower_right_attention(

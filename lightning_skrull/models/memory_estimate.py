@@ -17,6 +17,12 @@ the hidden size, ``h_kv`` the key/value width and ``f`` the MLP width:
 - Qwen3's RMSNorm over each head of q and k keeps, like the layer norms, a float32 copy and a
   normalised output: ``(4 + b)(h_q + h_kv)``.
 
+Values narrower than the keys (``h_v``, the attention output ``h_o`` = heads x value head dim)
+count at their own width: ``b (h_q + h_kv + h_v + h_o)``. DeepSeek's Multi-head Latent
+Attention also keeps its two latent RMSNorms' float32 copies and outputs,
+``(4 + b)(r_q + r_kv)`` (``q_lora_rank``, ``kv_lora_rank``); its queries and keys are
+``heads x (nope + rope)`` wide, its keys and values per head.
+
 A Mixture-of-Experts layer (Qwen3-MoE, Qwen2-MoE, Mixtral; ``E`` experts of width ``f_e``,
 ``k`` per token) keeps instead of the MLP, per token: the router's float32 probabilities
 (``4E``), its top-k indices, weights and their sum (``12k + 4``); and for each of the ``k`` rows
@@ -25,9 +31,13 @@ them: the gathered input and the expert's output (``2 b h``), the gate/up output
 and product (``4 b f_e``), the row's routing weight (at most 4 B) and three int64 permutation
 indices (24 B). The ``"eager"`` loop over experts also keeps every weighted output (``b h`` more
 per row, the input of its ``index_add_``) and two int64 indices instead of three. Qwen2-MoE's
-shared expert adds a SwiGLU MLP (``4 b f_s``), its output and its sigmoid gate (``b h + b``).
-Every routed row is computed, however the router spreads the tokens, so none of this depends on
-the routing.
+shared expert adds a SwiGLU MLP (``4 b f_s``), its output and its sigmoid gate (``b h + b``);
+DeepSeek's and GLM-4-MoE's shared experts keep the SwiGLU MLP only. DeepSeek-V3 and GLM-4-MoE
+route with sigmoid scores (``4E`` kept, as the probabilities) and group-limited top-k, whose
+group selection leaves nothing autograd keeps; their router computes in float32, so a 16-bit
+model adds the float32 copy of its input (``4h``), and it saves the weights' sum only with
+``norm_topk_prob`` (DeepSeek-V2 never normalises). Every routed row is computed, however the
+router spreads the tokens, so none of this depends on the routing.
 
 The head, dense (transformers' ``lm_head`` then ``ForCausalLMLoss``): the logits (``b V``), their
 float32 copy when ``b < 4`` (``4 V``), log-softmax's float32 output (``4 V``), and the float32
@@ -108,18 +118,21 @@ def layer_bytes_per_token(
     b, h = bytes_per_element, shape.hidden_size
     q_width, kv_width = shape.q_dim, shape.kv_dim
     norms = 2 * (4 + b) * h
-    attention = b * (2 * q_width + 2 * kv_width)
+    attention = b * (q_width + kv_width + shape.v_dim + shape.out_dim)
     if shape.qk_norm:
         attention += (4 + b) * (q_width + kv_width)
+    attention += (4 + b) * (shape.q_lora_rank + shape.kv_lora_rank)
     dense = norms + attention + 4 * b * shape.intermediate_size if shape.dense_layers else 0
     if not shape.sparse_layers:
         return dense, 0
     k = shape.experts_per_token
-    router = 4 * shape.num_experts + 12 * k + 4
+    router = 4 * shape.num_experts + 12 * k + (4 if shape.normalized_routing else 0)
+    router += 4 * h if shape.float32_router and b < 4 else 0
     row = 2 * b * h + 4 * b * shape.expert_intermediate_size + 4
     row += b * h + 16 if experts_implementation == "eager" else 24
     shared = shape.shared_expert_intermediate_size
-    shared_bytes = 4 * b * shared + b * h + b if shared else 0
+    gate = b * h + b if shape.shared_expert_gate else 0
+    shared_bytes = 4 * b * shared + gate if shared else 0
     return dense, norms + attention + router + k * row + shared_bytes
 
 
@@ -217,19 +230,36 @@ class ParameterCount:
         return self.layers + self.outside_layers
 
 
+def _attention_parameters(shape: ModelShape) -> int:
+    """Parameters of one layer's attention and its two RMSNorms (see :func:`parameter_count`)."""
+    h, q, kv = shape.hidden_size, shape.q_dim, shape.kv_dim
+    if not shape.kv_lora_rank:
+        attention = h * (q + kv + shape.v_dim) + shape.out_dim * h + 2 * h
+        attention += (q + kv + shape.v_dim) if shape.qkv_bias else 0
+        return attention + (2 * shape.head_dim if shape.qk_norm else 0)
+    r_q, r_kv, rope = shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim
+    nope = shape.head_dim - rope
+    query = h * r_q + r_q + r_q * q if r_q else h * q
+    latent = (
+        h * (r_kv + rope) + r_kv + r_kv * shape.num_attention_heads * (nope + shape.value_head_dim)
+    )
+    bias = r_q + r_kv + rope + h if shape.qkv_bias else 0  # q_a, kv_a and o projections
+    return query + latent + shape.out_dim * h + bias + 2 * h
+
+
 def parameter_count(shape: ModelShape, *, tied_head: bool = False) -> ParameterCount:
-    """Parameters of a decoder of ``shape``: q/k/v biases where ``shape.qkv_bias``, Qwen3's
-    q/k head norms where ``shape.qk_norm``, RMSNorm weights; a sparse layer holds all
-    ``num_experts`` experts, the router and the shared expert with its gate, whichever few a
-    token runs."""
-    h, q, kv, f = shape.hidden_size, shape.q_dim, shape.kv_dim, shape.intermediate_size
-    attention = 2 * h * q + 2 * h * kv + 2 * h
-    attention += (q + 2 * kv) if shape.qkv_bias else 0
-    attention += 2 * shape.head_dim if shape.qk_norm else 0
+    """Parameters of a decoder of ``shape``: q/k/v biases where ``shape.qkv_bias`` (the
+    attention biases of Multi-head Latent Attention, its ``attention_bias``), Qwen3's q/k head
+    norms where ``shape.qk_norm``, MLA's latent projections and norms, RMSNorm weights; a sparse
+    layer holds all ``num_experts`` experts, the router and the shared expert with its gate (if
+    any), whichever few a token runs."""
+    h, f = shape.hidden_size, shape.intermediate_size
+    attention = _attention_parameters(shape)
     dense = attention + 3 * h * f
     shared = shape.shared_expert_intermediate_size
     experts = shape.num_experts * (3 * h * shape.expert_intermediate_size + h)
-    sparse = attention + experts + (3 * h * shared + h if shared else 0)
+    gate = h if shape.shared_expert_gate else 0
+    sparse = attention + experts + (3 * h * shared + gate if shared else 0)
     layers = shape.dense_layers * dense + shape.sparse_layers * sparse
     largest = max(dense if shape.dense_layers else 0, sparse if shape.sparse_layers else 0)
     embedding = shape.vocab_size * h

@@ -1,29 +1,46 @@
 """Mixture-of-Experts decoders under Skrull: what keeps their routing exact, and what is refused.
 
-Qwen3-MoE, Qwen2-MoE and Mixtral replace the MLP of their sparse layers by a top-k router and
-experts stored as fused 3-D parameters. The router picks each token's experts from that token's
-hidden state alone, and every expert computes each of its tokens alone: no capacity factor, no
-token dropping, nothing that depends on the other tokens of the batch (Qwen2-MoE's shared expert
-and its sigmoid gate are per token too). Packing sequences into micro-batches and sharding them
-over CP ranks therefore changes neither a token's experts nor its result.
+Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 replace the MLP of their
+sparse layers by a top-k router and experts stored as fused 3-D parameters. The router picks
+each token's experts from that token's hidden state alone, and every expert computes each of its
+tokens alone: no capacity factor, no token dropping, nothing that depends on the other tokens of
+the batch (Qwen2-MoE's shared expert and its sigmoid gate are per token too). Packing sequences
+into micro-batches and sharding them over CP ranks therefore changes neither a token's experts
+nor its result.
 
-Two things would, and :func:`router_problems` refuses them at setup:
+DeepSeek-V3's router (also GLM-4-MoE's, transformers' ``DeepseekV3TopkRouter`` /
+``Glm4MoeTopkRouter``) is per token as well: sigmoid scores plus the ``e_score_correction_bias``
+buffer pick the experts (the best ``topk_group`` of ``n_group`` groups, ranked by the sum of
+their two best scores, then the top-k inside them), the un-biased scores weight them
+(normalised when ``norm_topk_prob``, times ``routed_scaling_factor``), and shared experts run on
+every token. The "auxiliary-loss-free" balancing of the DeepSeek-V3 paper updates the bias
+between steps from the experts' loads; transformers keeps the bias a buffer that its forward
+only reads, adds no auxiliary loss (not even with ``output_router_logits=True``, which only
+returns the router logits), and does no update. DeepSeek-V2's router is a per-token softmax
+with a greedy or group-limited greedy top-k, also without an auxiliary loss in transformers.
 
-- the router auxiliary loss (``output_router_logits=True``): :data:`AUX_LOSS_RULE`;
+Two things would break the exactness, and :func:`router_problems` refuses them at setup:
+
+- the router auxiliary loss (``output_router_logits=True`` in a family whose forward adds it,
+  :data:`AUX_LOSS_MODEL_TYPES`): :data:`AUX_LOSS_RULE`;
 - Mixtral's ``router_jitter_noise > 0``: random noise drawn token by token in training.
 
 A forward called with ``output_router_logits=True`` under the Skrull attention is refused too
-(:func:`refuse_router_aux_loss`, from the prepared model's forward pre-hook and the chunked loss).
+for those families (:func:`refuse_router_aux_loss`, from the prepared model's forward pre-hook
+and the chunked loss).
 """
 
 from __future__ import annotations
 
-from typing import NoReturn
-
 from torch import nn
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v2")
 """``config.model_type`` of the supported Mixture-of-Experts architectures."""
+
+AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+"""The ones whose causal-LM forward adds the router auxiliary loss with
+``output_router_logits=True`` (DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 have none in
+transformers: there the flag only returns the router logits)."""
 
 AUX_LOSS_RULE = (
     "transformers then adds router_aux_loss_coef x the load-balancing loss (Switch "
@@ -44,11 +61,17 @@ AUX_LOSS_FIX = (
 """How to train a Mixture-of-Experts model without the router auxiliary loss."""
 
 
+def has_router_aux_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s forward adds a router auxiliary loss when asked for the router
+    logits (its ``model_type`` is one of :data:`AUX_LOSS_MODEL_TYPES`)."""
+    return getattr(getattr(model, "config", None), "model_type", None) in AUX_LOSS_MODEL_TYPES
+
+
 def router_problems(model: nn.Module) -> list[str]:
     """Reasons why a Mixture-of-Experts model would not train exactly under Skrull.
 
-    - ``config.output_router_logits=True``: the forward adds the router auxiliary loss, which
-      no per-micro-batch computation equals (:data:`AUX_LOSS_RULE`);
+    - ``config.output_router_logits=True`` in a family that then adds the router auxiliary
+      loss, which no per-micro-batch computation equals (:data:`AUX_LOSS_RULE`);
     - ``config.router_jitter_noise > 0`` (Mixtral): in training the router's input is scaled by
       uniform noise drawn from the random stream token by token, so packing and sharding change
       which token gets which draw.
@@ -57,7 +80,7 @@ def router_problems(model: nn.Module) -> list[str]:
     """
     config = getattr(model, "config", None)
     problems: list[str] = []
-    if getattr(config, "output_router_logits", False):
+    if getattr(config, "output_router_logits", False) and has_router_aux_loss(model):
         coef = getattr(config, "router_aux_loss_coef", None)
         problems.append(
             f"its config sets output_router_logits=True (router_aux_loss_coef={coef}): "
@@ -73,12 +96,15 @@ def router_problems(model: nn.Module) -> list[str]:
     return problems
 
 
-def refuse_router_aux_loss(model: nn.Module) -> NoReturn:
-    """Raise for a forward of ``model`` asked for ``output_router_logits=True`` under Skrull.
+def refuse_router_aux_loss(model: nn.Module) -> None:
+    """Raise for a forward of ``model`` asked for ``output_router_logits=True`` under Skrull,
+    when that adds the router auxiliary loss (:func:`has_router_aux_loss`); return otherwise.
 
     Raises:
-        ValueError: always; the message names the value, the rule and the fix.
+        ValueError: ``model`` adds the loss; the message names the value, the rule and the fix.
     """
+    if not has_router_aux_loss(model):
+        return
     coef = getattr(getattr(model, "config", None), "router_aux_loss_coef", None)
     raise ValueError(
         f"{type(model).__name__} was called with output_router_logits=True under the Skrull "
@@ -88,8 +114,10 @@ def refuse_router_aux_loss(model: nn.Module) -> NoReturn:
 
 __all__ = [
     "AUX_LOSS_FIX",
+    "AUX_LOSS_MODEL_TYPES",
     "AUX_LOSS_RULE",
     "MOE_MODEL_TYPES",
+    "has_router_aux_loss",
     "refuse_router_aux_loss",
     "router_problems",
 ]

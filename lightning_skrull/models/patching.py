@@ -78,6 +78,9 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "ministral": ("MinistralForCausalLM", "MinistralModel"),
         "seed_oss": ("SeedOssForCausalLM", "SeedOssModel"),
         "exaone4": ("Exaone4ForCausalLM", "Exaone4Model"),
+        "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
+        "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeModel"),
+        "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Model"),
     }
 )
 """``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
@@ -91,7 +94,12 @@ The Mixture-of-Experts ones (``qwen3_moe``, ``qwen2_moe``, ``mixtral``) replace 
 sparse layers by a top-k router and experts that compute each token from its own hidden state
 alone (no capacity factor, no token dropping; Qwen2-MoE adds a sigmoid-gated shared expert, also
 per token), so the same holds for them, given
-:func:`~lightning_skrull.models.moe.router_problems` finds nothing.
+:func:`~lightning_skrull.models.moe.router_problems` finds nothing. DeepSeek-V3 (also Kimi K2,
+Moonlight), GLM-4-MoE (GLM-4.5 / 4.6) and DeepSeek-V2 route per token too (sigmoid or softmax
+scores, group-limited top-k, shared experts; :mod:`~lightning_skrull.models.moe`). DeepSeek's
+Multi-head Latent Attention builds per-head keys and values from a per-token latent, rotates a
+part of q and k, and passes values narrower than the keys to the attention function, which
+takes them (the K/V exchange carries both widths).
 
 Gemma 3's text model (``gemma3_text``) adds per-token pieces only (RMSNorms of q and k per
 head, a scaled embedding, ``query_pre_attn_scalar`` as the softmax scale, a RoPE per layer
@@ -108,7 +116,8 @@ a Pixtral vision tower, trained on text only the same way.
 _PLAIN_ATTENTION = "_skrull_plain_attention"
 """Instance attribute where :func:`prepare_model` keeps the model's attention before it."""
 _INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
-_ROPE_CALL = "apply_rotary_pos_emb("
+_ROPE_CALLS = ("apply_rotary_pos_emb(", "apply_rotary_emb(")
+"""The rotary calls of the allow-listed attentions (DeepSeek-V2's is ``apply_rotary_emb``)."""
 _WINDOW_ARGUMENT = "sliding_window="
 
 
@@ -234,7 +243,7 @@ def _attention_path_problems(model: nn.Module) -> list[str]:
                 f"{cls.__qualname__}.forward does not call the attention through transformers' "
                 "AttentionInterface (ALL_ATTENTION_FUNCTIONS.get_interface)"
             )
-        elif not 0 <= source.find(_ROPE_CALL) < call:
+        elif not any(0 <= source.find(rope) < call for rope in _ROPE_CALLS):
             problems.append(
                 f"{cls.__qualname__}.forward does not apply RoPE (apply_rotary_pos_emb) before "
                 "the attention call"

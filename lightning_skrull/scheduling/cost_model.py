@@ -2,8 +2,8 @@
 
 The model is deliberately simple and explicit, so that every number can be checked by hand:
 
-* **Compute.** Forward FLOPs of a Qwen2-style decoder (GQA projections, SwiGLU MLP or the
-  experts a token is routed to, causal attention, LM head); training costs ``train_flops_factor`` (3) times the forward; time is FLOPs
+* **Compute.** Forward FLOPs of a Qwen2-style decoder (GQA projections or DeepSeek's latent
+  ones, SwiGLU MLP or the experts a token is routed to, causal attention, LM head); training costs ``train_flops_factor`` (3) times the forward; time is FLOPs
   divided by ``achieved_flops``.
 * **Tiles.** Attention kernels work on ``tile_size`` x ``tile_size`` blocks of (query, key)
   pairs and compute every block that holds at least one unmasked pair. A short sequence, and
@@ -51,8 +51,11 @@ import numpy as np
 
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v2")
 """Hugging Face ``model_type``s whose sparse MLP :meth:`ModelShape.from_hf_config` reads."""
+
+MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
+"""Hugging Face ``model_type``s with Multi-head Latent Attention (:class:`ModelShape`)."""
 
 _EXPERT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
 """Config fields that mark a Mixture-of-Experts model in the families transformers ships."""
@@ -66,8 +69,17 @@ class ModelShape:
     ``sparse_layers`` of its layers by a router (``hidden_size x num_experts``), ``num_experts``
     SwiGLU experts of width ``expert_intermediate_size`` of which every token runs
     ``experts_per_token``, and optionally a shared SwiGLU expert every token runs, scaled by a
-    sigmoid gate (``hidden_size x 1``). The other layers keep the dense MLP of
+    sigmoid gate (``hidden_size x 1``; DeepSeek's and GLM-4-MoE's shared experts have none,
+    ``shared_expert_gate=False``). The other layers keep the dense MLP of
     ``intermediate_size``. A dense decoder leaves the expert fields at 0.
+
+    Multi-head Latent Attention (DeepSeek-V3 / V2, ``kv_lora_rank > 0``) replaces the q, k and v
+    projections: q through ``h x q_lora_rank``, an RMSNorm and ``q_lora_rank x q_dim`` (or one
+    ``h x q_dim`` without ``q_lora_rank``); k and v from one ``h x (kv_lora_rank +
+    qk_rope_head_dim)`` projection whose latent part is normalised and expanded by
+    ``kv_lora_rank x heads (head_dim - qk_rope_head_dim + v_head_dim)``, the rotary part shared
+    by every head. ``head_dim`` is then the q/k head width (nope + rope), ``v_head_dim`` the
+    value's, and every head has its own keys and values (``num_key_value_heads`` = heads).
 
     Attributes:
         hidden_size: model width ``h``.
@@ -88,6 +100,15 @@ class ModelShape:
         sliding_window: keys each query of a sliding layer sees, itself included; 0: none.
         sliding_layers: layers whose attention slides over ``sliding_window`` keys; the others
             attend the whole causal prefix.
+        v_head_dim: width of one value head; 0: ``head_dim``.
+        q_lora_rank: rank of MLA's query compression; 0: one q projection.
+        kv_lora_rank: rank of MLA's key/value latent; 0: no MLA (k and v projections).
+        qk_rope_head_dim: rotary part of MLA's q/k heads, its key shared by the heads.
+        shared_expert_gate: the shared expert is scaled by a sigmoid gate (Qwen2-MoE).
+        float32_router: the router computes in float32 whatever the model's dtype (DeepSeek,
+            GLM-4-MoE); activation memory only.
+        normalized_routing: the top-k routing weights are divided by their sum
+            (``norm_topk_prob``; DeepSeek-V2 never does); activation memory only.
     """
 
     hidden_size: int
@@ -106,6 +127,13 @@ class ModelShape:
     qk_norm: bool = False
     sliding_window: int = 0
     sliding_layers: int = 0
+    v_head_dim: int = 0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    shared_expert_gate: bool = True
+    float32_router: bool = False
+    normalized_routing: bool = True
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -155,11 +183,25 @@ class ModelShape:
                 "window leaves both at 0, one with a window sets both (1 <= sliding_layers <= "
                 "num_layers)."
             )
+        mla_ok = (
+            self.num_key_value_heads == self.num_attention_heads
+            and self.qk_rope_head_dim < self.head_dim
+        )
+        stray = (self.q_lora_rank or self.qk_rope_head_dim) and not self.kv_lora_rank
+        if stray or (self.kv_lora_rank and not mla_ok):
+            raise ValueError(
+                f"ModelShape has kv_lora_rank={self.kv_lora_rank}, q_lora_rank={self.q_lora_rank}, "
+                f"qk_rope_head_dim={self.qk_rope_head_dim}, head_dim={self.head_dim} and "
+                f"{self.num_key_value_heads} of {self.num_attention_heads} heads for keys; "
+                "Multi-head Latent Attention sets kv_lora_rank >= 1, qk_rope_head_dim < head_dim "
+                "(head_dim = qk_nope_head_dim + qk_rope_head_dim) and a key per head, other "
+                "attentions leave all three ranks at 0."
+            )
 
     @classmethod
     def from_hf_config(cls, config: Any) -> ModelShape:
         """Shape of a Hugging Face decoder config: dense (Qwen2, Llama, Mistral, Qwen3 shape) or
-        Mixture-of-Experts (``model_type`` ``"qwen3_moe"``, ``"qwen2_moe"`` or ``"mixtral"``).
+        Mixture-of-Experts (``model_type`` in :data:`MOE_MODEL_TYPES`).
 
         Dense fields: ``hidden_size``, ``num_hidden_layers``, ``num_attention_heads``,
         ``intermediate_size`` and ``vocab_size``; ``num_key_value_heads`` and ``head_dim`` are
@@ -171,7 +213,12 @@ class ModelShape:
         ``intermediate_size`` on every layer. A set ``sliding_window`` (transformers' configs
         leave it ``None``, or Qwen2-MoE's 0, without ``use_sliding_window``) applies to the
         layers ``layer_types`` marks ``"sliding_attention"``, or to every layer without
-        ``layer_types`` (Mistral, Mixtral, Qwen3-MoE).
+        ``layer_types`` (Mistral, Mixtral, Qwen3-MoE). DeepSeek-V3, GLM-4-MoE and DeepSeek-V2:
+        ``n_routed_experts`` experts of ``moe_intermediate_size``, ``num_experts_per_tok`` per
+        token, on the layers from ``first_k_dense_replace`` on, and ``n_shared_experts`` shared
+        ones of the same width as one ungated shared expert; DeepSeek's Multi-head Latent
+        Attention from ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
+        ``qk_rope_head_dim`` and ``v_head_dim``.
 
         Raises:
             ValueError: when the config lacks a needed field, or has experts of a family not
@@ -196,6 +243,10 @@ class ModelShape:
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
         moe = _expert_fields(config, model_type, layers)
+        mla = _mla_fields(config) if model_type in MLA_MODEL_TYPES else {}
+        if mla:
+            kv_heads = heads  # every head has its own keys and values
+            head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
         window, sliding = _sliding_window(config, layers)
         if model_type == "qwen2":
             qkv_bias = True  # Qwen2's q/k/v projections always have biases
@@ -212,10 +263,12 @@ class ModelShape:
             intermediate_size=int(config.intermediate_size),
             vocab_size=int(config.vocab_size),
             qkv_bias=qkv_bias,
-            qk_norm=model_type in _QK_NORM_MODEL_TYPES,
+            qk_norm=model_type in _QK_NORM_MODEL_TYPES
+            or (model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
             sliding_window=window,
             sliding_layers=sliding,
             **moe,
+            **mla,
         )
 
     @property
@@ -225,8 +278,43 @@ class ModelShape:
 
     @property
     def kv_dim(self) -> int:
-        """Width of all key (or value) heads together."""
+        """Width of all key heads together (of the value heads too unless ``v_head_dim``)."""
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        """Width of one value head: ``v_head_dim``, or ``head_dim`` when it is 0."""
+        return self.v_head_dim or self.head_dim
+
+    @property
+    def v_dim(self) -> int:
+        """Width of all value heads together."""
+        return self.num_key_value_heads * self.value_head_dim
+
+    @property
+    def out_dim(self) -> int:
+        """Width of the attention output, o_proj's input (every query head's value)."""
+        return self.num_attention_heads * self.value_head_dim
+
+    def attention_projection_flops_per_token(self) -> int:
+        """Forward FLOPs per token of one layer's attention projections.
+
+        q ``2*h*q_dim``, k ``2*h*kv_dim``, v ``2*h*v_dim``, o ``2*out_dim*h``. Multi-head
+        Latent Attention instead: q ``2*h*q_lora_rank + 2*q_lora_rank*q_dim`` (``2*h*q_dim``
+        without ``q_lora_rank``), the latent ``2*h*(kv_lora_rank + qk_rope_head_dim)``, its
+        expansion ``2*kv_lora_rank*heads*(head_dim - qk_rope_head_dim + v_head_dim)``, o as
+        above.
+        """
+        h = self.hidden_size
+        out = 2 * self.out_dim * h
+        if not self.kv_lora_rank:
+            return 2 * h * (self.q_dim + self.kv_dim + self.v_dim) + out
+        r_q, r_kv = self.q_lora_rank, self.kv_lora_rank
+        q = 2 * h * r_q + 2 * r_q * self.q_dim if r_q else 2 * h * self.q_dim
+        nope = self.head_dim - self.qk_rope_head_dim
+        latent = 2 * h * (r_kv + self.qk_rope_head_dim)
+        expand = 2 * r_kv * self.num_attention_heads * (nope + self.value_head_dim)
+        return q + latent + expand + out
 
     @property
     def dense_layers(self) -> int:
@@ -238,26 +326,28 @@ class ModelShape:
 
         Router ``2*h*num_experts``; ``experts_per_token`` experts of three matmuls
         ``2*h*expert_ffn`` each; the shared expert's three ``2*h*shared_ffn`` and its gate
-        ``2*h``. The routing itself (softmax, top-k, gathers, weighting) is not a matmul.
+        ``2*h`` (``shared_expert_gate``). The routing itself (softmax or sigmoid, group and
+        top-k selection, gathers, weighting) is not a matmul.
         """
         if not self.num_experts:
             return 0
         h = self.hidden_size
         routed = self.experts_per_token * 3 * 2 * h * self.expert_intermediate_size
         shared = self.shared_expert_intermediate_size
-        shared_flops = 3 * 2 * h * shared + 2 * h if shared else 0
+        gate = 2 * h if self.shared_expert_gate else 0
+        shared_flops = 3 * 2 * h * shared + gate if shared else 0
         return 2 * h * self.num_experts + routed + shared_flops
 
     def linear_flops_per_token(self) -> int:
         """Forward FLOPs per token of every matmul that is not attention, all layers + LM head.
 
-        Per layer: q and o projections ``2*h*q_dim`` each, k and v ``2*h*kv_dim`` each; the
-        dense layers' SwiGLU MLP three matmuls ``2*h*ffn`` each, the sparse layers'
+        Per layer: the attention projections (:meth:`attention_projection_flops_per_token`);
+        the dense layers' SwiGLU MLP three matmuls ``2*h*ffn`` each, the sparse layers'
         :meth:`sparse_mlp_flops_per_token`. Once: LM head ``2*h*vocab``. Biases, norms,
         rotary embedding and the activation are ignored (well under 1% of the FLOPs).
         """
         h = self.hidden_size
-        attention = 2 * h * self.q_dim * 2 + 2 * h * self.kv_dim * 2
+        attention = self.attention_projection_flops_per_token()
         dense = 3 * 2 * h * self.intermediate_size
         return (
             self.num_layers * attention
@@ -275,14 +365,14 @@ class ModelShape:
         """Forward FLOPs of one (query, key) pair, all heads, all full-attention layers (every
         layer of a model without a sliding window).
 
-        ``Q K^T`` and ``P V`` cost ``2 * head_dim`` each per head.
+        ``Q K^T`` costs ``2 * head_dim`` per head, ``P V`` ``2 * value_head_dim``.
         """
-        return self.full_attention_layers * 4 * self.q_dim
+        return self.full_attention_layers * 2 * (self.q_dim + self.out_dim)
 
     def sliding_attention_flops_per_pair(self) -> int:
         """Forward FLOPs of one (query, key) pair, all heads, all sliding-window layers (0
         without a window); the pairs are :func:`window_pairs`'."""
-        return self.sliding_layers * 4 * self.q_dim
+        return self.sliding_layers * 2 * (self.q_dim + self.out_dim)
 
     def forward_flops(self, length: int) -> int:
         """Exact forward FLOPs of one sequence of ``length`` tokens run whole (causal, no tiles).
@@ -302,13 +392,13 @@ _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "
 """Architectures that normalise q and k before RoPE (:attr:`ModelShape.qk_norm`)."""
 
 
-def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, int]:
+def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, Any]:
     """The :class:`ModelShape` expert fields of a Hugging Face config (``{}``: dense).
 
     Raises:
         ValueError: experts of a Mixture-of-Experts family not read here.
     """
-    moe: dict[str, int] = {}
+    moe: dict[str, Any] = {}
     if model_type in ("qwen3_moe", "qwen2_moe") and int(config.num_experts) > 0:
         dense_layers = set(getattr(config, "mlp_only_layers", None) or ())
         step = int(config.decoder_sparse_step)
@@ -323,6 +413,21 @@ def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str
             if model_type == "qwen2_moe":
                 shared = int(getattr(config, "shared_expert_intermediate_size", None) or 0)
                 moe["shared_expert_intermediate_size"] = shared
+    elif model_type in ("deepseek_v3", "glm4_moe", "deepseek_v2"):
+        first_dense = min(int(config.first_k_dense_replace or 0), layers)
+        if layers > first_dense and int(config.n_routed_experts or 0) > 0:
+            moe = {
+                "num_experts": int(config.n_routed_experts),
+                "experts_per_token": int(config.num_experts_per_tok),
+                "expert_intermediate_size": int(config.moe_intermediate_size),
+                "shared_expert_intermediate_size": int(config.moe_intermediate_size)
+                * int(config.n_shared_experts or 0),
+                "sparse_layers": layers - first_dense,
+                "shared_expert_gate": False,
+                "float32_router": True,
+                "normalized_routing": model_type != "deepseek_v2"
+                and bool(getattr(config, "norm_topk_prob", False)),
+            }
     elif model_type == "mixtral":
         moe = {
             "num_experts": int(config.num_local_experts),
@@ -342,6 +447,16 @@ def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str
                 "num_experts, experts_per_token, expert_intermediate_size and sparse_layers."
             )
     return moe
+
+
+def _mla_fields(config: Any) -> dict[str, Any]:
+    """The :class:`ModelShape` fields of DeepSeek's Multi-head Latent Attention."""
+    return {
+        "v_head_dim": int(config.v_head_dim),
+        "q_lora_rank": int(config.q_lora_rank or 0),
+        "kv_lora_rank": int(config.kv_lora_rank),
+        "qk_rope_head_dim": int(config.qk_rope_head_dim),
+    }
 
 
 def _sliding_window(config: Any, layers: int) -> tuple[int, int]:
@@ -759,11 +874,13 @@ class CostModel:
         """Bytes one rank receives per micro-batch for distributed sequences of that many tokens.
 
         All layers, forward all-gather of K and V plus backward reduce-scatter of their
-        gradients; each rank receives the ``(N - 1) / N`` it does not hold.
+        gradients; each rank receives the ``(N - 1) / N`` it does not hold. Multi-head Latent
+        Attention exchanges the per-head keys and values the attention function receives, not
+        the latent.
         """
         if cp_size == 1:
             return 0.0
-        per_token = 2 * self.shape.kv_dim * self.bytes_per_element  # K and V
+        per_token = (self.shape.kv_dim + self.shape.v_dim) * self.bytes_per_element  # K and V
         directions = 2 * self.shape.num_layers
         return directions * per_token * distributed_tokens * (cp_size - 1) / cp_size
 
