@@ -141,8 +141,10 @@ def test_a_token_across_the_prompt_boundary_is_supervised_and_warned() -> None:
     samples = [*PROMPT_COMPLETION, STRADDLING, STRADDLING]
     with pytest.warns(PromptBoundaryWarning) as record:
         dataset = load_sft_data(samples, tokenizer=_tokenizer())
-    assert _samples(dataset) == [*PROMPT_COMPLETION_EXPECTED, STRADDLING_EXPECTED] + [
-        STRADDLING_EXPECTED
+    assert _samples(dataset) == [
+        *PROMPT_COMPLETION_EXPECTED,
+        STRADDLING_EXPECTED,
+        STRADDLING_EXPECTED,
     ]
     assert len(record) == 1  # one warning that counts them
     assert str(record[0].message).startswith(
@@ -318,10 +320,21 @@ def test_errors_name_the_file_line_and_row(tmp_path: Path) -> None:
         load_sft_data(parquet, tokenizer=tokenizer)
     # a table made by mixing sources has nulls where a row lacks a column: read per row
     nulls = {"text": None, "prompt": None, "completion": None}
-    table = pa.Table.from_pylist([{**nulls, **TEXT[0]}, {**nulls, **PROMPT_COMPLETION[0]}])
+    table = pa.Table.from_pylist([{**nulls, **TEXT[0]}, {**nulls, **PROMPT_COMPLETION[0]}, nulls])
     pq.write_table(table, parquet)
     with pytest.raises(ValueError, match=r"sample 1 \(.*d.parquet row 1\) is a prompt-complet"):
         load_sft_data(parquet, tokenizer=tokenizer)
+    pq.write_table(table.slice(1), parquet)
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 \(.*d.parquet row 1\) has keys \['completion', 'prompt', 'text'\], and "
+        r"\['text', 'prompt', 'completion'\] are null; none of them names a sample format",
+    ):
+        load_sft_data(parquet, tokenizer=tokenizer)
+    # and so are the nulls of JSON Lines written from such a table
+    jsonl = _jsonl(tmp_path / "nulls.jsonl", table.slice(1, 1).to_pylist())
+    assert '"text": null' in jsonl.read_text()
+    assert _samples(load_sft_data(jsonl, tokenizer=tokenizer)) == PROMPT_COMPLETION_EXPECTED[:1]
     with pytest.raises(ValueError, match="val_data is one sample dict"):
         SkrullDataModule(val_data=TEXT[0])
 
@@ -344,7 +357,7 @@ def test_labels_equal_trl_sft_trainer(tmp_path: Path) -> None:
     trl = pytest.importorskip("trl")
     tokenizer = _tokenizer()
     model = tiny_qwen2()
-    cases = [TEXT, PROMPT_COMPLETION + [STRADDLING], CONVERSATIONAL]
+    cases = [TEXT, [*PROMPT_COMPLETION, STRADDLING], CONVERSATIONAL]
     for samples in cases:
         args = trl.SFTConfig(
             output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True

@@ -56,20 +56,25 @@ class PromptBoundaryWarning(UserWarning):
 
 
 def sample_format(sample: Mapping[str, Any], where: str) -> SampleFormat:
-    """The format of ``sample`` from its keys (``input_ids`` wins over any other).
+    """The format of ``sample`` from its keys whose value is not ``None`` (``input_ids`` wins over
+    any other). A null is an absent key: data exported from a mix of sources (JSON Lines written
+    by ``datasets``) holds one wherever a sample lacks a column.
 
     Raises:
         ValueError: no known key, a ``prompt`` without ``completion`` (or the reverse), keys of
             two formats, or a prompt and a completion that are neither both strings nor both
             lists of messages.
     """
-    if "input_ids" in sample:
+    if sample.get("input_ids") is not None:
         return "tokens"
-    found = [key for key in _RAW_KEYS if key in sample]
+    found = [key for key in _RAW_KEYS if sample.get(key) is not None]
     if not found:
+        nulls = [key for key in ("input_ids", *_RAW_KEYS) if key in sample]
+        null = f", and {nulls} {'is' if len(nulls) == 1 else 'are'} null" if nulls else ""
         raise ValueError(
-            f"{where} has keys {sorted(map(str, sample))}; none of them names a sample format. "
-            f"Accepted formats: {ACCEPTED_FORMATS}. Rename the keys (columns) of the data."
+            f"{where} has keys {sorted(map(str, sample))}{null}; none of them names a sample "
+            f"format. Accepted formats: {ACCEPTED_FORMATS}. Rename the keys (columns) of the "
+            "data."
         )
     pair = [key for key in found if key in ("prompt", "completion")]
     if len(pair) == 1:

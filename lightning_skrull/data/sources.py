@@ -341,9 +341,9 @@ RAW_COLUMNS = ("messages", "text", "prompt", "completion")
 
 
 def table_rows(table: Any) -> list[dict[str, Any]]:
-    """The rows of a table that holds raw samples, as dicts without the null columns (a
-    dataset made by mixing sources holds a null wherever a row lacks a column)."""
-    return [{k: v for k, v in row.items() if v is not None} for row in table.to_pylist()]
+    """The rows of a table that holds samples to tokenise, as dicts (a null, where a dataset made
+    by mixing sources lacks a column, is read as an absent key by :func:`sample_format`)."""
+    return cast(list[dict[str, Any]], table.to_pylist())
 
 
 @dataclass(frozen=True)
