@@ -169,9 +169,8 @@ def test_every_input_kind_and_the_cache_give_the_written_out_tokens(
     # A file of more samples than one tokenisation task holds (512), so that the cache is
     # tokenised by 2 worker processes, and through the data module as a run reads it.
     many = samples * 200
+    pq.write_table(pa.Table.from_pylist(many), tmp_path / "many.parquet")
     for data in (_jsonl(tmp_path / "many.jsonl", many), tmp_path / "many.parquet", hf_files):
-        if data == tmp_path / "many.parquet":
-            pq.write_table(pa.Table.from_pylist(many), data)
         module = SkrullDataModule(
             train_data=data,
             global_batch_size=4,
