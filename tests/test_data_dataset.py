@@ -188,7 +188,11 @@ def test_arrays_hold_the_same_sample_as_getitem_and_collate_the_same() -> None:
             "No sample has a supervised token: all 2 labels are -100",
         ),
         ([{"input_ids": [1, 2**40]}], "beyond any vocabulary"),
-        ([{"text": "hello"}], r"sample 0 has keys \['text'\]; expected 'input_ids'"),
+        (
+            [{"txt": "hello"}],
+            r"sample 0 has keys \['txt'\]; none of them names a sample format. Accepted formats: "
+            r"\{'input_ids'",
+        ),
     ],
 )
 def test_bad_samples_raise_value_error_naming_sample_rule_and_fix(

@@ -3,6 +3,7 @@
 from lightning_skrull.data.bundled import BUNDLED_DATASETS, load_bundled_dataset
 from lightning_skrull.data.chat import ChatTurns, tokenize_chat
 from lightning_skrull.data.dataset import IGNORE_INDEX, SFTDataset, TruncationWarning
+from lightning_skrull.data.formats import PromptBoundaryWarning
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import load_sft_data
 
@@ -11,6 +12,7 @@ __all__ = [
     "IGNORE_INDEX",
     "ChatTurns",
     "GlobalBatchSampler",
+    "PromptBoundaryWarning",
     "SFTDataset",
     "TruncationWarning",
     "load_bundled_dataset",

@@ -15,9 +15,9 @@ Layout of one cache (a directory named ``<first file's stem>-<key>``)::
                       the largest id and label, and where each sample came from
 
 The key (a hash) covers everything that changes the tokens: the data sources (file paths, or a
-``datasets.Dataset`` fingerprint), the tokenizer (its full ``tokenizer.json`` and chat template),
-``chat_template_kwargs`` and :data:`CACHE_FORMAT_VERSION`. The files' contents are checked on
-open without reading them: size and modification time must equal those stored; when only the
+``datasets.Dataset`` fingerprint), the tokenizer (its full ``tokenizer.json``, chat template and
+``eos_token``), ``chat_template_kwargs`` and :data:`CACHE_FORMAT_VERSION`. The files' contents
+are checked on open without reading them: size and modification time must equal those stored; when only the
 time differs, the file is hashed once and compared with the SHA-256 stored at build. Truncation
 is not part of the key: the cache holds whole samples, and truncation shortens lengths when the
 dataset is validated (see :meth:`SFTDataset.validate`).
@@ -58,13 +58,17 @@ from lightning_skrull.data.dataset import (
     empty_data_error,
     nothing_supervised_error,
 )
+from lightning_skrull.data.formats import SampleFormat, mixed_formats_error
 from lightning_skrull.data.sources import (
+    RAW_COLUMNS,
     Chunk,
     SampleBuilder,
     add_jsonl_line,
     as_paths,
     check_file,
     is_hf_dataset,
+    table_rows,
+    warn_straddling,
 )
 
 try:
@@ -128,7 +132,8 @@ def _stable(value: object) -> object:
 
 def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     """SHA-256 of what makes a tokenizer's tokens: its class, its full definition (a fast
-    tokenizer's ``tokenizer.json``, else its vocabulary) and its chat template."""
+    tokenizer's ``tokenizer.json``, else its vocabulary), its chat template and its
+    ``eos_token`` (appended to text and prompt-completion samples)."""
     if tokenizer is None:
         return None
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -137,7 +142,13 @@ def tokenizer_fingerprint(tokenizer: Any) -> str | None:
     else:
         definition = json.dumps(tokenizer.get_vocab(), sort_keys=True)
     digest = hashlib.sha256()
-    for part in (type(tokenizer).__qualname__, definition, str(tokenizer.chat_template)):
+    parts = (
+        type(tokenizer).__qualname__,
+        definition,
+        str(tokenizer.chat_template),
+        str(getattr(tokenizer, "eos_token", None)),
+    )
+    for part in parts:
         digest.update(part.encode())
         digest.update(b"\0")
     return digest.hexdigest()
@@ -395,6 +406,9 @@ def cached_sft_data(
                     shutil.rmtree(tmp, ignore_errors=True)
                 built = True
     dataset = open_cache(final, manifest)
+    straddling = manifest.get("straddling") or {"count": 0}
+    if straddling["count"]:
+        warn_straddling(straddling["count"], straddling["first"])
     cached = CachedData(dataset, final, built, time.perf_counter() - start)
     log.info(cached.describe())
     return cached
@@ -468,16 +482,17 @@ class _LinesTask:
 
 
 @dataclass(frozen=True)
-class _MessagesTask:
-    """Chat rows of a table: sample ``start`` is row ``row_base`` of ``source``."""
+class _RowsTask:
+    """Rows of a table to tokenise (chat, text, prompt-completion): sample ``start`` is row
+    ``row_base`` of ``source``."""
 
     source: str
     start: int
     row_base: int
-    conversations: list[Any]
+    rows: list[dict[str, Any]]
 
 
-_Task = _LinesTask | _MessagesTask
+_Task = _LinesTask | _RowsTask
 
 
 def _convert(
@@ -493,9 +508,9 @@ def _convert(
             add_jsonl_line(builder, task.source, number, line, task.start + k)
     else:
         builder.origins.append(Origin(task.start - task.row_base, task.source))
-        for k, messages in enumerate(task.conversations):
+        for k, row in enumerate(task.rows):
             where = f"sample {task.start + k} ({task.source} row {task.row_base + k})"
-            builder.add_sample({"messages": messages}, where)
+            builder.add_sample(row, where)
     return builder.chunk(task.start)
 
 
@@ -570,8 +585,21 @@ class _Writer:
         self.supervised = 0
         self.max_input_id = -1
         self.max_label = IGNORE_INDEX
+        self.format: SampleFormat | None = None
+        self.format_where = ""
+        self.straddling = 0
+        self.first_straddling = ""
 
     def add(self, chunk: Chunk) -> None:
+        if chunk.format is not None:
+            if self.format is None:
+                self.format, self.format_where = chunk.format, chunk.format_where
+            elif chunk.format != self.format:
+                raise mixed_formats_error(
+                    chunk.format_where, chunk.format, self.format_where, self.format
+                )
+        self.straddling += chunk.straddling
+        self.first_straddling = self.first_straddling or chunk.first_straddling
         self.ids.write(chunk.input_ids.tobytes())
         labels = chunk.input_ids if chunk.labels is None else chunk.labels
         self.labels.write(labels.tobytes())
@@ -644,21 +672,19 @@ def _table_chunks(
     converter: _Converter,
     advance: Callable[[int], Any],
 ) -> Iterator[Chunk]:
-    """Chunks of a table read in record batches: id columns converted here (vectorised), chat
-    rows tokenised by the converter's workers."""
+    """Chunks of a table read in record batches: id columns converted here (vectorised), rows to
+    tokenise (chat, text, prompt-completion) by the converter's workers."""
     import pyarrow as pa
 
     row = 0
     for batch in batches:
         table = pa.Table.from_batches([batch]) if isinstance(batch, pa.RecordBatch) else batch
         names = table.column_names
-        if "input_ids" not in names and "messages" in names:
-            conversations = table.column("messages").to_pylist()
+        if "input_ids" not in names and any(name in RAW_COLUMNS for name in names):
+            rows = table_rows(table)
             tasks = [
-                _MessagesTask(
-                    source, start + row + at, row + at, conversations[at : at + _LINES_PER_CHUNK]
-                )
-                for at in range(0, len(conversations), _LINES_PER_CHUNK)
+                _RowsTask(source, start + row + at, row + at, rows[at : at + _LINES_PER_CHUNK])
+                for at in range(0, len(rows), _LINES_PER_CHUNK)
             ]
             yield from converter.map(iter(tasks))
         else:
@@ -740,6 +766,8 @@ def _build(tmp: Path, spec: CacheSpec, num_proc: int, progress: bool | None) -> 
         "max_input_id": writer.max_input_id,
         "max_label": writer.max_label if writer.has_labels else None,
         "supervised_tokens": writer.supervised,
+        "sample_format": writer.format or "tokens",
+        "straddling": {"count": writer.straddling, "first": writer.first_straddling},
         "build_seconds": round(time.perf_counter() - started, 3),
         "checked": "every sample passed the checks of load_sft_data",
     }

@@ -20,6 +20,11 @@ Which assistant turns are supervised is ``chat_turns``: ``"all"`` (the default),
 the conversation's last assistant turn. With ``"last"`` the sample ends with that turn: any later
 message would follow every supervised token, so it could change no loss. ``"last"`` works with any
 template, because the last turn is rendered as the last turn both times.
+
+A conversational prompt-completion sample (``{"prompt": [messages], "completion": [messages]}``)
+is located the same way (:func:`tokenize_chat_completion`): the prompt rendered with the
+generation prompt must begin the whole conversation's rendering, and every token after it is
+supervised.
 """
 
 from __future__ import annotations
@@ -68,19 +73,21 @@ def check_chat_tokenizer(tokenizer: Any) -> None:
         )
 
 
-def _check_messages(messages: object, where: str) -> list[Mapping[str, Any]]:
+def _check_messages(
+    messages: object, where: str, *, name: str = "messages", first_may_be_assistant: bool = False
+) -> list[Mapping[str, Any]]:
     if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence) or not messages:
         raise ValueError(
-            f"{where}: 'messages' must be a non-empty list of "
+            f"{where}: '{name}' must be a non-empty list of "
             f'{{"role": ..., "content": ...}} dicts, got {messages!r:.80}.'
         )
     for turn, message in enumerate(messages):
         if not isinstance(message, Mapping) or "role" not in message:
             raise ValueError(
-                f"{where}: messages[{turn}] = {message!r:.80} is not a dict with a 'role'; every "
+                f"{where}: {name}[{turn}] = {message!r:.80} is not a dict with a 'role'; every "
                 'message must look like {"role": "user", "content": "..."}.'
             )
-    if messages[0]["role"] == ASSISTANT_ROLE:
+    if not first_may_be_assistant and messages[0]["role"] == ASSISTANT_ROLE:
         raise ValueError(
             f"{where}: the conversation starts with an assistant message, so it has no prompt to "
             "learn from; start it with a system or user message."
@@ -196,6 +203,14 @@ def tokenize_chat(
                 f"turns after the last user message (Qwen3's). {_UNSTABLE_FIXES}"
             )
         spans.append((len(before), len(through)))
+    return _label_spans(tokenizer, text, spans)
+
+
+def _label_spans(
+    tokenizer: Any, text: str, spans: Sequence[tuple[int, int]]
+) -> tuple[list[int], list[int]]:
+    """Tokenises ``text`` (no special tokens added) and supervises the tokens that overlap one
+    of ``spans`` (sorted character ranges), by the fast tokenizer's offsets."""
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids = list(encoding["input_ids"])
     labels = [IGNORE_INDEX] * len(ids)
@@ -208,3 +223,58 @@ def tokenize_chat(
         if end > spans[span][0] or (start == end and start >= spans[span][0]):
             labels[position] = ids[position]
     return ids, labels
+
+
+def tokenize_chat_completion(
+    prompt: object,
+    completion: object,
+    tokenizer: Any,
+    *,
+    where: str = "sample",
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+) -> tuple[list[int], list[int]]:
+    """Tokenises a conversational prompt-completion sample; only the completion is supervised.
+
+    The prompt is rendered with the generation prompt, and the whole conversation
+    (``prompt + completion``) without it; the completion is the rendering's suffix after the
+    first, so every token of it (its messages, the template's end-of-turn tokens) is supervised
+    and nothing of the prompt or the generation prompt is. As TRL's SFTTrainer does for this
+    format, no ``eos_token`` is appended: the template ends the turn.
+
+    Args:
+        prompt: ``[{"role": ..., "content": ...}, ...]``, the conversation so far.
+        completion: the messages to learn, a non-empty list (usually one assistant message).
+        tokenizer: a fast Hugging Face tokenizer with a ``chat_template``.
+        where: names the sample in error messages.
+        chat_template_kwargs: extra keyword arguments for ``apply_chat_template``.
+
+    Returns:
+        ``(input_ids, labels)``: labels equal the ids on the completion's tokens and ``-100``
+        elsewhere.
+
+    Raises:
+        ValueError: malformed messages, an empty completion, or a template whose rendering of the
+            prompt (with the generation prompt) does not begin the whole conversation's.
+    """
+    prompt = _check_messages(prompt, where, name="prompt")
+    if isinstance(completion, list) and not completion:
+        raise ValueError(
+            f"{where}: completion is an empty list, so there is nothing to learn; give at least one "
+            "message to learn, or remove the sample."
+        )
+    completion = _check_messages(completion, where, name="completion", first_may_be_assistant=True)
+    kwargs = dict(chat_template_kwargs or {})
+    before = tokenizer.apply_chat_template(
+        prompt, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    text = tokenizer.apply_chat_template(
+        prompt + completion, tokenize=False, add_generation_prompt=False, **kwargs
+    )
+    if not text.startswith(before):
+        raise ValueError(
+            f"{where}: the chat template renders the prompt (with the generation prompt) "
+            f"differently once the completion follows ({_divergence(before, text)}), so the "
+            "completion's tokens cannot be located. Fixes: use a template that renders the "
+            "prompt the same whatever follows it, or pre-tokenise the data with your own labels."
+        )
+    return _label_spans(tokenizer, text, [(len(before), len(text))])

@@ -40,7 +40,7 @@ from lightning_skrull.data.cache import cached_sft_data, is_cacheable
 from lightning_skrull.data.chat import ChatTurns, check_chat_turns
 from lightning_skrull.data.dataset import SFTDataset
 from lightning_skrull.data.sampler import GlobalBatchSampler
-from lightning_skrull.data.sources import SFTData, load_sft_data
+from lightning_skrull.data.sources import RAW_COLUMNS, SFTData, load_sft_data
 from lightning_skrull.models.multimodal import image_token_id, is_multimodal, text_config
 from lightning_skrull.models.patching import find_hf_model
 
@@ -315,7 +315,7 @@ def named_sets(data: SFTData, argument: str) -> dict[str, SFTData] | None:
     """
     if not isinstance(data, Mapping):
         return None
-    if "input_ids" in data or "messages" in data:
+    if any(key in data for key in ("input_ids", *RAW_COLUMNS)):
         raise ValueError(
             f"{argument} is one sample dict (keys {sorted(map(str, data))}); give a list of "
             f"samples, or several sets as a mapping name -> data, e.g. {argument}="
@@ -370,7 +370,9 @@ class SkrullDataModule(pl.LightningDataModule):
 
     Args:
         train_data: samples ``{"input_ids": [...], "labels": [...]}`` (labels optional, -100 =
-            not supervised), chat samples ``{"messages": [...]}`` (with ``tokenizer``), a
+            not supervised); with ``tokenizer``, chat samples ``{"messages": [...]}``, text
+            ``{"text": ...}`` or prompt-completion ``{"prompt": ..., "completion": ...}``
+            samples (strings, or lists of messages; docs/data.md says what is supervised); a
             ``datasets.Dataset``, path(s) to JSONL / parquet files, an ``SFTDataset``, or
             ``"bundled:mixed_tiny"`` for the dataset shipped with the package.
         global_batch_size: sequences per optimizer step over all ranks.
@@ -391,8 +393,9 @@ class SkrullDataModule(pl.LightningDataModule):
             (logged as ``test_loss/<name>``).
         drop_last: drop the last partial global batch of each training epoch.
         num_workers: DataLoader workers per rank building batches ahead.
-        tokenizer: HF tokenizer (or its name / path) for chat samples; its chat template is
-            applied and only assistant tokens are supervised.
+        tokenizer: HF tokenizer (or its name / path) for chat, text and prompt-completion
+            samples; chat samples are rendered with its chat template and only assistant tokens
+            are supervised, prompt-completion samples only their completion.
         chat_template_kwargs: extra arguments for ``tokenizer.apply_chat_template``.
         chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
             ``"last"``, only the last one (the sample then ends with it); ``"last"`` works with

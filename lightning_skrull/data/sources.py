@@ -2,9 +2,13 @@
 
 Supported ``train_data``:
 - a sequence of dicts ``{"input_ids": [...], "labels": [...]}`` (``labels`` optional);
-- a sequence of chat dicts ``{"messages": [{"role": ..., "content": ...}, ...]}`` (needs
-  ``tokenizer``); a sample holding both keys is read from ``input_ids``;
-- a ``datasets.Dataset`` with an ``input_ids`` (and optional ``labels``) or a ``messages`` column;
+- a sequence of chat dicts ``{"messages": [{"role": ..., "content": ...}, ...]}``, text dicts
+  ``{"text": ...}`` or prompt-completion dicts ``{"prompt": ..., "completion": ...}`` (strings,
+  or lists of messages), which need ``tokenizer`` (:mod:`lightning_skrull.data.formats`); a
+  sample holding ``input_ids`` is read from them whatever else it holds, and a dataset holds one
+  of the other formats (pre-tokenised samples mix with any);
+- a ``datasets.Dataset`` with an ``input_ids`` (and optional ``labels``) column, or the columns
+  of one of the other formats;
 - a path, or a list of paths, to JSON Lines (``.jsonl``, ``.json``) or Parquet (``.parquet``)
   files, concatenated in the order given;
 - an :class:`SFTDataset`, returned as it is.
@@ -15,6 +19,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +32,7 @@ from lightning_skrull.data.chat import (
     check_chat_tokenizer,
     check_chat_turns,
     tokenize_chat,
+    tokenize_chat_completion,
 )
 from lightning_skrull.data.dataset import (
     Origin,
@@ -34,6 +40,17 @@ from lightning_skrull.data.dataset import (
     check_empty_samples,
     check_int32_column,
     describe_sample,
+)
+from lightning_skrull.data.formats import (
+    ACCEPTED_FORMATS,
+    PromptBoundaryWarning,
+    SampleFormat,
+    boundary_warning_text,
+    check_text_tokenizer,
+    mixed_formats_error,
+    sample_format,
+    tokenize_prompt_completion,
+    tokenize_text,
 )
 
 JSONL_SUFFIXES = (".jsonl", ".json")
@@ -153,6 +170,10 @@ class SampleBuilder:
         self.labels: list[np.ndarray | None] = []
         self.origins: list[Origin] = []
         self._tokenizer_checked = False
+        self.format: SampleFormat | None = None  # of the samples that are not pre-tokenised
+        self.format_where = ""  # the first such sample
+        self.straddling = 0  # prompt-completion samples with a token across the boundary
+        self.first_straddling = ""
 
     def __len__(self) -> int:
         return len(self.ids)
@@ -160,39 +181,70 @@ class SampleBuilder:
     def add_sample(self, sample: object, where: str) -> None:
         if not isinstance(sample, Mapping):
             raise TypeError(
-                f"{where} is a {type(sample).__name__}; each sample must be a dict with "
-                "'input_ids' (and optional 'labels') or 'messages'."
+                f"{where} is a {type(sample).__name__}; each sample must be a dict, one of "
+                f"{ACCEPTED_FORMATS}."
             )
-        if "input_ids" in sample:
+        format_ = sample_format(sample, where)
+        if format_ != "tokens":
+            if self.format is None:
+                self.format, self.format_where = format_, where
+            elif format_ != self.format:
+                raise mixed_formats_error(where, format_, self.format_where, self.format)
+        if format_ == "tokens":
             ids = _to_ids(sample["input_ids"], "input_ids", where)
             raw_labels = sample.get("labels")
             labels = None if raw_labels is None else _to_ids(raw_labels, "labels", where)
             _check_shapes(ids, labels, where)
             if sample.get("attention_mask") is not None:
                 _check_attention_mask(sample["attention_mask"], ids, where)
-        elif "messages" in sample:
+        elif format_ in ("messages", "conversational prompt-completion"):
             if self.tokenizer is None:
+                what = (
+                    "a chat sample ('messages')" if format_ == "messages" else f"a {format_} sample"
+                )
                 raise ValueError(
-                    f"{where} is a chat sample ('messages') but no tokenizer was given; pass "
+                    f"{where} is {what} but no tokenizer was given; pass "
                     "tokenizer=AutoTokenizer.from_pretrained(<model>) to tokenise it with the "
                     "model's chat template."
                 )
             if not self._tokenizer_checked:
                 check_chat_tokenizer(self.tokenizer)
                 self._tokenizer_checked = True
-            raw_ids, raw_labels = tokenize_chat(
-                sample["messages"],
-                self.tokenizer,
-                where=where,
-                chat_template_kwargs=self.chat_template_kwargs,
-                chat_turns=self.chat_turns,
-            )
+            if format_ == "messages":
+                raw_ids, raw_labels = tokenize_chat(
+                    sample["messages"],
+                    self.tokenizer,
+                    where=where,
+                    chat_template_kwargs=self.chat_template_kwargs,
+                    chat_turns=self.chat_turns,
+                )
+            else:
+                raw_ids, raw_labels = tokenize_chat_completion(
+                    sample["prompt"],
+                    sample["completion"],
+                    self.tokenizer,
+                    where=where,
+                    chat_template_kwargs=self.chat_template_kwargs,
+                )
             ids, labels = np.asarray(raw_ids, dtype=np.int64), np.asarray(raw_labels, np.int64)
         else:
-            raise ValueError(
-                f"{where} has keys {sorted(map(str, sample))}; expected 'input_ids' (with optional "
-                "'labels') or 'messages'. Rename the columns of the data."
-            )
+            if not self._tokenizer_checked:
+                check_text_tokenizer(self.tokenizer, format_, where)
+                self._tokenizer_checked = True
+            if format_ == "text":
+                ids, labels = (
+                    np.asarray(tokenize_text(sample["text"], self.tokenizer, where=where)),
+                    None,
+                )
+            else:
+                raw_ids, raw_labels, straddles = tokenize_prompt_completion(
+                    sample["prompt"], sample["completion"], self.tokenizer, where=where
+                )
+                ids, labels = np.asarray(raw_ids, dtype=np.int64), np.asarray(raw_labels, np.int64)
+                if straddles:
+                    self.straddling += 1
+                    self.first_straddling = self.first_straddling or where
+            ids = ids.astype(np.int64, copy=False)
         self.ids.append(ids)
         self.labels.append(labels)
 
@@ -221,14 +273,13 @@ class SampleBuilder:
                 _check_shapes(ids, labels, where)
                 self.ids.append(ids)
                 self.labels.append(labels)
-        elif "messages" in names:
-            for i, messages in enumerate(table.column("messages").to_pylist()):
-                where = f"sample {start + i} ({source} row {row_base + i})"
-                self.add_sample({"messages": messages}, where)
+        elif any(name in RAW_COLUMNS for name in names):
+            for i, row in enumerate(table_rows(table)):
+                self.add_sample(row, f"sample {start + i} ({source} row {row_base + i})")
         else:
             raise ValueError(
-                f"{source} has columns {names}; expected 'input_ids' (with optional 'labels') or "
-                "'messages'. Rename the columns of the data."
+                f"{source} has columns {names}; none of them names a sample format. Accepted "
+                f"formats: {ACCEPTED_FORMATS}. Rename the columns of the data."
             )
 
     def _flat(self) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
@@ -263,17 +314,52 @@ class SampleBuilder:
         labels32 = None
         if labels is not None:
             labels32 = check_int32_column("labels", labels, offsets, describe, allow_ignore=True)
-        return Chunk(ids32, labels32, np.diff(offsets))
+        return Chunk(
+            ids32,
+            labels32,
+            np.diff(offsets),
+            self.format,
+            self.format_where,
+            self.straddling,
+            self.first_straddling,
+        )
+
+    def warn_straddling(self) -> None:
+        """One :class:`PromptBoundaryWarning` when some prompt-completion sample had a token
+        across the end of its prompt."""
+        if self.straddling:
+            warn_straddling(self.straddling, self.first_straddling)
+
+
+def warn_straddling(count: int, first: str) -> None:
+    """Warns a :class:`PromptBoundaryWarning` for ``count`` samples, the first ``first``."""
+    warnings.warn(boundary_warning_text(count, first), PromptBoundaryWarning, stacklevel=3)
+
+
+RAW_COLUMNS = ("messages", "text", "prompt", "completion")
+"""The columns of the formats that are tokenised here (a table without ``input_ids``)."""
+
+
+def table_rows(table: Any) -> list[dict[str, Any]]:
+    """The rows of a table that holds samples to tokenise, as dicts (a null, where a dataset made
+    by mixing sources lacks a column, is read as an absent key by :func:`sample_format`)."""
+    return cast(list[dict[str, Any]], table.to_pylist())
 
 
 @dataclass(frozen=True)
 class Chunk:
     """Consecutive checked samples, flat: ``int32`` ids and labels (``None``: every token
-    supervised) and the ``int64`` length of each sample."""
+    supervised) and the ``int64`` length of each sample; the format of the samples that were not
+    pre-tokenised and the first of them, and the prompt-completion samples with a token across
+    the end of the prompt (their count and the first)."""
 
     input_ids: np.ndarray
     labels: np.ndarray | None
     lengths: np.ndarray
+    format: SampleFormat | None = None
+    format_where: str = ""
+    straddling: int = 0
+    first_straddling: str = ""
 
 
 @overload
@@ -419,8 +505,10 @@ def load_sft_data(
     Args:
         train_data: samples in memory, a ``datasets.Dataset``, file path(s), or an
             :class:`SFTDataset`.
-        tokenizer: a fast Hugging Face tokenizer with a chat template; needed only for chat
-            samples (``"messages"``), whose non-assistant tokens get label ``-100``.
+        tokenizer: a Hugging Face tokenizer; needed for chat samples (``"messages"``, a fast
+            tokenizer with a chat template), whose non-assistant tokens get label ``-100``, and
+            for text and prompt-completion samples, whose prompt tokens get label ``-100``
+            (:mod:`lightning_skrull.data.formats`).
         chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``.
         chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
             ``"last"`` (the sample then ends with its last assistant turn).
@@ -428,6 +516,10 @@ def load_sft_data(
 
     Returns:
         The dataset, in input order (files in the order given, lines in file order).
+
+    Warns:
+        PromptBoundaryWarning: prompt-completion samples with a token across the end of the
+            prompt (counted once).
 
     Raises:
         ValueError: bad data; the message names the sample, file and line, the rule and the fix.
@@ -454,6 +546,7 @@ def load_sft_data(
             for i, sample in enumerate(train_data):
                 builder.add_sample(sample, f"sample {i}")
         dataset = builder.build()
+        builder.warn_straddling()
     if max_tokens is not None or vocab_size is not None:
         dataset.validate(max_tokens=max_tokens, vocab_size=vocab_size, truncate=truncate)
     return dataset

@@ -1,0 +1,433 @@
+"""Text, prompt-completion and conversational prompt-completion samples (TRL's SFT dataset types).
+
+The reference is written out token by token: the test tokenizer is word-level (one token per
+whitespace-separated word of :data:`helpers.CHAT_VOCAB`, unknown words ``<unk>``), with
+``<|im_end|>`` as its EOS and a post-processor that starts every text with ``<|im_start|>`` as
+its BOS, so that both special-token rules (EOS appended by the data, BOS added by the tokenizer)
+show in the expectations. Where ``trl`` is installed its SFTTrainer tokenises the same samples
+and must give the same ids and labels; the written-out expectations are the proof that always
+runs. Comparisons of tokens are exact (integers); the one training check compares the first
+step's loss with plain HF's to 1e-5 (float32 summation order, as the parity tests).
+
+These formats end in the same :class:`SFTDataset` as pre-tokenised data (flat ids and labels), so
+the planning, sharding and parallel training of that dataset, tested at DP x CP elsewhere, are
+not repeated here: one one-process fit shows the path from a file to the loss.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+from typing import Any
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from helpers import (
+    CHAT_VOCAB,
+    CONVERSATION,
+    PLAIN_TEMPLATE,
+    PlainLM,
+    cpu_trainer,
+    make_tokenizer,
+    tiny_qwen2,
+    token_loss_sum,
+)
+
+from lightning_skrull import SkrullDataModule, SkrullStrategy
+from lightning_skrull.data import PromptBoundaryWarning, load_sft_data
+from lightning_skrull.data.cache import cached_sft_data
+
+BOS, EOS = "<|im_start|>", "<|im_end|>"
+
+
+def _tokenizer(template: str | None = PLAIN_TEMPLATE, eos: str | None = EOS) -> Any:
+    from tokenizers import processors
+
+    tokenizer = make_tokenizer(template)
+    tokenizer.eos_token = eos
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", special_tokens=[(BOS, CHAT_VOCAB[BOS])]
+    )
+    return tokenizer
+
+
+def _ids(words: str) -> list[int]:
+    return [CHAT_VOCAB[w] for w in words.split()]
+
+
+def _labels(words: str) -> list[int]:
+    """``-`` is a masked token (-100)."""
+    return [-100 if w == "-" else CHAT_VOCAB[w] for w in words.split()]
+
+
+def _expect(ids: str, labels: str | None = None) -> dict[str, list[int]]:
+    return {"input_ids": _ids(ids), "labels": _ids(ids) if labels is None else _labels(labels)}
+
+
+def _samples(dataset: Any) -> list[dict[str, list[int]]]:
+    return [dataset[i] for i in range(len(dataset))]
+
+
+def _jsonl(path: Path, samples: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return path
+
+
+# Text: EOS appended unless the text ends with it, BOS from the tokenizer, every token supervised.
+TEXT = [{"text": "hi there"}, {"text": f"hello{EOS}"}, {"text": "how are you fine thanks"}]
+TEXT_EXPECTED = [
+    _expect(f"{BOS} hi there {EOS}"),
+    _expect(f"{BOS} hello {EOS}"),  # the EOS it ends with is not doubled
+    _expect(f"{BOS} how are you fine thanks {EOS}"),
+]
+
+# Prompt-completion: the prompt's tokens (BOS included) masked, the completion and its EOS not.
+PROMPT_COMPLETION = [
+    {"prompt": "hi there", "completion": " hello"},
+    {"prompt": "how are you", "completion": f" fine thanks{EOS}"},
+    {"prompt": "", "completion": "hello"},  # no prompt: only the BOS is masked
+]
+PROMPT_COMPLETION_EXPECTED = [
+    _expect(f"{BOS} hi there hello {EOS}", f"- - - hello {EOS}"),
+    _expect(f"{BOS} how are you fine thanks {EOS}", f"- - - - fine thanks {EOS}"),
+    _expect(f"{BOS} hello {EOS}", f"- hello {EOS}"),
+]
+# "are" + "you" tokenise jointly as one unknown word: the token straddles the end of the prompt,
+# so the completion starts at it (TRL's rule) and a PromptBoundaryWarning counts the sample.
+STRADDLING = {"prompt": "how are", "completion": "you"}
+STRADDLING_EXPECTED = _expect(f"{BOS} how <unk> {EOS}", f"- - <unk> {EOS}")
+
+# Conversational: the prompt rendered with the generation prompt is masked, every token after it
+# supervised (the template's end of turn included, no EOS appended). The template adds no BOS
+# (chat text is tokenised without special tokens, as apply_chat_template does).
+CONVERSATIONAL = [
+    {"prompt": CONVERSATION[:2], "completion": CONVERSATION[2:3]},
+    {"prompt": CONVERSATION[:4], "completion": CONVERSATION[4:]},
+    {"prompt": CONVERSATION[:2], "completion": CONVERSATION[2:]},  # a completion of 3 messages
+]
+_TURNS = (
+    f"{BOS} system be brief {EOS} {BOS} user hi there {EOS} {BOS} assistant hello {EOS} "
+    f"{BOS} user how are you {EOS} {BOS} assistant fine thanks {EOS}"
+)
+_FIRST_TURNS = " ".join(_TURNS.split()[:14])
+CONVERSATIONAL_EXPECTED = [
+    _expect(_FIRST_TURNS, "- " * 12 + f"hello {EOS}"),
+    _expect(_TURNS, "- " * 22 + f"fine thanks {EOS}"),
+    _expect(_TURNS, "- " * 12 + " ".join(_TURNS.split()[12:])),  # the user turn too
+]
+
+FORMATS = {
+    "text": (TEXT, TEXT_EXPECTED),
+    "prompt-completion": (PROMPT_COMPLETION, PROMPT_COMPLETION_EXPECTED),
+    "conversational prompt-completion": (CONVERSATIONAL, CONVERSATIONAL_EXPECTED),
+}
+
+
+# ------------------------------------------------------------------ token by token
+@pytest.mark.parametrize("name", FORMATS)
+def test_each_format_token_by_token(name: str) -> None:
+    samples, expected = FORMATS[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no boundary straddles in these samples
+        assert _samples(load_sft_data(samples, tokenizer=_tokenizer())) == expected
+
+
+def test_a_token_across_the_prompt_boundary_is_supervised_and_warned() -> None:
+    samples = [*PROMPT_COMPLETION, STRADDLING, STRADDLING]
+    with pytest.warns(PromptBoundaryWarning) as record:
+        dataset = load_sft_data(samples, tokenizer=_tokenizer())
+    assert _samples(dataset) == [
+        *PROMPT_COMPLETION_EXPECTED,
+        STRADDLING_EXPECTED,
+        STRADDLING_EXPECTED,
+    ]
+    assert len(record) == 1  # one warning that counts them
+    assert str(record[0].message).startswith(
+        "2 prompt-completion sample(s) have a token that straddles the end of the prompt (the "
+        "first is sample 3)"
+    )
+
+
+# ------------------------------------------------------------------ every input, and the cache
+@pytest.mark.parametrize("name", FORMATS)
+def test_every_input_kind_and_the_cache_give_the_written_out_tokens(
+    tmp_path: Path, name: str
+) -> None:
+    samples, expected = FORMATS[name]
+    tokenizer = _tokenizer()
+    jsonl = _jsonl(tmp_path / "d.jsonl", samples)
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist(samples), parquet)
+    hf_files = datasets.Dataset.from_parquet(str(parquet), cache_dir=str(tmp_path / "hf"))
+    for data in (samples, jsonl, parquet, datasets.Dataset.from_list(samples), hf_files):
+        assert _samples(load_sft_data(data, tokenizer=tokenizer)) == expected, data
+    # A file of more samples than one tokenisation task holds (512), so that the cache is
+    # tokenised by 2 worker processes, and through the data module as a run reads it.
+    many = samples * 200
+    pq.write_table(pa.Table.from_pylist(many), tmp_path / "many.parquet")
+    for data in (_jsonl(tmp_path / "many.jsonl", many), tmp_path / "many.parquet", hf_files):
+        module = SkrullDataModule(
+            train_data=data,
+            global_batch_size=4,
+            tokenizer=_tokenizer(),
+            cache_dir=tmp_path / "cache",
+            num_proc=2,
+        )
+        module.prepare_data()
+        module.setup("fit")
+        dataset = module.train_dataset
+        assert dataset is not None and isinstance(dataset._input_ids, np.memmap)
+        assert _samples(dataset) == (expected if data is hf_files else expected * 200)
+    # the cache is reused, and a tokenizer whose EOS differs gets its own (for text and
+    # standard prompt-completion the EOS is in the tokens)
+    cache = tmp_path / "cache"
+    again = cached_sft_data(jsonl, tokenizer=_tokenizer(), cache_dir=cache, progress=False)
+    first = cached_sft_data(jsonl, tokenizer=_tokenizer(), cache_dir=cache, progress=False)
+    assert not first.built and first.path == again.path
+    other = cached_sft_data(
+        jsonl, tokenizer=_tokenizer(eos="</think>"), cache_dir=cache, progress=False
+    )
+    assert other.built and other.path != first.path
+
+
+def test_the_cache_warns_of_straddling_boundaries_when_built_and_reused(tmp_path: Path) -> None:
+    path = _jsonl(tmp_path / "d.jsonl", [*PROMPT_COMPLETION, STRADDLING])
+    for built in (True, False):
+        with pytest.warns(PromptBoundaryWarning, match=r"^1 prompt-completion sample\(s\)"):
+            cached = cached_sft_data(
+                path, tokenizer=_tokenizer(), cache_dir=tmp_path / "c", progress=False
+            )
+        assert cached.built == built
+        assert _samples(cached.dataset) == [*PROMPT_COMPLETION_EXPECTED, STRADDLING_EXPECTED]
+
+
+# ------------------------------------------------------------------ errors
+def test_mixed_formats_are_refused_in_memory_and_across_the_cache_chunks(tmp_path: Path) -> None:
+    tokenizer = _tokenizer()
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 is a text sample but sample 0 is a prompt-completion sample; a dataset "
+        r"holds one format .*\(a text sample is the prompt-completion sample",
+    ):
+        load_sft_data([PROMPT_COMPLETION[0], TEXT[0]], tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"sample 2 is a messages sample but sample 1 is a conv"):
+        load_sft_data(
+            [{"input_ids": [3]}, CONVERSATIONAL[0], {"messages": CONVERSATION}],
+            tokenizer=tokenizer,
+        )
+    # pre-tokenised samples mix with any format
+    mixed = load_sft_data([{"input_ids": [3, 4]}, *TEXT], tokenizer=tokenizer)
+    assert _samples(mixed) == [{"input_ids": [3, 4], "labels": [3, 4]}, *TEXT_EXPECTED]
+    # 512 text samples fill the first task of the cache, the prompt-completion ones the second:
+    # the error comes when the chunks meet, the same as loading directly
+    path = _jsonl(tmp_path / "mixed.jsonl", TEXT[:1] * 512 + PROMPT_COMPLETION)
+    with pytest.raises(ValueError) as direct:
+        load_sft_data(path, tokenizer=tokenizer)
+    with pytest.raises(ValueError) as cached:
+        cached_sft_data(path, tokenizer=tokenizer, cache_dir=tmp_path / "c", num_proc=2)
+    assert str(cached.value) == str(direct.value)
+    assert str(direct.value).startswith(
+        f"sample 512 ({path} line 513) is a prompt-completion sample but sample 0 ({path} "
+        "line 1) is a text sample"
+    )
+
+
+@pytest.mark.parametrize(
+    ("samples", "tokenizer", "error", "message"),
+    [
+        (TEXT, None, ValueError, r"sample 0 is a text sample but no tokenizer was given; pass"),
+        (PROMPT_COMPLETION, None, ValueError, "sample 0 is a prompt-completion sample but no tok"),
+        (CONVERSATIONAL, None, ValueError, "sample 0 is a conversational prompt-completion sam"),
+        (TEXT, "no eos", ValueError, "has no eos_token, which text samples end with"),
+        (CONVERSATIONAL, "no template", ValueError, "has no chat_template"),
+        (TEXT, object(), TypeError, "tokenizer must be a Hugging Face tokenizer, got object"),
+        ([{"text": ""}], "ok", ValueError, "sample 0: text is empty; there is nothing to learn"),
+        ([{"text": 3}], "ok", ValueError, "sample 0: text must be a string, got a int"),
+        (
+            [{"prompt": "hi", "completion": ""}],
+            "ok",
+            ValueError,
+            "sample 0: completion is empty; there is nothing to learn from it",
+        ),
+        (
+            [{"prompt": CONVERSATION[:2], "completion": []}],
+            "ok",
+            ValueError,
+            "sample 0: completion is an empty list, so there is nothing to learn",
+        ),
+        (
+            [{"prompt": [], "completion": CONVERSATION[2:3]}],
+            "ok",
+            ValueError,
+            "sample 0: 'prompt' must be a non-empty list",
+        ),
+        (
+            [{"prompt": "hi", "completion": CONVERSATION[2:3]}],
+            "ok",
+            ValueError,
+            "sample 0: prompt is a string and completion is a list; give both as strings",
+        ),
+        (
+            [{"prompt": "hi", "answer": "hello"}],
+            "ok",
+            ValueError,
+            r"sample 0 has a 'prompt' but no 'completion'; a prompt-completion sample needs both",
+        ),
+        (
+            [{"text": "hi", "prompt": "hi", "completion": "hello"}],
+            "ok",
+            ValueError,
+            r"sample 0 holds \['text', 'prompt', 'completion'\], the keys of more than one format",
+        ),
+        (
+            [{"question": "hi", "answer": "hello"}],
+            "ok",
+            ValueError,
+            r"sample 0 has keys \['answer', 'question'\]; none of them names a sample format. "
+            r"Accepted formats: \{'input_ids': \[...\], 'labels': \[...\]\} \(labels optional\), "
+            r"\{'messages': \[...\]\}, \{'text': '...'\}, \{'prompt': '...', 'completion': "
+            r"'...'\} or \{'prompt': \[messages\], 'completion': \[messages\]\}",
+        ),
+    ],
+)
+def test_bad_samples_and_tokenizers_are_refused(
+    samples: list[Any], tokenizer: Any, error: type[Exception], message: str
+) -> None:
+    if tokenizer == "ok":
+        tokenizer = _tokenizer()
+    elif tokenizer == "no eos":
+        tokenizer = _tokenizer(eos=None)
+    elif tokenizer == "no template":
+        tokenizer = _tokenizer(template=None)
+    with pytest.raises(error, match=message):
+        load_sft_data(samples, tokenizer=tokenizer)
+
+
+def test_errors_name_the_file_line_and_row(tmp_path: Path) -> None:
+    tokenizer = _tokenizer()
+    path = _jsonl(tmp_path / "d.jsonl", [TEXT[0], {"txt": "hi"}])
+    with pytest.raises(ValueError, match=rf"sample 1 \({path} line 2\) has keys \['txt'\]; none"):
+        load_sft_data(path, tokenizer=tokenizer)
+    parquet = tmp_path / "d.parquet"
+    pq.write_table(pa.Table.from_pylist([{"question": "hi", "answer": "x"}]), parquet)
+    with pytest.raises(ValueError, match=r"d.parquet has columns \['question', 'answer'\]; none"):
+        load_sft_data(parquet, tokenizer=tokenizer)
+    # a table made by mixing sources has nulls where a row lacks a column: read per row
+    nulls = {"text": None, "prompt": None, "completion": None}
+    table = pa.Table.from_pylist([{**nulls, **TEXT[0]}, {**nulls, **PROMPT_COMPLETION[0]}, nulls])
+    pq.write_table(table, parquet)
+    with pytest.raises(ValueError, match=r"sample 1 \(.*d.parquet row 1\) is a prompt-complet"):
+        load_sft_data(parquet, tokenizer=tokenizer)
+    pq.write_table(table.slice(1), parquet)
+    with pytest.raises(
+        ValueError,
+        match=r"sample 1 \(.*d.parquet row 1\) has keys \['completion', 'prompt', 'text'\], and "
+        r"\['text', 'prompt', 'completion'\] are null; none of them names a sample format",
+    ):
+        load_sft_data(parquet, tokenizer=tokenizer)
+    # and so are the nulls of JSON Lines written from such a table
+    jsonl = _jsonl(tmp_path / "nulls.jsonl", table.slice(1, 1).to_pylist())
+    assert '"text": null' in jsonl.read_text()
+    assert _samples(load_sft_data(jsonl, tokenizer=tokenizer)) == PROMPT_COMPLETION_EXPECTED[:1]
+    with pytest.raises(ValueError, match="val_data is one sample dict"):
+        SkrullDataModule(val_data=TEXT[0])
+
+
+def test_a_template_that_renders_the_prompt_otherwise_before_a_completion_is_refused() -> None:
+    # the generation prompt opens a thinking block that the rendered conversation does not hold
+    template = PLAIN_TEMPLATE.replace(
+        "<|im_start|>assistant {% endif %}", "<|im_start|>assistant <think> {% endif %}"
+    )
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0: the chat template renders the prompt \(with the generation prompt\) "
+        r"differently once the completion follows \('<think> ' vs 'hello<|im_end|> '\)",
+    ):
+        load_sft_data(CONVERSATIONAL[:1], tokenizer=_tokenizer(template))
+
+
+# ------------------------------------------------------------------ TRL gives the same labels
+def test_labels_equal_trl_sft_trainer(tmp_path: Path) -> None:
+    trl = pytest.importorskip("trl")
+    tokenizer = _tokenizer()
+    model = tiny_qwen2()
+    cases = [TEXT, [*PROMPT_COMPLETION, STRADDLING], CONVERSATIONAL]
+    for samples in cases:
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True
+        )
+        trainer = trl.SFTTrainer(
+            model=model,
+            args=args,
+            train_dataset=datasets.Dataset.from_list(samples),
+            processing_class=tokenizer,
+        )
+        theirs = [
+            {"input_ids": row["input_ids"], "labels": row["labels"]}
+            for row in trainer.train_dataset
+        ]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", PromptBoundaryWarning)
+            ours = _samples(load_sft_data(samples, tokenizer=tokenizer))
+        assert ours == theirs, samples[0]
+
+
+# ------------------------------------------------------------------ a fit from a file
+FIT_SAMPLES = [
+    {"prompt": "be brief hi there how are you", "completion": " fine thanks"},
+    {"prompt": "hi", "completion": " hello"},
+    {"prompt": "how are you", "completion": " fine"},
+    {"prompt": "hi there hi there hi there", "completion": " hello there hello there"},
+    {"prompt": "be brief", "completion": " hello how are you"},
+    {"prompt": "hi", "completion": " fine thanks fine thanks fine thanks"},
+]
+FIT_EXPECTED = [
+    _expect(
+        f"{BOS} be brief hi there how are you fine thanks {EOS}",
+        f"- - - - - - - - fine thanks {EOS}",
+    ),
+    _expect(f"{BOS} hi hello {EOS}", f"- - hello {EOS}"),
+    _expect(f"{BOS} how are you fine {EOS}", f"- - - - fine {EOS}"),
+    _expect(
+        f"{BOS} hi there hi there hi there hello there hello there {EOS}",
+        f"- - - - - - - hello there hello there {EOS}",
+    ),
+    _expect(f"{BOS} be brief hello how are you {EOS}", f"- - - hello how are you {EOS}"),
+    _expect(
+        f"{BOS} hi fine thanks fine thanks fine thanks {EOS}",
+        f"- - fine thanks fine thanks fine thanks {EOS}",
+    ),
+]
+
+
+def test_fit_from_a_prompt_completion_file_has_plain_hf_loss(
+    world_of_one: None, tmp_path: Path
+) -> None:
+    path = _jsonl(tmp_path / "qa.jsonl", FIT_SAMPLES)
+    data = SkrullDataModule(
+        train_data=path,
+        global_batch_size=len(FIT_SAMPLES),
+        shuffle=False,
+        tokenizer=_tokenizer(),
+        cache_dir=tmp_path / "cache",
+        num_proc=1,
+    )
+    module = PlainLM()
+    # 50 tokens in buckets of 16: several micro-batches in the step
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=16), max_steps=1, log_every_n_steps=1)
+    trainer.fit(module, data)
+    assert data.train_dataset is not None
+    assert _samples(data.train_dataset) == FIT_EXPECTED
+    assert trainer.callback_metrics["skrull/micro_batches_max"] >= 2
+    # the reference: plain HF on the written-out tokens, one sequence at a time, before the step
+    reference = tiny_qwen2()
+    with torch.no_grad():
+        sums = [token_loss_sum(reference, sample) for sample in FIT_EXPECTED]
+    loss = float(sum(s for s, _ in sums)) / sum(n for _, n in sums)
+    # float32 summation order of the packed computation (as the parity tests)
+    assert float(trainer.callback_metrics["train_loss"]) == pytest.approx(loss, abs=1e-5)
