@@ -33,8 +33,6 @@ import functools
 import gc
 import random
 import weakref
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as L
@@ -49,7 +47,6 @@ from helpers import (
     MLA_MOE_ARCHITECTURES,
     cpu_trainer,
     make_data,
-    make_samples,
     max_diff,
     reference_loss_and_grads,
     sgd_training,
@@ -68,10 +65,14 @@ from test_moe import (
     LOSS_RTOL,
     PACKED_PLAN,
     PACKED_SAMPLES,
-    ROUTING_ATOL,
-    ROUTING_LENGTHS,
     UPDATE_RTOL,
     Recorder,
+    _routing,
+    check_sharded_routing,
+    record_routing,
+)
+from test_moe import (
+    _routers as record_routing_names,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 from torch import nn
@@ -92,7 +93,7 @@ from lightning_skrull.models import check_model, prepare_model
 from lightning_skrull.models.memory_estimate import layer_bytes_per_token, parameter_count
 from lightning_skrull.runtime.engine import forward_backward, micro_batch_context
 from lightning_skrull.runtime.launch import spawn
-from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling import DISTRIBUTED
 from lightning_skrull.scheduling.cost_model import ModelShape
 
 FAMILIES = MLA_MOE_ARCHITECTURES
@@ -116,27 +117,6 @@ def mla_model(arch: str, *, seed: int = 4, **overrides: Any) -> nn.Module:
 def _routers(model: nn.Module) -> list[nn.Module]:
     """The routers of the sparse layers, in layer order (``DeepseekV3TopkRouter``, ...)."""
     return [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
-
-
-@contextmanager
-def record_routing(model: nn.Module) -> Iterator[dict[int, list[dict[str, torch.Tensor]]]]:
-    """Per router, per forward in the block: its logits ``[T, E]`` and top-k experts ``[T, k]``
-    (the routers return ``(logits, weights, experts)``)."""
-    seen: dict[int, list[dict[str, torch.Tensor]]] = {}
-    handles = []
-    for index, router in enumerate(_routers(model)):
-        seen[index] = []
-
-        def hook(module: nn.Module, args: Any, out: Any, index: int = index) -> None:
-            logits, _, experts = out
-            seen[index].append({"logits": logits.detach().float(), "experts": experts.detach()})
-
-        handles.append(router.register_forward_hook(hook))
-    try:
-        yield seen
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 # ----------------------------------------------------------------------------- attention
@@ -602,44 +582,14 @@ def _fit(arch: str, precision: str) -> dict[str, Any]:
     }
 
 
-def _routing(arch: str, layout: Any) -> dict[str, Any]:
-    """This rank's shard of its DP rank's sequence: positions, routing, final hidden states."""
-    samples = make_samples(ROUTING_LENGTHS, seed=9)
-    plan = GlobalBatchPlan(
-        micro_batches=(
-            (MicroBatchPlan((0,), (DISTRIBUTED,)),),
-            (MicroBatchPlan((1,), (DISTRIBUTED,)),),
-        ),
-        dp_size=2,
-        cp_size=2,
-        bucket_size=BUCKET,
-        policy="hand",
-    )
-    batch = collate_rank(
-        samples, plan, dp_rank=layout.dp_rank, cp_rank=layout.cp_rank, world_size=4
-    )
-    (mb,) = batch.micro_batches
-    model = prepare_model(mla_model(arch), backend="sdpa")
-    with micro_batch_context(mb, layout.cp_group, "sdpa"), torch.no_grad():
-        with record_routing(model) as routing:
-            hidden = model.model(
-                input_ids=mb.inputs["input_ids"], position_ids=mb.inputs["position_ids"]
-            ).last_hidden_state
-    return {
-        "sample": layout.dp_rank,
-        "positions": mb.inputs["position_ids"][0].tolist(),
-        "experts": [calls[0]["experts"].numpy() for calls in routing.values()],
-        "logits": [calls[0]["logits"].numpy() for calls in routing.values()],
-        "hidden": hidden[0].double().numpy(),
-    }
-
-
 def _cases(rank: int, world_size: int) -> dict[Any, Any]:
     from lightning_skrull.runtime.process_groups import build_process_groups
 
     torch.set_num_threads(1)
     layout = build_process_groups(cp_size=2)
-    out: dict[Any, Any] = {("routing", arch): _routing(arch, layout) for arch in FAMILIES}
+    out: dict[Any, Any] = {
+        ("routing", arch): _routing(arch, layout, mla_model) for arch in FAMILIES
+    }
     for case in CASES:
         out[case] = _fit(*case)
     return out
@@ -667,27 +617,8 @@ def test_sharded_sequence_routes_as_on_one_process(runs: list[dict[Any, Any]], a
     ROUTING_ATOL of tests/test_moe.py (float32 rounding: the attention sums the K/V blocks in
     another order; measured 6.0e-8 and 8.3e-7 at most over the three families)."""
     model = mla_model(arch)
-    samples = make_samples(ROUTING_LENGTHS, seed=9)
-    for sample_index, sample in enumerate(samples):
-        shards = [out[("routing", arch)] for out in runs]
-        shards = [s for s in shards if s["sample"] == sample_index]
-        assert len(shards) == 2 and all(len(s["positions"]) > 0 for s in shards)  # sharded
-        positions = np.concatenate([s["positions"] for s in shards])
-        order = np.argsort(positions, kind="stable")
-        length = len(sample["input_ids"])
-        assert positions[order][:length].tolist() == list(range(length))
-        assert positions[: len(shards[0]["positions"])].max() >= length // 2  # zigzag chunks
-        order = order[:length]
-        with torch.no_grad(), record_routing(model) as routing:
-            hidden = model.model(input_ids=torch.tensor([sample["input_ids"]])).last_hidden_state
-        assert len(routing) == 2
-        for layer, calls in enumerate(routing.values()):
-            experts = np.concatenate([s["experts"][layer] for s in shards])[order]
-            logits = np.concatenate([s["logits"][layer] for s in shards])[order]
-            assert (experts == calls[0]["experts"].numpy()).all()
-            assert np.abs(logits - calls[0]["logits"].numpy()).max() < ROUTING_ATOL
-        got = np.concatenate([s["hidden"] for s in shards])[order]
-        assert np.abs(got - hidden[0].double().numpy()).max() < ROUTING_ATOL
+    assert len(record_routing_names(model)) == 2  # both sparse layers are compared
+    check_sharded_routing(runs, arch, model)
 
 
 @pytest.mark.multiprocess

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import copy
 import functools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -65,8 +65,11 @@ from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatch
 
 
 def _routers(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The top-k routers of the sparse layers, in layer order."""
-    return [(n, m) for n, m in model.named_modules() if type(m).__name__.endswith("TopKRouter")]
+    """The top-k routers of the sparse layers, in layer order (``Qwen3MoeTopKRouter``,
+    ``DeepseekV3TopkRouter``, ...; each returns ``(logits, weights, experts)``)."""
+    return [
+        (n, m) for n, m in model.named_modules() if type(m).__name__.lower().endswith("topkrouter")
+    ]
 
 
 @contextmanager
@@ -356,8 +359,11 @@ def _fit(strategy_name: str, arch: str, precision: str) -> dict[str, Any]:
     }
 
 
-def _routing(arch: str, layout: Any) -> dict[str, Any]:
-    """This rank's shard of its DP rank's sequence: positions, routing, final hidden states."""
+def _routing(
+    arch: str, layout: Any, build: Callable[[str], nn.Module] | None = None
+) -> dict[str, Any]:
+    """This rank's shard of its DP rank's sequence: positions, routing, final hidden states, of
+    ``build(arch)`` (default: ``tiny_model(arch, seed=4)``)."""
     samples = make_samples(ROUTING_LENGTHS, seed=9)
     plan = GlobalBatchPlan(
         micro_batches=(
@@ -373,7 +379,8 @@ def _routing(arch: str, layout: Any) -> dict[str, Any]:
         samples, plan, dp_rank=layout.dp_rank, cp_rank=layout.cp_rank, world_size=4
     )
     (mb,) = batch.micro_batches
-    model = prepare_model(tiny_model(arch, seed=4), backend="sdpa")
+    model = build(arch) if build is not None else tiny_model(arch, seed=4)
+    model = prepare_model(model, backend="sdpa")
     with micro_batch_context(mb, layout.cp_group, "sdpa"), torch.no_grad():
         with record_routing(model) as routing:
             hidden = model.model(
@@ -446,7 +453,14 @@ def policy_reference_training(arch: str) -> tuple[dict[str, np.ndarray], ...]:
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("arch", MOE_ARCHITECTURES)
 def test_sharded_sequence_routes_as_on_one_process(runs: list[dict[Any, Any]], arch: str) -> None:
-    model = tiny_model(arch, seed=4)
+    check_sharded_routing(runs, arch, tiny_model(arch, seed=4))
+
+
+def check_sharded_routing(runs: list[dict[Any, Any]], arch: str, model: nn.Module) -> None:
+    """Each DP rank's sequence, sharded over its 2 CP ranks (:func:`_routing`), against
+    ``model`` (the same weights) on one process: every position once, zigzag chunks, the same
+    experts for every token in every sparse layer, router logits and final hidden states to
+    :data:`ROUTING_ATOL`."""
     samples = make_samples(ROUTING_LENGTHS, seed=9)
     for sample_index, sample in enumerate(samples):
         shards = [out[("routing", arch)] for out in runs]
@@ -456,9 +470,11 @@ def test_sharded_sequence_routes_as_on_one_process(runs: list[dict[Any, Any]], a
         order = np.argsort(positions, kind="stable")
         length = len(sample["input_ids"])
         assert positions[order][:length].tolist() == list(range(length))
+        assert positions[: len(shards[0]["positions"])].max() >= length // 2  # zigzag chunks
         order = order[:length]  # any padding past the sequence is not compared
         with torch.no_grad(), record_routing(model) as routing:
             hidden = model.model(input_ids=torch.tensor([sample["input_ids"]])).last_hidden_state
+        assert routing and all(len(calls) == 1 for calls in routing.values())
         for layer, calls in enumerate(routing.values()):
             experts = np.concatenate([s["experts"][layer] for s in shards])[order]
             logits = np.concatenate([s["logits"][layer] for s in shards])[order]
