@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -566,6 +566,40 @@ def sgd_training(
         optimizer.zero_grad()
         (total / tokens).backward()
         optimizer.step()
+
+
+def bf16_policy_training(
+    build: Callable[[], nn.Module], data: Sequence[dict[str, list[int]]], steps: int
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(parameters before, after)`` of what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=float32)`` does, on one process: float32 parameters (the optimizer's) of
+    ``build()``, a bf16 copy of them for forward and backward (buffers stay float32: FSDP2
+    casts parameters only), the bf16 gradients upcast to float32, float32 SGD of :data:`LR`;
+    the bf16 copy made again from the float32 parameters each step. Global batches and loss as
+    :func:`sgd_training`."""
+    master, compute = build(), build()
+    for p in compute.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    optimizer = torch.optim.SGD(master.parameters(), lr=LR)
+
+    def params() -> dict[str, np.ndarray]:
+        return {n: p.detach().double().numpy().copy() for n, p in master.named_parameters()}
+
+    before = params()
+    for step in range(steps):
+        with torch.no_grad():
+            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                c.copy_(m)
+                c.grad = None
+        total, tokens = torch.zeros(()), 0
+        for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
+            loss, n = token_loss_sum(compute, sample)
+            total, tokens = total + loss, tokens + n
+        (total / tokens).backward()
+        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+            m.grad = c.grad.float()
+        optimizer.step()
+    return before, params()
 
 
 def momentum_training(batches: Sequence[Sequence[int]], momentum: float) -> Iterator[nn.Module]:

@@ -40,11 +40,11 @@ import torch
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
-    LR,
     MIN_SLOWDOWN,
     BatchRecorder,
     LayerCallCounter,
     PlainLM,
+    bf16_policy_training,
     cpu_trainer,
     make_data,
     max_diff,
@@ -53,7 +53,6 @@ from helpers import (
     reference_model,
     reference_training,
     tiny_qwen2,
-    token_loss_sum,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -561,32 +560,8 @@ def test_resume_from_sharded_checkpoint_equals_uninterrupted_run(
 # ----------------------------------------------------------------------------- bf16
 @functools.cache
 def _bf16_reference() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """What ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=float32)`` does, on one
-    process: float32 parameters (the optimizer's), a bf16 copy of them for forward and backward
-    (buffers stay float32: FSDP2 casts parameters only), the bf16 gradients upcast to float32,
-    float32 SGD; the bf16 copy is made again from the float32 parameters each step."""
-    data = make_data()
-    master = reference_model()
-    compute = reference_model()
-    for p in compute.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    optimizer = torch.optim.SGD(master.parameters(), lr=LR)
-    before = {k: v.detach().double().numpy().copy() for k, v in master.state_dict().items()}
-    for step in range(STEPS):
-        with torch.no_grad():
-            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                c.copy_(m)
-                c.grad = None
-        total, tokens = torch.zeros(()), 0
-        for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-            loss, n = token_loss_sum(compute, sample)
-            total, tokens = total + loss, tokens + n
-        (total / tokens).backward()
-        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-            m.grad = c.grad.float()
-        optimizer.step()
-    after = {k: v.detach().double().numpy().copy() for k, v in master.state_dict().items()}
-    return before, after
+    """FSDP2's bf16 policy on one process (:func:`~helpers.bf16_policy_training`)."""
+    return bf16_policy_training(reference_model, make_data(), STEPS)
 
 
 def _update(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> np.ndarray:

@@ -65,9 +65,9 @@ from test_moe import (
     LOSS_RTOL,
     PACKED_PLAN,
     PACKED_SAMPLES,
-    UPDATE_RTOL,
     Recorder,
     _routing,
+    check_float32_training,
     check_sharded_routing,
     record_routing,
 )
@@ -626,17 +626,7 @@ def test_sharded_sequence_routes_as_on_one_process(runs: list[dict[Any, Any]], a
 def test_float32_training_equals_single_process(
     runs: list[dict[Any, Any]], case: tuple[str, str]
 ) -> None:
-    before, after = reference_training(case[0], False)
-    for out in runs:
-        cell = out[case]
-        assert cell["dtype"] == "torch.float32"
-        assert max_diff(cell["before"], before) == 0.0
-        assert max_diff(cell["after"], after) < PARAM_ATOL
-        for name in after:
-            moved = np.abs(after[name] - before[name]).max()
-            diff = np.abs(cell["after"][name] - after[name]).max()
-            assert moved > 0.0, f"{name} did not train"
-            assert diff <= UPDATE_RTOL * moved, f"{name}: {diff} of an update of {moved}"
+    check_float32_training(runs, case, *reference_training(case[0], False))
 
 
 @pytest.mark.multiprocess

@@ -38,6 +38,7 @@ from helpers import (
     LR,
     MOE_ARCHITECTURES,
     BatchRecorder,
+    bf16_policy_training,
     cpu_trainer,
     make_data,
     make_samples,
@@ -46,7 +47,6 @@ from helpers import (
     sgd_training,
     tiny_config,
     tiny_model,
-    token_loss_sum,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 from torch import nn
@@ -424,30 +424,8 @@ def reference_training(arch: str, autocast: bool) -> tuple[dict[str, np.ndarray]
 
 @functools.cache
 def policy_reference_training(arch: str) -> tuple[dict[str, np.ndarray], ...]:
-    """``(before, after)`` of what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=float32)`` does, on one process: float32 parameters (the optimizer's), a bf16
-    copy of them for forward and backward (buffers stay float32), the bf16 gradients upcast to
-    float32, float32 SGD; the bf16 copy made again from the float32 parameters each step."""
-    data = make_data(NUM_SAMPLES)
-    master, compute = tiny_model(arch), tiny_model(arch)
-    for p in compute.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    optimizer = torch.optim.SGD(master.parameters(), lr=LR)
-    before = _full_params(master)
-    for step in range(STEPS):
-        with torch.no_grad():
-            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                c.copy_(m)
-                c.grad = None
-        total, tokens = torch.zeros(()), 0
-        for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-            loss, n = token_loss_sum(compute, sample)
-            total, tokens = total + loss, tokens + n
-        (total / tokens).backward()
-        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-            m.grad = c.grad.float()
-        optimizer.step()
-    return before, _full_params(master)
+    """FSDP2's bf16 policy on one process (:func:`~helpers.bf16_policy_training`)."""
+    return bf16_policy_training(lambda: tiny_model(arch), make_data(NUM_SAMPLES), STEPS)
 
 
 @pytest.mark.multiprocess
@@ -490,7 +468,18 @@ def test_float32_training_equals_single_process(
     runs: list[dict[Any, Any]], case: tuple[str, str, str]
 ) -> None:
     _, arch, _ = case
-    before, after = reference_training(arch, False)
+    check_float32_training(runs, case, *reference_training(arch, False))
+
+
+def check_float32_training(
+    runs: list[dict[Any, Any]],
+    case: Any,
+    before: dict[str, np.ndarray],
+    after: dict[str, np.ndarray],
+) -> None:
+    """Every rank's run of ``case`` started from the reference's float32 parameters and ended
+    within :data:`PARAM_ATOL` of them, every tensor within :data:`UPDATE_RTOL` of its own
+    reference update, and every tensor trained."""
     for out in runs:
         cell = out[case]
         assert cell["dtype"] == "torch.float32"
