@@ -248,6 +248,13 @@ def test_a_samples_tools_combine_with_the_dataset_wide_template_arguments() -> N
     # a list of schemas, as in memory; the dataset-wide template variables still apply
     samples = [{"messages": CONVERSATION[:3], "tools": TOOLS}]
     assert _load(samples, chat_template_kwargs=note) == with_note
+    # tools given both ways for one sample are refused: which to render is ambiguous
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0 has its own tools and chat_template_kwargs holds tools too; it is "
+        r"ambiguous which to render\. Give tools one way",
+    ):
+        _load(samples, chat_template_kwargs={"tools": TOOLS})
     # dataset-wide tools reach a sample without its own
     assert _load([{"messages": CONVERSATION[:3]}], chat_template_kwargs={"tools": TOOLS}) == [
         _expect(f"{_TOOL_TURN} {_FIRST_TURNS}", "- " * 17 + f"hello {EOS}")
@@ -324,6 +331,11 @@ def test_mixed_formats_are_refused_in_memory_and_across_the_cache_chunks(tmp_pat
             [{"input_ids": [3]}, CONVERSATIONAL[0], {"messages": CONVERSATION}],
             tokenizer=tokenizer,
         )
+    # ShareGPT and messages samples are two formats, like the others
+    with pytest.raises(
+        ValueError, match=r"sample 1 is a messages sample but sample 0 is a conversations sample"
+    ):
+        load_sft_data([SHAREGPT[0], MESSAGES[0]], tokenizer=tokenizer)
     # pre-tokenised samples mix with any format
     mixed = load_sft_data([{"input_ids": [3, 4]}, *TEXT], tokenizer=tokenizer)
     assert _samples(mixed) == [{"input_ids": [3, 4], "labels": [3, 4]}, *TEXT_EXPECTED]
@@ -394,8 +406,53 @@ def test_mixed_formats_are_refused_in_memory_and_across_the_cache_chunks(tmp_pat
             ValueError,
             r"sample 0 has keys \['answer', 'question'\]; none of them names a sample format. "
             r"Accepted formats: \{'input_ids': \[...\], 'labels': \[...\]\} \(labels optional\), "
-            r"\{'messages': \[...\]\}, \{'text': '...'\}, \{'prompt': '...', 'completion': "
-            r"'...'\} or \{'prompt': \[messages\], 'completion': \[messages\]\}",
+            r"\{'messages': \[...\]\}, \{'conversations': \[\{'from': ..., 'value': ...\}\]\}, "
+            r"\{'text': '...'\}, \{'prompt': '...', 'completion': '...'\} or \{'prompt': "
+            r"\[messages\], 'completion': \[messages\]\}",
+        ),
+        (SHAREGPT, None, ValueError, r"sample 0 is a ShareGPT chat sample \('conversations'\) but"),
+        (
+            [{"conversations": CONVERSATION}],
+            "ok",
+            ValueError,
+            r"sample 0: conversations\[0\] = \{'role': 'system', 'content': 'be brief'\} is not a "
+            r"dict with 'from' and 'value'; every ShareGPT turn must look like",
+        ),
+        (
+            [{"conversations": [{"from": "bot", "value": "hi"}]}],
+            "ok",
+            ValueError,
+            r"sample 0: conversations\[0\] has from='bot', which is not a known ShareGPT role\. "
+            r"Accepted roles: 'human' -> 'user', 'user' -> 'user', 'gpt' -> 'assistant', "
+            r"'assistant' -> 'assistant', 'function_call' -> 'assistant', 'system' -> 'system', "
+            r"'observation' -> 'tool', 'tool' -> 'tool'\. Rename the role in the data to one of "
+            r"them, or convert the sample to \{'messages'",
+        ),
+        (
+            [{"conversations": SHAREGPT_CONVERSATION, "system": "be brief"}],
+            "ok",
+            ValueError,
+            r"sample 0 has a 'system' prompt and a first turn from 'system'; give the system",
+        ),
+        (
+            [{"messages": CONVERSATION, "tools": "[{'name': 'weather'}]"}],
+            "ok",
+            ValueError,
+            r"sample 0: tools is a string but not valid JSON \(Expecting property name",
+        ),
+        (
+            [{"messages": CONVERSATION, "tools": TOOLS[0]}],
+            "ok",
+            ValueError,
+            r"sample 0: tools must be a list of JSON schemas \(dicts\) or a JSON string of one, "
+            r"got \{'type': 'function'.*; for one tool give \[schema\]",
+        ),
+        (
+            [{"prompt": "hi", "completion": "hello", "tools": TOOLS}],
+            "ok",
+            ValueError,
+            r"sample 0 is a prompt-completion sample with tools; tools are rendered by the chat "
+            r"template, so only conversations",
         ),
     ],
 )
@@ -479,6 +536,40 @@ def test_labels_equal_trl_sft_trainer(tmp_path: Path) -> None:
             warnings.simplefilter("ignore", PromptBoundaryWarning)
             ours = _samples(load_sft_data(samples, tokenizer=tokenizer))
         assert ours == theirs, samples[0]
+
+
+def test_tools_and_sharegpt_render_as_trl_sft_trainer(tmp_path: Path) -> None:
+    """A sample's own tools (a JSON string or a list) render as TRL renders them, and a ShareGPT
+    sample with TRL's role names tokenises as TRL's conversion of it. TRL supervises every token
+    of a messages sample by default (chat labels are compared token by token above), so the ids
+    are compared here; conversational prompt-completion labels too."""
+    trl = pytest.importorskip("trl")
+    tokenizer = _tokenizer()
+    plain = [{"from": m["role"], "value": m["content"]} for m in CONVERSATION]
+    cases = [
+        ([{**s, "tools": json.dumps(TOOLS)} for s in CONVERSATIONAL], True),
+        ([{**CONVERSATIONAL[0], "tools": TOOLS}, CONVERSATIONAL[1]], True),
+        (MESSAGES, False),
+        ([{"conversations": plain}, {"conversations": plain[:3]}], False),
+    ]
+    for samples, compare_labels in cases:
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True
+        )
+        trainer = trl.SFTTrainer(
+            model=tiny_qwen2(),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(_rows(samples)),
+            processing_class=tokenizer,
+        )
+        ours = _samples(load_sft_data(samples, tokenizer=tokenizer))
+        theirs = list(trainer.train_dataset)
+        assert [s["input_ids"] for s in ours] == [s["input_ids"] for s in theirs], samples[0]
+        if compare_labels:
+            assert [s["labels"] for s in ours] == [s["labels"] for s in theirs], samples[0]
+        # the first sample's tools were rendered (its ids open with the tool turn)
+        has_tools = "tools" in samples[0] and samples[0]["tools"]
+        assert (ours[0]["input_ids"][:5] == _ids(_TOOL_TURN)) == bool(has_tools), samples[0]
 
 
 # ------------------------------------------------------------------ a fit from a file
