@@ -528,7 +528,8 @@ def load_sft_data(
             tokenizer with a chat template), whose non-assistant tokens get label ``-100``, and
             for text and prompt-completion samples, whose prompt tokens get label ``-100``
             (:mod:`lightning_skrull.data.formats`).
-        chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``.
+        chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``, for
+            every sample; a sample's own ``tools`` are added to them (not both for one sample).
         chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
             ``"last"`` (the sample then ends with its last assistant turn).
         max_tokens, vocab_size, truncate: when given, :meth:`SFTDataset.validate` runs with them.
