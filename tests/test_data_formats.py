@@ -1,4 +1,5 @@
-"""Text, prompt-completion and conversational prompt-completion samples (TRL's SFT dataset types).
+"""Text, prompt-completion and conversational prompt-completion samples (TRL's SFT dataset types),
+ShareGPT conversations, and conversations with their own tools.
 
 The reference is written out token by token: the test tokenizer is word-level (one token per
 whitespace-separated word of :data:`helpers.CHAT_VOCAB`, unknown words ``<unk>``), with
@@ -44,8 +45,17 @@ from lightning_skrull.data.cache import cached_sft_data
 
 BOS, EOS = "<|im_start|>", "<|im_end|>"
 
+# PLAIN_TEMPLATE with a system turn that lists the tools' names when there are tools (and a
+# template variable, tool_note, after them): without tools it renders as PLAIN_TEMPLATE.
+TOOLS_TEMPLATE = (
+    "{% if tools %}<|im_start|>system tools: {% for t in tools %}{{ t['function']['name'] }} "
+    "{% endfor %}{% if tool_note %}{{ tool_note }} {% endif %}<|im_end|> {% endif %}"
+    + PLAIN_TEMPLATE
+)
+TOOLS = [{"type": "function", "function": {"name": "weather", "parameters": {}}}]
 
-def _tokenizer(template: str | None = PLAIN_TEMPLATE, eos: str | None = EOS) -> Any:
+
+def _tokenizer(template: str | None = TOOLS_TEMPLATE, eos: str | None = EOS) -> Any:
     from tokenizers import processors
 
     tokenizer = make_tokenizer(template)
@@ -71,6 +81,13 @@ def _expect(ids: str, labels: str | None = None) -> dict[str, list[int]]:
 
 def _samples(dataset: Any) -> list[dict[str, list[int]]]:
     return [dataset[i] for i in range(len(dataset))]
+
+
+def _rows(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``samples`` with every key of any of them (``None`` where absent): Arrow and ``datasets``
+    take the columns of a list of dicts from its first."""
+    keys = list(dict.fromkeys(key for sample in samples for key in sample))
+    return [{key: sample.get(key) for key in keys} for sample in samples]
 
 
 def _jsonl(path: Path, samples: list[dict[str, Any]]) -> Path:
@@ -121,10 +138,56 @@ CONVERSATIONAL_EXPECTED = [
     _expect(_TURNS, "- " * 12 + " ".join(_TURNS.split()[12:])),  # the user turn too
 ]
 
+# Chat: assistant turns (content and end of turn) supervised, everything else masked; a sample's
+# tools (here as a JSON string, as Hub datasets store them) listed first by the template.
+_CHAT_LABELS = "- " * 12 + f"hello {EOS} " + "- " * 8 + f"fine thanks {EOS}"
+_TOOL_TURN = f"{BOS} system tools: weather {EOS}"
+MESSAGES = [
+    {"messages": CONVERSATION, "tools": json.dumps(TOOLS)},
+    {"messages": CONVERSATION[:3], "tools": None},
+    {"messages": CONVERSATION[:3], "tools": "[]"},  # no tools
+]
+MESSAGES_EXPECTED = [
+    _expect(f"{_TOOL_TURN} {_TURNS}", "- - - - - " + _CHAT_LABELS),
+    _expect(_FIRST_TURNS, "- " * 12 + f"hello {EOS}"),
+    _expect(_FIRST_TURNS, "- " * 12 + f"hello {EOS}"),
+]
+
+# ShareGPT: human -> user, gpt and function_call -> assistant, observation -> tool; a 'system'
+# key is a first system turn. The same tokens as the messages they convert to.
+_SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
+SHAREGPT_CONVERSATION = [
+    {"from": _SHAREGPT_FROM[m["role"]], "value": m["content"]} for m in CONVERSATION
+]
+SHAREGPT = [
+    {"conversations": SHAREGPT_CONVERSATION},
+    {"conversations": SHAREGPT_CONVERSATION[1:3], "system": "be brief"},
+    {
+        "conversations": [
+            {"from": "human", "value": "weather paris"},
+            {"from": "function_call", "value": "weather paris"},
+            {"from": "observation", "value": "sunny"},
+            {"from": "gpt", "value": "sunny thanks"},
+        ],
+        "tools": json.dumps(TOOLS),
+    },
+]
+SHAREGPT_EXPECTED = [
+    _expect(_TURNS, _CHAT_LABELS),
+    _expect(_FIRST_TURNS, "- " * 12 + f"hello {EOS}"),
+    _expect(
+        f"{_TOOL_TURN} {BOS} user weather paris {EOS} {BOS} assistant weather paris {EOS} "
+        f"{BOS} tool sunny {EOS} {BOS} assistant sunny thanks {EOS}",
+        "- " * 12 + f"weather paris {EOS} " + "- " * 6 + f"sunny thanks {EOS}",
+    ),
+]
+
 FORMATS = {
     "text": (TEXT, TEXT_EXPECTED),
     "prompt-completion": (PROMPT_COMPLETION, PROMPT_COMPLETION_EXPECTED),
     "conversational prompt-completion": (CONVERSATIONAL, CONVERSATIONAL_EXPECTED),
+    "messages with tools": (MESSAGES, MESSAGES_EXPECTED),
+    "sharegpt": (SHAREGPT, SHAREGPT_EXPECTED),
 }
 
 
@@ -153,6 +216,54 @@ def test_a_token_across_the_prompt_boundary_is_supervised_and_warned() -> None:
     )
 
 
+def _load(samples: list[dict[str, Any]], **kwargs: Any) -> list[dict[str, list[int]]]:
+    return _samples(load_sft_data(samples, tokenizer=_tokenizer(), **kwargs))
+
+
+def test_sharegpt_gives_the_tokens_of_the_same_messages() -> None:
+    to_role = {"human": "user", "gpt": "assistant", "function_call": "assistant"}
+    to_role |= {"observation": "tool", "system": "system"}
+    for sample in SHAREGPT:
+        messages = [
+            {"role": to_role[t["from"]], "content": t["value"]} for t in sample["conversations"]
+        ]
+        if "system" in sample:
+            messages.insert(0, {"role": "system", "content": sample["system"]})
+        tools = {"tools": sample["tools"]} if "tools" in sample else {}
+        for turns in ("all", "last"):
+            expected = _load([{"messages": messages, **tools}], chat_turns=turns)
+            assert _load([sample], chat_turns=turns) == expected, (sample, turns)
+    # "user" and "assistant" are accepted as they are (TRL renames only the keys)
+    plain = [{"from": m["role"], "value": m["content"]} for m in CONVERSATION]
+    assert _load([{"conversations": plain}]) == SHAREGPT_EXPECTED[:1]
+
+
+def test_a_samples_tools_combine_with_the_dataset_wide_template_arguments() -> None:
+    note = {"tool_note": "paris"}
+    with_note = [
+        _expect(
+            f"{BOS} system tools: weather paris {EOS} {_FIRST_TURNS}", "- " * 18 + f"hello {EOS}"
+        )
+    ]
+    # a list of schemas, as in memory; the dataset-wide template variables still apply
+    samples = [{"messages": CONVERSATION[:3], "tools": TOOLS}]
+    assert _load(samples, chat_template_kwargs=note) == with_note
+    # tools given both ways for one sample are refused: which to render is ambiguous
+    with pytest.raises(
+        ValueError,
+        match=r"sample 0 has its own tools and chat_template_kwargs holds tools too; it is "
+        r"ambiguous which to render\. Give tools one way",
+    ):
+        _load(samples, chat_template_kwargs={"tools": TOOLS})
+    # dataset-wide tools reach a sample without its own
+    assert _load([{"messages": CONVERSATION[:3]}], chat_template_kwargs={"tools": TOOLS}) == [
+        _expect(f"{_TOOL_TURN} {_FIRST_TURNS}", "- " * 17 + f"hello {EOS}")
+    ]
+    # and a conversational prompt-completion sample's own tools
+    pair = [{**CONVERSATIONAL[0], "tools": json.dumps(TOOLS)}]
+    assert _load(pair, chat_template_kwargs=note) == with_note
+
+
 # ------------------------------------------------------------------ every input, and the cache
 @pytest.mark.parametrize("name", FORMATS)
 def test_every_input_kind_and_the_cache_give_the_written_out_tokens(
@@ -162,14 +273,14 @@ def test_every_input_kind_and_the_cache_give_the_written_out_tokens(
     tokenizer = _tokenizer()
     jsonl = _jsonl(tmp_path / "d.jsonl", samples)
     parquet = tmp_path / "d.parquet"
-    pq.write_table(pa.Table.from_pylist(samples), parquet)
+    pq.write_table(pa.Table.from_pylist(_rows(samples)), parquet)
     hf_files = datasets.Dataset.from_parquet(str(parquet), cache_dir=str(tmp_path / "hf"))
-    for data in (samples, jsonl, parquet, datasets.Dataset.from_list(samples), hf_files):
+    for data in (samples, jsonl, parquet, datasets.Dataset.from_list(_rows(samples)), hf_files):
         assert _samples(load_sft_data(data, tokenizer=tokenizer)) == expected, data
     # A file of more samples than one tokenisation task holds (512), so that the cache is
     # tokenised by 2 worker processes, and through the data module as a run reads it.
     many = samples * 200
-    pq.write_table(pa.Table.from_pylist(many), tmp_path / "many.parquet")
+    pq.write_table(pa.Table.from_pylist(_rows(many)), tmp_path / "many.parquet")
     for data in (_jsonl(tmp_path / "many.jsonl", many), tmp_path / "many.parquet", hf_files):
         module = SkrullDataModule(
             train_data=data,
@@ -220,6 +331,11 @@ def test_mixed_formats_are_refused_in_memory_and_across_the_cache_chunks(tmp_pat
             [{"input_ids": [3]}, CONVERSATIONAL[0], {"messages": CONVERSATION}],
             tokenizer=tokenizer,
         )
+    # ShareGPT and messages samples are two formats, like the others
+    with pytest.raises(
+        ValueError, match=r"sample 1 is a messages sample but sample 0 is a conversations sample"
+    ):
+        load_sft_data([SHAREGPT[0], MESSAGES[0]], tokenizer=tokenizer)
     # pre-tokenised samples mix with any format
     mixed = load_sft_data([{"input_ids": [3, 4]}, *TEXT], tokenizer=tokenizer)
     assert _samples(mixed) == [{"input_ids": [3, 4], "labels": [3, 4]}, *TEXT_EXPECTED]
@@ -290,8 +406,53 @@ def test_mixed_formats_are_refused_in_memory_and_across_the_cache_chunks(tmp_pat
             ValueError,
             r"sample 0 has keys \['answer', 'question'\]; none of them names a sample format. "
             r"Accepted formats: \{'input_ids': \[...\], 'labels': \[...\]\} \(labels optional\), "
-            r"\{'messages': \[...\]\}, \{'text': '...'\}, \{'prompt': '...', 'completion': "
-            r"'...'\} or \{'prompt': \[messages\], 'completion': \[messages\]\}",
+            r"\{'messages': \[...\]\}, \{'conversations': \[\{'from': ..., 'value': ...\}\]\}, "
+            r"\{'text': '...'\}, \{'prompt': '...', 'completion': '...'\} or \{'prompt': "
+            r"\[messages\], 'completion': \[messages\]\}",
+        ),
+        (SHAREGPT, None, ValueError, r"sample 0 is a ShareGPT chat sample \('conversations'\) but"),
+        (
+            [{"conversations": CONVERSATION}],
+            "ok",
+            ValueError,
+            r"sample 0: conversations\[0\] = \{'role': 'system', 'content': 'be brief'\} is not a "
+            r"dict with 'from' and 'value'; every ShareGPT turn must look like",
+        ),
+        (
+            [{"conversations": [{"from": "bot", "value": "hi"}]}],
+            "ok",
+            ValueError,
+            r"sample 0: conversations\[0\] has from='bot', which is not a known ShareGPT role\. "
+            r"Accepted roles: 'human' -> 'user', 'user' -> 'user', 'gpt' -> 'assistant', "
+            r"'assistant' -> 'assistant', 'function_call' -> 'assistant', 'system' -> 'system', "
+            r"'observation' -> 'tool', 'tool' -> 'tool'\. Rename the role in the data to one of "
+            r"them, or convert the sample to \{'messages'",
+        ),
+        (
+            [{"conversations": SHAREGPT_CONVERSATION, "system": "be brief"}],
+            "ok",
+            ValueError,
+            r"sample 0 has a 'system' prompt and a first turn from 'system'; give the system",
+        ),
+        (
+            [{"messages": CONVERSATION, "tools": "[{'name': 'weather'}]"}],
+            "ok",
+            ValueError,
+            r"sample 0: tools is a string but not valid JSON \(Expecting property name",
+        ),
+        (
+            [{"messages": CONVERSATION, "tools": TOOLS[0]}],
+            "ok",
+            ValueError,
+            r"sample 0: tools must be a list of JSON schemas \(dicts\) or a JSON string of one, "
+            r"got \{'type': 'function'.*; for one tool give \[schema\]",
+        ),
+        (
+            [{"prompt": "hi", "completion": "hello", "tools": TOOLS}],
+            "ok",
+            ValueError,
+            r"sample 0 is a prompt-completion sample with tools; tools are rendered by the chat "
+            r"template, so only conversations",
         ),
     ],
 )
@@ -375,6 +536,40 @@ def test_labels_equal_trl_sft_trainer(tmp_path: Path) -> None:
             warnings.simplefilter("ignore", PromptBoundaryWarning)
             ours = _samples(load_sft_data(samples, tokenizer=tokenizer))
         assert ours == theirs, samples[0]
+
+
+def test_tools_and_sharegpt_render_as_trl_sft_trainer(tmp_path: Path) -> None:
+    """A sample's own tools (a JSON string or a list) render as TRL renders them, and a ShareGPT
+    sample with TRL's role names tokenises as TRL's conversion of it. TRL supervises every token
+    of a messages sample by default (chat labels are compared token by token above), so the ids
+    are compared here; conversational prompt-completion labels too."""
+    trl = pytest.importorskip("trl")
+    tokenizer = _tokenizer()
+    plain = [{"from": m["role"], "value": m["content"]} for m in CONVERSATION]
+    cases = [
+        ([{**s, "tools": json.dumps(TOOLS)} for s in CONVERSATIONAL], True),
+        ([{**CONVERSATIONAL[0], "tools": TOOLS}, CONVERSATIONAL[1]], True),
+        (MESSAGES, False),
+        ([{"conversations": plain}, {"conversations": plain[:3]}], False),
+    ]
+    for samples, compare_labels in cases:
+        args = trl.SFTConfig(
+            output_dir=str(tmp_path / "trl"), report_to=[], max_length=None, use_cpu=True
+        )
+        trainer = trl.SFTTrainer(
+            model=tiny_qwen2(),
+            args=args,
+            train_dataset=datasets.Dataset.from_list(_rows(samples)),
+            processing_class=tokenizer,
+        )
+        ours = _samples(load_sft_data(samples, tokenizer=tokenizer))
+        theirs = list(trainer.train_dataset)
+        assert [s["input_ids"] for s in ours] == [s["input_ids"] for s in theirs], samples[0]
+        if compare_labels:
+            assert [s["labels"] for s in ours] == [s["labels"] for s in theirs], samples[0]
+        # the first sample's tools were rendered (its ids open with the tool turn)
+        has_tools = "tools" in samples[0] and samples[0]["tools"]
+        assert (ours[0]["input_ids"][:5] == _ids(_TOOL_TURN)) == bool(has_tools), samples[0]
 
 
 # ------------------------------------------------------------------ a fit from a file

@@ -78,7 +78,7 @@ except ImportError:  # pragma: no cover - not POSIX: the atomic rename alone kee
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 1
+CACHE_FORMAT_VERSION = 2
 """Bumped whenever the cache layout or the tokenisation changes: older caches are rebuilt."""
 
 MANIFEST = "manifest.json"

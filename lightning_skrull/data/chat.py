@@ -25,10 +25,18 @@ A conversational prompt-completion sample (``{"prompt": [messages], "completion"
 is located the same way (:func:`tokenize_chat_completion`): the prompt rendered with the
 generation prompt must begin the whole conversation's rendering, and every token after it is
 supervised.
+
+A ShareGPT sample (``{"conversations": [{"from": ..., "value": ...}, ...]}``, as LLaMA-Factory,
+axolotl and many Hub datasets store conversations) is converted to messages
+(:func:`sharegpt_messages`) and then tokenised exactly as a ``"messages"`` sample.
+
+A sample's own ``tools`` (a list of JSON schemas, or a JSON string of one, as TRL's SFTTrainer
+reads them) reach ``apply_chat_template`` for that sample only (:func:`sample_template_kwargs`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal, get_args
@@ -39,6 +47,122 @@ ASSISTANT_ROLE = "assistant"
 ChatTurns = Literal["all", "last"]
 """Which assistant turns of a conversation are supervised."""
 _GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+SHAREGPT_ROLES: Mapping[str, str] = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "function_call": "assistant",
+    "system": "system",
+    "observation": "tool",
+    "tool": "tool",
+}
+"""The role of a message for each ShareGPT ``from`` value (LLaMA-Factory's and axolotl's names).
+A ``function_call`` turn is the model's output, so it is an assistant turn (supervised), its
+``value`` the content; ``observation`` is a tool's result."""
+
+
+def sharegpt_messages(
+    conversations: object, where: str, *, system: object = None
+) -> list[dict[str, Any]]:
+    """The messages of a ShareGPT conversation: each ``{"from": f, "value": v}`` becomes
+    ``{"role": SHAREGPT_ROLES[f], "content": v}`` (other keys of a turn are not read).
+
+    Args:
+        conversations: ``[{"from": ..., "value": ...}, ...]``.
+        where: names the sample in error messages.
+        system: the sample's ``system`` prompt (LLaMA-Factory's column), put first as a system
+            message; ``None`` for none.
+
+    Raises:
+        ValueError: not a non-empty list of such dicts, a ``from`` not in :data:`SHAREGPT_ROLES`,
+            a ``system`` that is not a string, or one given both as the column and as a first
+            system turn.
+    """
+    if (
+        isinstance(conversations, (str, bytes))
+        or not isinstance(conversations, Sequence)
+        or not conversations
+    ):
+        raise ValueError(
+            f"{where}: 'conversations' must be a non-empty list of "
+            f'{{"from": ..., "value": ...}} dicts, got {conversations!r:.80}.'
+        )
+    messages: list[dict[str, Any]] = []
+    for turn, message in enumerate(conversations):
+        if not isinstance(message, Mapping) or "from" not in message or "value" not in message:
+            raise ValueError(
+                f"{where}: conversations[{turn}] = {message!r:.80} is not a dict with 'from' "
+                "and 'value'; every ShareGPT turn must look like "
+                '{"from": "human", "value": "..."}.'
+            )
+        role = message["from"]
+        if role not in SHAREGPT_ROLES:
+            accepted = ", ".join(f"{k!r} -> {v!r}" for k, v in SHAREGPT_ROLES.items())
+            raise ValueError(
+                f"{where}: conversations[{turn}] has from={role!r}, which is not a known "
+                f"ShareGPT role. Accepted roles: {accepted}. Rename the role in the data to one "
+                "of them, or convert the sample to {'messages': [{'role': ..., 'content': ...}]} "
+                "with the roles the chat template expects."
+            )
+        messages.append({"role": SHAREGPT_ROLES[role], "content": message["value"]})
+    if system is not None:
+        if not isinstance(system, str):
+            raise ValueError(f"{where}: system must be a string, got {system!r:.80}.")
+        if messages[0]["role"] == "system":
+            raise ValueError(
+                f"{where} has a 'system' prompt and a first turn from 'system'; give the system "
+                "prompt one way (drop the 'system' key, or the system turn)."
+            )
+        if system:
+            messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+def sample_template_kwargs(
+    sample: Mapping[str, Any], where: str, chat_template_kwargs: Mapping[str, Any] | None
+) -> Mapping[str, Any] | None:
+    """The ``apply_chat_template`` arguments of one conversational sample: the dataset-wide
+    ``chat_template_kwargs``, with ``tools=`` the sample's ``tools`` when it has some.
+
+    ``tools`` is a list of JSON schemas (dicts), or a JSON string of one (how Hub datasets for
+    function calling store it, so that Arrow keeps each schema as written). ``None``, ``[]``, an
+    empty string and ``"[]"`` are no tools: the dataset-wide ones, if any, apply.
+
+    Raises:
+        ValueError: ``tools`` that is not valid JSON, not a list of dicts, or given both by the
+            sample and by ``chat_template_kwargs`` (which one is meant is ambiguous).
+    """
+    tools = sample.get("tools")
+    if isinstance(tools, str):
+        if not tools.strip():
+            return chat_template_kwargs
+        try:
+            tools = json.loads(tools)
+        except json.JSONDecodeError as error:
+            raise ValueError(
+                f"{where}: tools is a string but not valid JSON ({error}); give a list of JSON "
+                "schemas or a JSON string of one."
+            ) from None
+    if tools is None or (isinstance(tools, Sequence) and not isinstance(tools, str) and not tools):
+        return chat_template_kwargs
+    if (
+        isinstance(tools, (str, bytes, Mapping))
+        or not isinstance(tools, Sequence)
+        or not all(isinstance(t, Mapping) or callable(t) for t in tools)
+    ):
+        raise ValueError(
+            f"{where}: tools must be a list of JSON schemas (dicts) or a JSON string of one, got "
+            f"{tools!r:.80}; for one tool give [schema]."
+        )
+    if chat_template_kwargs and "tools" in chat_template_kwargs:
+        raise ValueError(
+            f"{where} has its own tools and chat_template_kwargs holds tools too; it is "
+            "ambiguous which to render. Give tools one way: per sample (the 'tools' key or "
+            "column), or for every sample (chat_template_kwargs={'tools': [...]}), not both."
+        )
+    return {**(chat_template_kwargs or {}), "tools": list(tools)}
 
 
 def check_chat_turns(turns: object) -> ChatTurns:

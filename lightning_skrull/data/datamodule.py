@@ -370,8 +370,9 @@ class SkrullDataModule(pl.LightningDataModule):
 
     Args:
         train_data: samples ``{"input_ids": [...], "labels": [...]}`` (labels optional, -100 =
-            not supervised); with ``tokenizer``, chat samples ``{"messages": [...]}``, text
-            ``{"text": ...}`` or prompt-completion ``{"prompt": ..., "completion": ...}``
+            not supervised); with ``tokenizer``, chat samples ``{"messages": [...]}`` or
+            ShareGPT ``{"conversations": [{"from": ..., "value": ...}]}`` (either with its own
+            ``tools``), text ``{"text": ...}`` or prompt-completion ``{"prompt": ..., "completion": ...}``
             samples (strings, or lists of messages; docs/data.md says what is supervised); a
             ``datasets.Dataset``, path(s) to JSONL / parquet files, an ``SFTDataset``, or
             ``"bundled:mixed_tiny"`` for the dataset shipped with the package.
@@ -396,7 +397,8 @@ class SkrullDataModule(pl.LightningDataModule):
         tokenizer: HF tokenizer (or its name / path) for chat, text and prompt-completion
             samples; chat samples are rendered with its chat template and only assistant tokens
             are supervised, prompt-completion samples only their completion.
-        chat_template_kwargs: extra arguments for ``tokenizer.apply_chat_template``.
+        chat_template_kwargs: extra arguments for ``tokenizer.apply_chat_template``, for every
+            sample; a sample's own ``tools`` are added to them (not both for one sample).
         chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
             ``"last"``, only the last one (the sample then ends with it); ``"last"`` works with
             templates that render a turn differently once later turns follow (Qwen3's), which

@@ -5,6 +5,9 @@ any):
 
 - ``"tokens"``: ``{"input_ids": [...], "labels": [...]}`` (``labels`` optional), read as given;
 - ``"messages"``: ``{"messages": [...]}``, a conversation (:mod:`lightning_skrull.data.chat`);
+- ``"conversations"``: ``{"conversations": [{"from": ..., "value": ...}, ...]}``, a ShareGPT
+  conversation, converted to messages
+  (:func:`~lightning_skrull.data.chat.sharegpt_messages`);
 - ``"text"``: ``{"text": "..."}``, language modelling: every token supervised;
 - ``"prompt-completion"``: ``{"prompt": "...", "completion": "..."}``, only the completion
   supervised;
@@ -36,18 +39,24 @@ from typing import Any, Literal
 from lightning_skrull.data.dataset import IGNORE_INDEX
 
 SampleFormat = Literal[
-    "tokens", "messages", "text", "prompt-completion", "conversational prompt-completion"
+    "tokens",
+    "messages",
+    "conversations",
+    "text",
+    "prompt-completion",
+    "conversational prompt-completion",
 ]
 """The format of one sample, from its keys."""
 
 ACCEPTED_FORMATS = (
     "{'input_ids': [...], 'labels': [...]} (labels optional), {'messages': [...]}, "
+    "{'conversations': [{'from': ..., 'value': ...}]}, "
     "{'text': '...'}, {'prompt': '...', 'completion': '...'} or "
     "{'prompt': [messages], 'completion': [messages]}"
 )
 """Every accepted format, for error messages."""
 
-_RAW_KEYS = ("messages", "text", "prompt", "completion")
+_RAW_KEYS = ("messages", "conversations", "text", "prompt", "completion")
 
 
 class PromptBoundaryWarning(UserWarning):
@@ -90,6 +99,8 @@ def sample_format(sample: Mapping[str, Any], where: str) -> SampleFormat:
         )
     if found == ["messages"]:
         return "messages"
+    if found == ["conversations"]:
+        return "conversations"
     if found == ["text"]:
         return "text"
     prompt, completion = sample["prompt"], sample["completion"]

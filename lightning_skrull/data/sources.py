@@ -2,8 +2,9 @@
 
 Supported ``train_data``:
 - a sequence of dicts ``{"input_ids": [...], "labels": [...]}`` (``labels`` optional);
-- a sequence of chat dicts ``{"messages": [{"role": ..., "content": ...}, ...]}``, text dicts
-  ``{"text": ...}`` or prompt-completion dicts ``{"prompt": ..., "completion": ...}`` (strings,
+- a sequence of chat dicts ``{"messages": [{"role": ..., "content": ...}, ...]}`` or ShareGPT
+  dicts ``{"conversations": [{"from": ..., "value": ...}, ...]}`` (either with its own
+  ``tools``), text dicts ``{"text": ...}`` or prompt-completion dicts ``{"prompt": ..., "completion": ...}`` (strings,
   or lists of messages), which need ``tokenizer`` (:mod:`lightning_skrull.data.formats`); a
   sample holding ``input_ids`` is read from them whatever else it holds, and a dataset holds one
   of the other formats (pre-tokenised samples mix with any);
@@ -31,6 +32,8 @@ from lightning_skrull.data.chat import (
     ChatTurns,
     check_chat_tokenizer,
     check_chat_turns,
+    sample_template_kwargs,
+    sharegpt_messages,
     tokenize_chat,
     tokenize_chat_completion,
 )
@@ -197,11 +200,12 @@ class SampleBuilder:
             _check_shapes(ids, labels, where)
             if sample.get("attention_mask") is not None:
                 _check_attention_mask(sample["attention_mask"], ids, where)
-        elif format_ in ("messages", "conversational prompt-completion"):
+        elif format_ in ("messages", "conversations", "conversational prompt-completion"):
             if self.tokenizer is None:
-                what = (
-                    "a chat sample ('messages')" if format_ == "messages" else f"a {format_} sample"
-                )
+                what = {
+                    "messages": "a chat sample ('messages')",
+                    "conversations": "a ShareGPT chat sample ('conversations')",
+                }.get(format_, f"a {format_} sample")
                 raise ValueError(
                     f"{where} is {what} but no tokenizer was given; pass "
                     "tokenizer=AutoTokenizer.from_pretrained(<model>) to tokenise it with the "
@@ -210,24 +214,39 @@ class SampleBuilder:
             if not self._tokenizer_checked:
                 check_chat_tokenizer(self.tokenizer)
                 self._tokenizer_checked = True
-            if format_ == "messages":
-                raw_ids, raw_labels = tokenize_chat(
-                    sample["messages"],
-                    self.tokenizer,
-                    where=where,
-                    chat_template_kwargs=self.chat_template_kwargs,
-                    chat_turns=self.chat_turns,
-                )
-            else:
+            kwargs = sample_template_kwargs(sample, where, self.chat_template_kwargs)
+            if format_ == "conversational prompt-completion":
                 raw_ids, raw_labels = tokenize_chat_completion(
                     sample["prompt"],
                     sample["completion"],
                     self.tokenizer,
                     where=where,
-                    chat_template_kwargs=self.chat_template_kwargs,
+                    chat_template_kwargs=kwargs,
+                )
+            else:
+                messages = (
+                    sample["messages"]
+                    if format_ == "messages"
+                    else sharegpt_messages(
+                        sample["conversations"], where, system=sample.get("system")
+                    )
+                )
+                raw_ids, raw_labels = tokenize_chat(
+                    messages,
+                    self.tokenizer,
+                    where=where,
+                    chat_template_kwargs=kwargs,
+                    chat_turns=self.chat_turns,
                 )
             ids, labels = np.asarray(raw_ids, dtype=np.int64), np.asarray(raw_labels, np.int64)
         else:
+            if sample_template_kwargs(sample, where, None) is not None:
+                raise ValueError(
+                    f"{where} is a {format_} sample with tools; tools are rendered by the chat "
+                    "template, so only conversations (messages, conversations, or prompt and "
+                    "completion as lists of messages) take them. Remove 'tools', or give the "
+                    "sample as a conversation."
+                )
             if not self._tokenizer_checked:
                 check_text_tokenizer(self.tokenizer, format_, where)
                 self._tokenizer_checked = True
@@ -336,7 +355,7 @@ def warn_straddling(count: int, first: str) -> None:
     warnings.warn(boundary_warning_text(count, first), PromptBoundaryWarning, stacklevel=3)
 
 
-RAW_COLUMNS = ("messages", "text", "prompt", "completion")
+RAW_COLUMNS = ("messages", "conversations", "text", "prompt", "completion")
 """The columns of the formats that are tokenised here (a table without ``input_ids``)."""
 
 
@@ -509,7 +528,8 @@ def load_sft_data(
             tokenizer with a chat template), whose non-assistant tokens get label ``-100``, and
             for text and prompt-completion samples, whose prompt tokens get label ``-100``
             (:mod:`lightning_skrull.data.formats`).
-        chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``.
+        chat_template_kwargs: extra keyword arguments for ``tokenizer.apply_chat_template``, for
+            every sample; a sample's own ``tools`` are added to them (not both for one sample).
         chat_turns: which assistant turns of a chat sample are supervised: ``"all"``, or
             ``"last"`` (the sample then ends with its last assistant turn).
         max_tokens, vocab_size, truncate: when given, :meth:`SFTDataset.validate` runs with them.
