@@ -429,6 +429,22 @@ def test_mixed_formats_are_refused_in_memory_and_across_the_cache_chunks(tmp_pat
             r"them, or convert the sample to \{'messages'",
         ),
         (
+            [
+                {
+                    "conversations": [
+                        {"from": "human", "value": "hi"},
+                        {"from": "gpt", "value": "hello", "weight": 1},
+                        {"from": "human", "value": "and?"},
+                        {"from": "gpt", "value": "bye", "weight": 0},
+                    ]
+                }
+            ],
+            "ok",
+            ValueError,
+            r"sample 0: conversations\[3\] has weight=0 \(axolotl's per-turn training switch\), "
+            r"which is not read here: every assistant turn is supervised",
+        ),
+        (
             [{"conversations": SHAREGPT_CONVERSATION, "system": "be brief"}],
             "ok",
             ValueError,

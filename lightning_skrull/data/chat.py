@@ -63,11 +63,17 @@ A ``function_call`` turn is the model's output, so it is an assistant turn (supe
 ``value`` the content; ``observation`` is a tool's result."""
 
 
+_TURN_WEIGHT_KEYS = ("weight", "train")
+"""Per-turn keys that switch a turn's training off in axolotl's ShareGPT data; a turn that
+sets one to anything but ``1`` / ``True`` is refused rather than trained on."""
+
+
 def sharegpt_messages(
     conversations: object, where: str, *, system: object = None
 ) -> list[dict[str, Any]]:
     """The messages of a ShareGPT conversation: each ``{"from": f, "value": v}`` becomes
-    ``{"role": SHAREGPT_ROLES[f], "content": v}`` (other keys of a turn are not read).
+    ``{"role": SHAREGPT_ROLES[f], "content": v}`` (other keys of a turn are not read, except
+    that a turn switched off by ``weight`` / ``train``, :data:`_TURN_WEIGHT_KEYS`, is refused).
 
     Args:
         conversations: ``[{"from": ..., "value": ...}, ...]``.
@@ -77,6 +83,7 @@ def sharegpt_messages(
 
     Raises:
         ValueError: not a non-empty list of such dicts, a ``from`` not in :data:`SHAREGPT_ROLES`,
+            a turn with ``weight`` / ``train`` other than ``1`` / ``True``,
             a ``system`` that is not a string, or one given both as the column and as a first
             system turn.
     """
@@ -106,6 +113,16 @@ def sharegpt_messages(
                 "of them, or convert the sample to {'messages': [{'role': ..., 'content': ...}]} "
                 "with the roles the chat template expects."
             )
+        for key in _TURN_WEIGHT_KEYS:
+            weight = message.get(key)
+            if weight is not None and weight is not True and weight != 1:
+                raise ValueError(
+                    f"{where}: conversations[{turn}] has {key}={weight!r} (axolotl's per-turn "
+                    "training switch), which is not read here: every assistant turn is "
+                    "supervised, and this one would be trained on. Remove the turn, keep only "
+                    "the last assistant turn supervised (chat_turns='last'), or give the sample "
+                    "as input_ids with your own labels (-100 for the turns not to train on)."
+                )
         messages.append({"role": SHAREGPT_ROLES[role], "content": message["value"]})
     if system is not None:
         if not isinstance(system, str):
