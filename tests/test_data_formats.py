@@ -5,9 +5,8 @@ The reference is written out token by token: the test tokenizer is word-level (o
 whitespace-separated word of :data:`helpers.CHAT_VOCAB`, unknown words ``<unk>``), with
 ``<|im_end|>`` as its EOS and a post-processor that starts every text with ``<|im_start|>`` as
 its BOS, so that both special-token rules (EOS appended by the data, BOS added by the tokenizer)
-show in the expectations. Where ``trl`` is installed its SFTTrainer tokenises the same samples
-and must give the same ids and labels; the written-out expectations are the proof that always
-runs. Comparisons of tokens are exact (integers); the one training check compares the first
+show in the expectations. TRL's SFTTrainer (``trl``, a test dependency) tokenises the same
+samples and must give the same ids and labels, as an independent second reference. Comparisons of tokens are exact (integers); the one training check compares the first
 step's loss with plain HF's to 1e-5 (float32 summation order, as the parity tests).
 
 These formats end in the same :class:`SFTDataset` as pre-tokenised data (flat ids and labels), so
@@ -530,7 +529,8 @@ def test_a_template_that_renders_the_prompt_otherwise_before_a_completion_is_ref
 
 # ------------------------------------------------------------------ TRL gives the same labels
 def test_labels_equal_trl_sft_trainer(tmp_path: Path) -> None:
-    trl = pytest.importorskip("trl")
+    import trl
+
     tokenizer = _tokenizer()
     model = tiny_qwen2()
     cases = [TEXT, [*PROMPT_COMPLETION, STRADDLING], CONVERSATIONAL]
@@ -559,7 +559,8 @@ def test_tools_and_sharegpt_render_as_trl_sft_trainer(tmp_path: Path) -> None:
     sample with TRL's role names tokenises as TRL's conversion of it. TRL supervises every token
     of a messages sample by default (chat labels are compared token by token above), so the ids
     are compared here; conversational prompt-completion labels too."""
-    trl = pytest.importorskip("trl")
+    import trl
+
     tokenizer = _tokenizer()
     plain = [{"from": m["role"], "value": m["content"]} for m in CONVERSATION]
     cases = [
