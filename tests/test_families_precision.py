@@ -27,7 +27,12 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from helpers import make_samples, reference_loss_and_grads, tiny_model
+from helpers import (
+    make_samples,
+    reference_loss_and_grads,
+    rope_parameters,
+    tiny_model,
+)
 from test_gemma3_multimodal import TINY_MODELS as MULTIMODAL
 from test_precision_matrix import FLOOR, RATIO
 
@@ -125,7 +130,28 @@ def _tiny(arch: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("arch", list(SUPPORTED_ARCHITECTURES))
 def test_bf16_autocast_gradient_as_close_to_float32_as_plain_hf(arch: str) -> None:
-    reference = _tiny(arch)
+    _check_bf16(_tiny(arch), SCALED_ROUTED.get(arch, SCALED))
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("kind", ["linear", "yarn", "llama3"])
+def test_rope_scalings_in_bf16_as_close_to_float32_as_plain_hf(arch: str, kind: str) -> None:
+    """The RoPE scalings exact at any length (tests/test_rope_scaling.py proves them in
+    float32), by the same rule. Weights drawn with a spread of 0.1 (transformers' default is
+    0.02), so that the scaling moves the float32 gradient by 2.0e-1 to 3.5e-1, far beyond the
+    bounds (2.0e-2 to 2.7e-2): a path that dropped the scaling fails. Measured d(Skrull) /
+    d(ref) 0.81 to 1.09; a gradient 5% too large lands at 4.9e-2 to 5.3e-2."""
+    model = tiny_model(arch, seed=4, rope_parameters=rope_parameters(kind), initializer_range=0.1)
+    assert model.model.rotary_emb.rope_type == kind
+    bound = _check_bf16(model, SCALED)
+    unscaled = _reference_gradient(tiny_model(arch, seed=4, initializer_range=0.1), False)
+    assert _distance(unscaled, _reference_gradient(model, autocast=False)) > 4 * bound
+
+
+def _check_bf16(reference: torch.nn.Module, scaled: float) -> float:
+    """The rule of this file for ``reference``'s Skrull path: float32 equal to the reference,
+    bf16 within the bound, autocast applied, and a gradient ``scaled`` times too large caught.
+    Returns the bound."""
     fp32 = _reference_gradient(reference, autocast=False)
     ref_distance = _distance(_reference_gradient(reference, autocast=True), fp32)
     # the reference's bf16 rounding shows: the bound is not vacuous
@@ -140,4 +166,5 @@ def test_bf16_autocast_gradient_as_close_to_float32_as_plain_hf(arch: str) -> No
     # autocast reached the Skrull path: its bf16 gradient is not its float32 one
     assert _distance(skrull_bf16, skrull_fp32) > FLOOR
     # and the bound is tight enough to catch a gradient 5% (10%) too large
-    assert _distance(SCALED_ROUTED.get(arch, SCALED) * skrull_bf16, fp32) > bound
+    assert _distance(scaled * skrull_bf16, fp32) > bound
+    return bound
