@@ -551,11 +551,13 @@ def sgd_training(
     steps: int,
     *,
     autocast: bool = False,
+    clip: float | None = None,
 ) -> None:
     """Train ``model`` in place as one process would: ``steps`` SGD steps of :data:`LR` on the
     consecutive global batches of :data:`GLOBAL_BATCH` samples of ``data``, one sequence at a
     time, the summed token loss over each global batch's supervised tokens; the forward under
-    ``torch.autocast("cpu", bfloat16)`` with ``autocast``."""
+    ``torch.autocast("cpu", bfloat16)`` with ``autocast``; the gradient's norm clipped to
+    ``clip`` before each step."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     for step in range(steps):
         total, tokens = torch.zeros(()), 0
@@ -565,6 +567,8 @@ def sgd_training(
                 total, tokens = total + loss, tokens + n
         optimizer.zero_grad()
         (total / tokens).backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         optimizer.step()
 
 

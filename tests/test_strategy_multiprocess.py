@@ -55,7 +55,6 @@ from helpers import (
     reference_training,
     sgd_training,
     tiny_model,
-    token_loss_sum,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 
@@ -295,20 +294,9 @@ def clipped_reference(autocast: bool) -> tuple[dict[str, np.ndarray], dict[str, 
     one process, one sequence at a time, 3 SGD steps on :func:`make_data`'s global batches,
     the gradient's norm clipped to :data:`CLIP` before each step; the forward under
     ``torch.autocast("cpu", bfloat16)`` with ``autocast`` (float32 gradients and SGD)."""
-    data = make_data()
     model = reference_model()
     before = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(3):
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
-        optimizer.step()
+    sgd_training(model, make_data(), 3, autocast=autocast, clip=CLIP)
     return before, {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
 
 
