@@ -34,8 +34,9 @@ from __future__ import annotations
 
 from torch import nn
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v2")
-"""``config.model_type`` of the supported Mixture-of-Experts architectures."""
+# ``config.model_type`` of the supported Mixture-of-Experts architectures: the ones whose sparse
+# MLP the cost model reads, one list for both
+from lightning_skrull.scheduling.cost_model import MOE_MODEL_TYPES
 
 AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
 """The ones whose causal-LM forward adds the router auxiliary loss with
