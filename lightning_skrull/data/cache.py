@@ -58,9 +58,8 @@ from lightning_skrull.data.dataset import (
     empty_data_error,
     nothing_supervised_error,
 )
-from lightning_skrull.data.formats import SampleFormat, mixed_formats_error
+from lightning_skrull.data.formats import RAW_COLUMNS, OneFormat
 from lightning_skrull.data.sources import (
-    RAW_COLUMNS,
     Chunk,
     SampleBuilder,
     add_jsonl_line,
@@ -585,19 +584,12 @@ class _Writer:
         self.supervised = 0
         self.max_input_id = -1
         self.max_label = IGNORE_INDEX
-        self.format: SampleFormat | None = None
-        self.format_where = ""
+        self.formats = OneFormat()
         self.straddling = 0
         self.first_straddling = ""
 
     def add(self, chunk: Chunk) -> None:
-        if chunk.format is not None:
-            if self.format is None:
-                self.format, self.format_where = chunk.format, chunk.format_where
-            elif chunk.format != self.format:
-                raise mixed_formats_error(
-                    chunk.format_where, chunk.format, self.format_where, self.format
-                )
+        self.formats.see(chunk.format, chunk.format_where)
         self.straddling += chunk.straddling
         self.first_straddling = self.first_straddling or chunk.first_straddling
         self.ids.write(chunk.input_ids.tobytes())
@@ -766,7 +758,7 @@ def _build(tmp: Path, spec: CacheSpec, num_proc: int, progress: bool | None) -> 
         "max_input_id": writer.max_input_id,
         "max_label": writer.max_label if writer.has_labels else None,
         "supervised_tokens": writer.supervised,
-        "sample_format": writer.format or "tokens",
+        "sample_format": writer.formats.format or "tokens",
         "straddling": {"count": writer.straddling, "first": writer.first_straddling},
         "build_seconds": round(time.perf_counter() - started, 3),
         "checked": "every sample passed the checks of load_sft_data",

@@ -39,8 +39,9 @@ from lightning_skrull.data.bundled import load_bundled_dataset
 from lightning_skrull.data.cache import cached_sft_data, is_cacheable
 from lightning_skrull.data.chat import ChatTurns, check_chat_turns
 from lightning_skrull.data.dataset import SFTDataset
+from lightning_skrull.data.formats import RAW_COLUMNS
 from lightning_skrull.data.sampler import GlobalBatchSampler
-from lightning_skrull.data.sources import RAW_COLUMNS, SFTData, load_sft_data
+from lightning_skrull.data.sources import SFTData, load_sft_data
 from lightning_skrull.models.multimodal import image_token_id, is_multimodal, text_config
 from lightning_skrull.models.patching import find_hf_model
 

@@ -56,7 +56,8 @@ ACCEPTED_FORMATS = (
 )
 """Every accepted format, for error messages."""
 
-_RAW_KEYS = ("messages", "conversations", "text", "prompt", "completion")
+RAW_COLUMNS = ("messages", "conversations", "text", "prompt", "completion")
+"""The keys (columns) of the formats that are tokenised here, not given as ``input_ids``."""
 
 
 class PromptBoundaryWarning(UserWarning):
@@ -76,9 +77,9 @@ def sample_format(sample: Mapping[str, Any], where: str) -> SampleFormat:
     """
     if sample.get("input_ids") is not None:
         return "tokens"
-    found = [key for key in _RAW_KEYS if sample.get(key) is not None]
+    found = [key for key in RAW_COLUMNS if sample.get(key) is not None]
     if not found:
-        nulls = [key for key in ("input_ids", *_RAW_KEYS) if key in sample]
+        nulls = [key for key in ("input_ids", *RAW_COLUMNS) if key in sample]
         null = f", and {nulls} {'is' if len(nulls) == 1 else 'are'} null" if nulls else ""
         raise ValueError(
             f"{where} has keys {sorted(map(str, sample))}{null}; none of them names a sample "
@@ -134,6 +135,28 @@ def mixed_formats_error(
         "sample {'prompt': '', 'completion': text}; a conversation is {'prompt': messages[:-1], "
         "'completion': messages[-1:]}), or pre-tokenise one of the sources."
     )
+
+
+class OneFormat:
+    """The format of a dataset's samples that are not pre-tokenised, taken from the first such
+    sample; :meth:`see` refuses a sample (or a chunk of samples) of another format."""
+
+    def __init__(self) -> None:
+        self.format: SampleFormat | None = None
+        self.where = ""  # the first sample of that format
+
+    def see(self, format_: SampleFormat | None, where: str) -> None:
+        """Record ``format_`` (``None`` or ``"tokens"``: nothing to record) of ``where``.
+
+        Raises:
+            ValueError: an earlier sample had another format (:func:`mixed_formats_error`).
+        """
+        if format_ is None or format_ == "tokens":
+            return
+        if self.format is None:
+            self.format, self.where = format_, where
+        elif format_ != self.format:
+            raise mixed_formats_error(where, format_, self.where, self.format)
 
 
 def check_text_tokenizer(tokenizer: Any, format_: SampleFormat, where: str) -> None:

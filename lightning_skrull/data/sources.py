@@ -46,11 +46,12 @@ from lightning_skrull.data.dataset import (
 )
 from lightning_skrull.data.formats import (
     ACCEPTED_FORMATS,
+    RAW_COLUMNS,
+    OneFormat,
     PromptBoundaryWarning,
     SampleFormat,
     boundary_warning_text,
     check_text_tokenizer,
-    mixed_formats_error,
     sample_format,
     tokenize_prompt_completion,
     tokenize_text,
@@ -173,8 +174,7 @@ class SampleBuilder:
         self.labels: list[np.ndarray | None] = []
         self.origins: list[Origin] = []
         self._tokenizer_checked = False
-        self.format: SampleFormat | None = None  # of the samples that are not pre-tokenised
-        self.format_where = ""  # the first such sample
+        self.formats = OneFormat()  # of the samples that are not pre-tokenised
         self.straddling = 0  # prompt-completion samples with a token across the boundary
         self.first_straddling = ""
 
@@ -188,11 +188,7 @@ class SampleBuilder:
                 f"{ACCEPTED_FORMATS}."
             )
         format_ = sample_format(sample, where)
-        if format_ != "tokens":
-            if self.format is None:
-                self.format, self.format_where = format_, where
-            elif format_ != self.format:
-                raise mixed_formats_error(where, format_, self.format_where, self.format)
+        self.formats.see(format_, where)
         if format_ == "tokens":
             ids = _to_ids(sample["input_ids"], "input_ids", where)
             raw_labels = sample.get("labels")
@@ -337,8 +333,8 @@ class SampleBuilder:
             ids32,
             labels32,
             np.diff(offsets),
-            self.format,
-            self.format_where,
+            self.formats.format,
+            self.formats.where,
             self.straddling,
             self.first_straddling,
         )
@@ -353,10 +349,6 @@ class SampleBuilder:
 def warn_straddling(count: int, first: str) -> None:
     """Warns a :class:`PromptBoundaryWarning` for ``count`` samples, the first ``first``."""
     warnings.warn(boundary_warning_text(count, first), PromptBoundaryWarning, stacklevel=3)
-
-
-RAW_COLUMNS = ("messages", "conversations", "text", "prompt", "completion")
-"""The columns of the formats that are tokenised here (a table without ``input_ids``)."""
 
 
 def table_rows(table: Any) -> list[dict[str, Any]]:
