@@ -12,6 +12,9 @@ tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
   finish at different forwards and only ``synced_gpus=True`` (passed by the strategy;
   ``synced_gpus=False`` is refused) keeps their all-gathers paired;
 - ``SkrullZero2Strategy``, float32: rank 0 alone;
+- ``SkrullFSDPStrategy`` with rank 0 entering ``generating()`` alone: refused on entry, naming
+  the ranks that did not come and the fix, instead of hanging in ``generate``'s first
+  all-gather; the run then trains on unchanged;
 - ``SkrullStrategy`` under ``"bf16-mixed"``: rank 0, in the validation step's autocast;
 - a callback that switches the attention by hand (``set_attn_implementation("sdpa")``) and
   forgets to switch back: step 2 raises on every rank.
@@ -123,6 +126,25 @@ class SampleGenerations(L.Callback):
         }
 
 
+class GeneratesAlone(L.Callback):
+    """Rank 0 alone enters ``generating()`` after step 1 and records the error it gets."""
+
+    def __init__(self) -> None:
+        self.record: dict[str, Any] = {}
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx != 0 or trainer.global_rank != 0:
+            return
+        try:
+            with trainer.strategy.generating() as model:
+                self.record["entered"] = True
+                model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=1)
+        except RuntimeError as err:
+            self.record["refused"] = str(err)
+
+
 class ForgetsToSwitchBack(L.Callback):
     """Switches the attention by hand after step 1 and does not switch it back."""
 
@@ -179,6 +201,13 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
         if baseline:
             plain, _ = _fit(make(), **kwargs)
             out[name]["final_without_callback"] = _full_params(plain.model)
+    # FSDP with rank 0 generating alone: refused on entry, after the strategy's short wait;
+    # rank 0 catches the error and the run goes on (the other ranks wait in step 2 meanwhile)
+    alone = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET)
+    alone.generation_timeout = 2.0
+    callback_alone = GeneratesAlone()
+    module, _ = _fit(alone, (callback_alone,))
+    out["fsdp_alone"] = {**callback_alone.record, "final": _full_params(module.model)}
     try:
         _fit(SkrullStrategy(cp_size=2, bucket_size=BUCKET), (ForgetsToSwitchBack(),))
     except RuntimeError as err:
@@ -279,6 +308,25 @@ def test_generation_under_bf16_mixed_runs_in_the_validation_autocast(
     assert np.abs(run["logits"] - fp32_logits).max() > 1e-4
     for rank in range(4):
         assert runs[rank]["bf16"]["after"]["attention"] == ATTENTION_NAME
+
+
+@pytest.mark.multiprocess
+def test_fsdp_generation_on_one_rank_is_refused_before_any_forward(
+    runs: list[dict[str, Any]],
+) -> None:
+    message = runs[0]["fsdp_alone"]["refused"]
+    assert "entered" not in runs[0]["fsdp_alone"], "rank 0 ran generate alone"
+    assert "not every rank entered the block within 2 s" in message
+    assert "trainer.is_global_zero" in message and "on every rank" in message
+    # gloo's monitored barrier names the ranks that did not come
+    assert "Ranks 1, 2, 3 failed to pass monitoredBarrier" in message
+    for rank in range(1, 4):
+        assert runs[rank]["fsdp_alone"] == {"final": runs[rank]["fsdp_alone"]["final"]}
+    # the refused block changed nothing: the run trained on, equal to the one without callback
+    without = runs[0]["fsdp"]["final_without_callback"]
+    for rank in range(4):
+        final = runs[rank]["fsdp_alone"]["final"]
+        assert all(np.array_equal(final[k], without[k]) for k in without)
 
 
 @pytest.mark.multiprocess

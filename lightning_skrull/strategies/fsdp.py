@@ -60,6 +60,7 @@ from lightning_skrull.strategies.base import SkrullStrategyMixin
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
+    from transformers import PreTrainedModel
 
     from lightning_skrull.scheduling.cost_model import CostModel
 
@@ -283,6 +284,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     # micro-batches (each ends when its backward, reduce-scatter included, returns)
     _time_last_micro_batch = False
 
+    generation_timeout: float = 300.0
+    """Seconds :meth:`generating` waits for every rank to enter the block before it raises
+    (instead of hanging in the first all-gather of ``generate``)."""
+
     def __init__(
         self,
         cp_size: int = 1,
@@ -332,6 +337,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         self._activation_checkpointing = activation_checkpointing
         self._reshard_after_forward = reshard_after_forward
         self._sharded_model: nn.Module | None = None
+        self._generation_group: dist.ProcessGroup | None = None
         # ZeRO-2 style padding: a reduce-scatter over the world in every backward
         self.requires_equal_micro_batches = shard == "world"
 
@@ -385,6 +391,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         module = self.lightning_module
         if module is not None:
             module._device_mesh = self._device_mesh
+        if layout.world_size > 1:  # a collective: every rank builds it in the same order
+            self._generation_group = dist.new_group(backend="gloo")
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -515,6 +523,46 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             yield
         finally:
             model.set_requires_all_reduce(True)
+
+    # ------------------------------------------------------------------ generation
+    @contextmanager
+    @override
+    def generating(self) -> Iterator[PreTrainedModel]:
+        """As :meth:`SkrullStrategy.generating`; every rank must enter the block.
+
+        Each forward of ``generate`` all-gathers the sharded parameters, so a rank that
+        generates alone (``if trainer.is_global_zero: ...``) would wait for the others forever.
+        On entry the ranks meet on a gloo group (``torch.distributed.monitored_barrier``); a
+        rank that is not there within :attr:`generation_timeout` seconds makes it raise, before
+        any forward.
+
+        Raises:
+            RuntimeError: as :meth:`SkrullStrategy.generating`, or a rank did not enter the
+                block within :attr:`generation_timeout` seconds (the message names the fix).
+        """
+        self._meet_to_generate()
+        with super().generating() as model:
+            yield model
+
+    def _meet_to_generate(self) -> None:
+        group = self._generation_group
+        if group is None:
+            return
+        try:
+            dist.monitored_barrier(
+                group, timeout=timedelta(seconds=self.generation_timeout), wait_all_ranks=True
+            )
+        except RuntimeError as err:
+            raise RuntimeError(
+                f"SkrullFSDPStrategy.generating() on global rank {self.global_rank}: not every "
+                f"rank entered the block within {self.generation_timeout:g} s ({err}). The "
+                "parameters are sharded, so each forward of generate all-gathers them from the "
+                "other ranks, and a rank that generates alone would hang. Enter "
+                "trainer.strategy.generating() and call generate on every rank (drop an `if "
+                "trainer.is_global_zero:` guard around it; the prompts and max_new_tokens may "
+                "differ) and log the output on rank 0 only; or raise "
+                "SkrullFSDPStrategy.generation_timeout if a rank is merely slow."
+            ) from err
 
     # ------------------------------------------------------------------ full weights
     def full_state_dict(self) -> dict[str, Tensor]:
