@@ -29,7 +29,7 @@ from lightning_skrull.data.batch import SkrullBatch
 from lightning_skrull.data.datamodule import SkrullDataModule
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.adapters import apply_lora
-from lightning_skrull.models.loading import from_pretrained_on_rank_zero
+from lightning_skrull.models.loading import auto_model_class, from_pretrained_on_rank_zero
 from lightning_skrull.strategies.ddp import SkrullStrategy
 from lightning_skrull.strategies.fsdp import SkrullFSDPStrategy
 
@@ -162,14 +162,16 @@ class SkrullCausalLM(pl.LightningModule):
     def _build_model(
         model: str | dict[str, Any], torch_dtype: str | None, load_on_rank_zero: bool
     ) -> PreTrainedModel:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig
 
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
         if isinstance(model, str):
             kwargs = {"dtype": dtype} if dtype is not None else {}
             if load_on_rank_zero:
                 return from_pretrained_on_rank_zero(model, **kwargs)
-            return AutoModelForCausalLM.from_pretrained(model, **kwargs)
+            # a vision-language checkpoint loads as its ...ForConditionalGeneration class
+            auto_class = auto_model_class(AutoConfig.from_pretrained(model))
+            return auto_class.from_pretrained(model, **kwargs)  # type: ignore[no-any-return]
         fields = dict(model)
         model_type = fields.pop("model_type", None)
         if model_type is None:
@@ -177,7 +179,7 @@ class SkrullCausalLM(pl.LightningModule):
                 f"a model config dict needs a 'model_type' (e.g. 'qwen2'); got keys {sorted(fields)}."
             )
         hf_config = AutoConfig.for_model(model_type, **fields)
-        built = AutoModelForCausalLM.from_config(hf_config)
+        built = auto_model_class(hf_config).from_config(hf_config)
         return built.to(dtype) if dtype is not None else built
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -16,8 +16,8 @@ import torch
 from helpers import PlainLM, cpu_trainer, make_data, tiny_qwen2
 from lightning.pytorch.plugins.precision import MixedPrecision
 
-from lightning_skrull.models.modes import train_mode_for_fit
-from lightning_skrull.strategies.ddp import cast_trainable_to_float32
+from lightning_skrull.models.modes import cast_trainable_parameters, train_mode_for_fit
+from lightning_skrull.strategies.ddp import HALF_DTYPES
 
 
 def test_a_model_wholly_in_eval_mode_is_put_in_training_mode() -> None:
@@ -51,12 +51,27 @@ def test_cast_keeps_frozen_parameters_and_the_parameter_objects() -> None:
     head = model.lm_head.weight
     loaded = head.detach().clone()
     trainable = sum(1 for p in model.parameters() if p.requires_grad)
-    assert cast_trainable_to_float32(model) == trainable
+    assert cast_trainable_parameters(model, torch.float32, from_dtypes=HALF_DTYPES) == trainable
     assert model.lm_head.weight is head  # an optimizer built on it keeps it
     assert head.dtype == torch.float32
     assert torch.equal(head.detach(), loaded.float())  # lossless
     assert model.model.embed_tokens.weight.dtype == torch.bfloat16
-    assert cast_trainable_to_float32(model) == 0
+    assert cast_trainable_parameters(model, torch.float32, from_dtypes=HALF_DTYPES) == 0
+
+
+def test_cast_of_every_floating_dtype_or_of_the_half_ones() -> None:
+    """SkrullStrategy casts bf16 / fp16 only (a float64 parameter stays); SkrullFSDPStrategy
+    casts every trainable floating dtype to its master dtype, bf16 under "bf16-true" too."""
+    model = tiny_qwen2()
+    model.lm_head.to(torch.float64)
+    model.model.embed_tokens.weight.requires_grad_(False)
+    assert cast_trainable_parameters(model, torch.float32, from_dtypes=HALF_DTYPES) == 0
+    assert model.lm_head.weight.dtype == torch.float64
+    assert cast_trainable_parameters(model, torch.float32) == 1
+    assert model.lm_head.weight.dtype == torch.float32
+    trainable = sum(1 for p in model.parameters() if p.requires_grad)
+    assert cast_trainable_parameters(model, torch.bfloat16) == trainable
+    assert model.model.embed_tokens.weight.dtype == torch.float32  # frozen: as loaded
 
 
 @pytest.mark.parametrize(

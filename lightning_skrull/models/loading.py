@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from lightning_skrull.models.multimodal import is_multimodal
+
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
 
@@ -89,6 +91,21 @@ def loads_weights_here(environ: Mapping[str, str] | None = None) -> bool:
     return launched_as_rank_zero(environ) is not False
 
 
+def auto_model_class(config: PretrainedConfig) -> Any:
+    """The transformers auto class that builds ``config``'s trainable model:
+    ``AutoModelForImageTextToText`` for a supported vision-language checkpoint (Gemma 3,
+    Mistral Small 3.x; :data:`~lightning_skrull.models.multimodal.MULTIMODAL_MODEL_TYPES`),
+    else ``AutoModelForCausalLM``.
+
+    ``AutoModelForCausalLM`` maps ``gemma3`` to ``Gemma3ForConditionalGeneration`` but has no
+    entry for ``mistral3``; ``AutoModelForImageTextToText`` maps both to their
+    ``...ForConditionalGeneration`` class, the one the package trains on text.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if is_multimodal(config) else AutoModelForCausalLM
+
+
 def _meta_build_arguments(
     name_or_path: str | os.PathLike[str], kwargs: Mapping[str, Any]
 ) -> tuple[PretrainedConfig, dict[str, Any]]:
@@ -117,8 +134,8 @@ def _meta_build_arguments(
             f"from_pretrained_on_rank_zero cannot follow {sorted(rest)} on the ranks that build "
             "the model on the meta device: those arguments change how the weights are loaded "
             "or placed, and every rank must build the same model. Load with "
-            f"AutoModelForCausalLM.from_pretrained({str(name_or_path)!r}, ...) on every rank "
-            "instead, or drop them (the strategy places and casts the weights)."
+            f"{auto_model_class(config).__name__}.from_pretrained({str(name_or_path)!r}, ...) on "
+            "every rank instead, or drop them (the strategy places and casts the weights)."
         )
     return config, model_kwargs
 
@@ -126,8 +143,12 @@ def _meta_build_arguments(
 def from_pretrained_on_rank_zero(
     name_or_path: str | os.PathLike[str], **kwargs: Any
 ) -> PreTrainedModel:
-    """``AutoModelForCausalLM.from_pretrained`` on global rank 0; the same model on the meta
-    device on every other rank.
+    """``from_pretrained`` of the checkpoint's model class on global rank 0; the same model on
+    the meta device on every other rank.
+
+    The class is :func:`auto_model_class`'s: ``AutoModelForCausalLM``'s for a text model, the
+    ``...ForConditionalGeneration`` class of a supported vision-language checkpoint (Gemma 3,
+    Mistral Small 3.1 / 3.2), trained on text only.
 
     Use it in a LightningModule's ``__init__`` with
     :class:`~lightning_skrull.SkrullFSDPStrategy`: at setup the strategy shards the model and
@@ -152,11 +173,10 @@ def from_pretrained_on_rank_zero(
             (``device_map``, ``quantization_config``, ...): on every rank, so no rank is left
             waiting at setup.
     """
-    from transformers import AutoModelForCausalLM
-
     config, model_kwargs = _meta_build_arguments(name_or_path, kwargs)
+    auto_class = auto_model_class(config)
     if loads_weights_here():
-        return AutoModelForCausalLM.from_pretrained(name_or_path, **kwargs)
+        return auto_class.from_pretrained(name_or_path, **kwargs)  # type: ignore[no-any-return]
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, **model_kwargs)
-    return model.eval()
+        model = auto_class.from_config(config, **model_kwargs)
+    return model.eval()  # type: ignore[no-any-return]

@@ -15,11 +15,52 @@ bucket was sized for would then be exceeded with no error until the device runs 
 - a model whose modes are mixed was set so on purpose and is left alone, unless some layer that
   would checkpoint its activations is in eval mode: that is refused, since its checkpointing
   would silently not run.
+
+:func:`cast_trainable_parameters` gives the trainable parameters the dtype the optimizer steps
+(float32 master weights under ``"32-true"``, ``"bf16-mixed"`` and ``"16-mixed"``), in place,
+for :class:`~lightning_skrull.SkrullStrategy` and :class:`~lightning_skrull.SkrullFSDPStrategy`
+alike; frozen parameters keep the dtype they were loaded in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
+
+import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+
+def cast_trainable_parameters(
+    module: nn.Module, dtype: torch.dtype, *, from_dtypes: Collection[torch.dtype] | None = None
+) -> int:
+    """Cast ``module``'s trainable floating-point parameters to ``dtype`` in place.
+
+    The :class:`~torch.nn.Parameter` objects stay (only their data changes), so an optimizer
+    built on them keeps them. Frozen parameters keep the dtype they were loaded in, and
+    parameters already sharded (DTensors: FSDP2 cast them before sharding) are left alone.
+
+    Args:
+        module: the module whose parameters (its submodules' included) are cast.
+        dtype: the dtype to cast to.
+        from_dtypes: cast only parameters of these dtypes (``SkrullStrategy``: bf16 and fp16,
+            so a float64 parameter stays float64); ``None``: every floating-point dtype.
+
+    Returns:
+        The number of parameters cast.
+    """
+    cast = 0
+    for p in module.parameters():
+        if (
+            p.requires_grad
+            and p.is_floating_point()
+            and p.dtype != dtype
+            and (from_dtypes is None or p.dtype in from_dtypes)
+            and not isinstance(p, DTensor)
+        ):
+            p.data = p.data.to(dtype)
+            cast += 1
+    return cast
 
 
 def train_mode_for_fit(model: nn.Module) -> bool:

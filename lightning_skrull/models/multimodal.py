@@ -20,14 +20,18 @@ projector beside a Mistral text decoder (``MistralModel``), which they run alone
   exist and need nothing.
 - :func:`refuse_images`: a forward pre-hook that :func:`~lightning_skrull.models.prepare_model`
   adds to a vision-language model; while it runs the Skrull attention, a forward given
-  ``pixel_values``, image features, ``token_type_ids`` marking image tokens or ``input_ids``
-  holding the image token is refused (the images' bidirectional attention and the vision tower
-  are not what the Skrull attention computes). ``SkrullDataModule`` refuses data holding the
-  image token earlier, at setup (:func:`image_token_id`).
+  ``pixel_values``, image features or ``token_type_ids`` is refused (the images' bidirectional
+  attention and the vision tower are not what the Skrull attention computes). It reads no
+  tensor's values, so it costs no device sync.
+- :func:`refuse_image_token`: the image token in ``input_ids`` (a placeholder for image
+  features), refused on the host: ``SkrullDataModule`` checks every sample at setup, and the
+  Skrull strategies check each batch before it moves to the device.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from types import MappingProxyType
 from typing import Any
 
@@ -104,30 +108,43 @@ def image_token_id(config: Any) -> int | None:
     return None
 
 
-def _argument(args: tuple[Any, ...], kwargs: dict[str, Any], name: str, position: int) -> Any:
-    """The forward's argument ``name`` (keyword, or positional at ``position``), or ``None``."""
+@functools.cache
+def _positions(forward: Any) -> dict[str, int]:
+    """Positional index (``self`` not counted) of each parameter of a ``forward`` function."""
+    names = list(inspect.signature(forward).parameters)[1:]
+    return {name: i for i, name in enumerate(names)}
+
+
+def _argument(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], name: str) -> Any:
+    """``module``'s forward argument ``name`` (keyword, or positional where its forward takes
+    it: ``token_type_ids`` is the sixth of Gemma 3's, Mistral 3's has none), or ``None``."""
     if name in kwargs:
         return kwargs[name]
-    return args[position] if len(args) > position else None
+    position = _positions(type(module).forward).get(name)
+    return args[position] if position is not None and len(args) > position else None
 
 
 def refuse_images(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Forward pre-hook of a vision-language model: refuse images under the Skrull attention.
 
     Under another attention (switched back to generate,
-    :func:`~lightning_skrull.models.plain_attention`) every call passes. The checks of
-    ``token_type_ids`` and ``input_ids`` read one reduction of each back to the host per forward.
+    :func:`~lightning_skrull.models.plain_attention`) every call passes. It looks at which
+    arguments are given, never at a tensor's values, so it costs no device sync: the image
+    token in ``input_ids`` is refused on the host, by ``SkrullDataModule`` at setup (every
+    sample) and by the Skrull strategies before each batch moves to the device
+    (:func:`refuse_image_token`).
 
     Raises:
-        ValueError: ``pixel_values`` or ``mm_encoder_outputs`` given, ``token_type_ids`` marking
-            an image token, or the image token in ``input_ids``; the message names the value
-            and the fix (:data:`TEXT_ONLY_FIX`).
+        ValueError: ``pixel_values``, ``mm_encoder_outputs`` or ``token_type_ids`` given (the
+            latter mark image tokens; text-only training has none, and all-zero
+            ``token_type_ids`` equal none); the message names the value and the fix
+            (:data:`TEXT_ONLY_FIX`).
     """
     config = getattr(module, "config", None)
     if getattr(text_config(config), "_attn_implementation", None) != ATTENTION_NAME:
         return
     name = type(module).__name__
-    pixels = _argument(args, kwargs, "pixel_values", 1)
+    pixels = _argument(module, args, kwargs, "pixel_values")
     if pixels is not None:
         shape = tuple(pixels.shape) if isinstance(pixels, torch.Tensor) else type(pixels).__name__
         raise ValueError(
@@ -138,21 +155,43 @@ def refuse_images(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             f"{name} got mm_encoder_outputs (image features) under the Skrull attention. "
             f"{TEXT_ONLY_FIX}"
         )
-    types = _argument(args, kwargs, "token_type_ids", 5)
-    if isinstance(types, torch.Tensor) and bool((types != 0).any()):
-        position = tuple(int(i) for i in (types != 0).nonzero()[0])
+    types = _argument(module, args, kwargs, "token_type_ids")
+    if types is not None:
+        shape = tuple(types.shape) if isinstance(types, torch.Tensor) else type(types).__name__
         raise ValueError(
-            f"{name} got token_type_ids marking image tokens (token_type_ids{list(position)} = "
-            f"{int(types[position])}, 1 = image) under the Skrull attention. {TEXT_ONLY_FIX}"
+            f"{name} got token_type_ids ({shape}) under the Skrull attention. They mark image "
+            "tokens (1 = image), which text-only training has none of; all zeros equal passing "
+            f"none, so drop them. {TEXT_ONLY_FIX}"
         )
-    ids = _argument(args, kwargs, "input_ids", 0)
-    image = image_token_id(config)
-    if isinstance(ids, torch.Tensor) and image is not None and bool((ids == image).any()):
-        count = int((ids == image).sum())
-        raise ValueError(
-            f"{name} got input_ids holding its image token (id {image}, {count} time(s)), a "
-            f"placeholder for image features, under the Skrull attention. {TEXT_ONLY_FIX}"
-        )
+
+
+def refuse_image_token(input_ids: torch.Tensor, config: Any, where: str) -> None:
+    """Refuse ``input_ids`` holding ``config``'s image token (:func:`image_token_id`), a
+    placeholder for image features, when the model is a vision-language one trained on text.
+
+    The Skrull strategies call it on each micro-batch of a batch while it is still on the host
+    (before Lightning moves it to the device), so the check reads no device tensor.
+
+    Args:
+        input_ids: token ids, any shape.
+        config: the model's config (a text model's passes: it has no image token).
+        where: what ``input_ids`` belong to, for the message (``"micro-batch 2"``).
+
+    Raises:
+        ValueError: the image token is in ``input_ids``; the message names its first position,
+            how often it occurs and the fix (:data:`TEXT_ONLY_FIX`).
+    """
+    image = image_token_id(config) if is_multimodal(config) else None
+    if image is None:
+        return
+    found = input_ids == image
+    if not bool(found.any()):
+        return
+    position = [int(i) for i in found.nonzero()[0]]
+    raise ValueError(
+        f"{where}: input_ids{position} = {image} is the model's image token, a placeholder for "
+        f"image features ({int(found.sum())} in it). {TEXT_ONLY_FIX}"
+    )
 
 
 __all__ = [
@@ -161,6 +200,7 @@ __all__ = [
     "image_token_id",
     "is_multimodal",
     "language_model",
+    "refuse_image_token",
     "refuse_images",
     "text_config",
     "text_only_unused_parameters",

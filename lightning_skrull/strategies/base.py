@@ -49,7 +49,7 @@ from lightning_skrull.models.adapters import check_checkpointing_gradients
 from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
 from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.modes import train_mode_for_fit
-from lightning_skrull.models.multimodal import text_config
+from lightning_skrull.models.multimodal import refuse_image_token, text_config
 from lightning_skrull.models.patching import find_hf_model, prepare_model
 from lightning_skrull.models.saving import check_save_dtype, cpu_state_dict, write_pretrained
 from lightning_skrull.models.token_loss import (
@@ -314,6 +314,18 @@ class SkrullStrategyMixin(ParallelStrategy):
             "lightning_skrull.SkrullDataModule (or a loader that yields RankBatch objects from "
             "lightning_skrull.data.collate.collate_rank)."
         )
+
+    def _refuse_image_tokens(self, batch: Any) -> None:
+        """Refuse a vision-language model's image token in a batch still on the host, once per
+        batch (:func:`~lightning_skrull.models.multimodal.refuse_image_token`): the model's
+        forward pre-hook reads no tensor values, so the check costs no device sync."""
+        hf_model = self._hf_model
+        if hf_model is None or not isinstance(batch, (SkrullBatch, RankBatch)):
+            return  # a batch of another type is refused by the step itself
+        rank_batch = batch.rank_batch if isinstance(batch, SkrullBatch) else batch
+        for i, mb in enumerate(rank_batch.micro_batches):
+            where = f"micro-batch {i} (samples {list(mb.sample_indices)}) of this rank's batch"
+            refuse_image_token(mb.inputs["input_ids"], hf_model.config, where)
 
     def _micro_batch_context(self, mb: MicroBatch) -> AbstractContextManager[Any]:
         return micro_batch_context(
@@ -763,6 +775,13 @@ class SkrullStrategyMixin(ParallelStrategy):
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
         self._setup_calibration(trainer)
+
+    @override
+    def batch_to_device(
+        self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0
+    ) -> Any:
+        self._refuse_image_tokens(batch)  # on the host, before the move
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _train_mode_for_fit(self, trainer: pl.Trainer) -> None:
         """When fitting, put a model that ``from_pretrained`` left in eval mode in training mode

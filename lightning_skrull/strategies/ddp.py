@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.models.multimodal import text_only_unused_parameters
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
@@ -43,19 +44,11 @@ _NO_FORWARD_BUFFER_SYNC = (
 
 FLOAT32_MASTER_PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 """Lightning precisions whose weights and optimizer step are float32: trainable parameters
-loaded in 16 bits are cast to float32 when the fit starts (:func:`cast_trainable_to_float32`)."""
+loaded in 16 bits are cast to float32 when the fit starts
+(:func:`~lightning_skrull.models.modes.cast_trainable_parameters`)."""
 
-
-def cast_trainable_to_float32(module: torch.nn.Module) -> int:
-    """Cast ``module``'s trainable bf16 / fp16 parameters to float32 in place (the
-    :class:`~torch.nn.Parameter` objects stay, so an optimizer built on them keeps them);
-    frozen ones keep the dtype they were loaded in. Returns the number of parameters cast."""
-    cast = 0
-    for p in module.parameters():
-        if p.requires_grad and p.dtype in (torch.bfloat16, torch.float16):
-            p.data = p.data.to(torch.float32)
-            cast += 1
-    return cast
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+"""The 16-bit dtypes whose trainable parameters :class:`SkrullStrategy` casts to float32."""
 
 
 class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
@@ -192,7 +185,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         precision = self.precision_plugin.precision
         if precision not in FLOAT32_MASTER_PRECISIONS or self.model is None:
             return
-        cast = cast_trainable_to_float32(self.model)
+        cast = cast_trainable_parameters(self.model, torch.float32, from_dtypes=HALF_DTYPES)
         if cast:
             rank_zero_info(
                 f"{type(self).__name__}: cast {cast} trainable bf16/fp16 parameters to float32 "
@@ -204,7 +197,19 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
     def _ignore_text_only_unused_parameters(self) -> None:
         """Leave a vision-language model's vision tower and projector out of DDP's gradient
         reduction: trained on text only they never get a gradient, and DDP, which waits for one
-        of every parameter it reduces, would fail at the next step."""
+        of every parameter it reduces, would fail at the next step.
+
+        torch has no public way to do so. ``find_unused_parameters=True`` would all-reduce the
+        tower's zero gradients every step (Gemma 3's SigLIP tower holds 0.4B parameters) after
+        walking the autograd graph, and freezing the tower (``requires_grad_(False)``) would
+        change the user's model (and keep the tower in its loaded dtype under the float32
+        master cast). So this uses ``DistributedDataParallel._set_params_and_buffers_to_ignore_
+        for_model``, a private API; the DDP runs of tests/test_gemma3_multimodal.py fail if it
+        changes, and its absence is refused here with a fix.
+
+        Raises:
+            RuntimeError: this torch's DDP has no such method; the message names the fix.
+        """
         module = self.model
         hf_model = self._hf_model
         if module is None or hf_model is None:
@@ -212,9 +217,22 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         unused = text_only_unused_parameters(hf_model)
         if not unused:
             return
+        ignore = getattr(
+            DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None
+        )
+        if ignore is None:
+            raise RuntimeError(
+                f"SkrullStrategy leaves the {len(unused)} parameters of "
+                f"{type(hf_model).__name__} that text-only training never reaches (vision tower, "
+                f"projector; first {unused[0]!r}) out of DDP's gradient reduction through "
+                "DistributedDataParallel._set_params_and_buffers_to_ignore_for_model, which "
+                f"torch {torch.__version__} does not have. Freeze them (requires_grad_(False) "
+                "on model.model.vision_tower and model.model.multi_modal_projector), or use "
+                "SkrullFSDPStrategy or SkrullZero2Strategy, which need nothing."
+            )
         prefix = next(name for name, sub in module.named_modules() if sub is hf_model)
         names = [f"{prefix}.{n}" if prefix else n for n in unused]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+        ignore(module, names)
 
     @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:

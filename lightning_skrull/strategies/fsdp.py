@@ -54,6 +54,7 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_rank_zero
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
@@ -125,19 +126,6 @@ def clip_grad_norm_(parameters: list[nn.Parameter], max_norm: float) -> Tensor:
         target = g.to_local() if isinstance(g, DTensor) else g
         target.mul_(coefficient.to(target.dtype))
     return norm
-
-
-def _cast_unsharded_trainable_parameters(module: nn.Module, dtype: torch.dtype) -> None:
-    """Cast ``module``'s trainable floating-point parameters that are not sharded yet to
-    ``dtype``; frozen ones keep the dtype they were loaded in."""
-    for p in module.parameters():
-        if (
-            not isinstance(p, DTensor)
-            and p.requires_grad
-            and p.is_floating_point()
-            and p.dtype != dtype
-        ):
-            p.data = p.data.to(dtype)
 
 
 def check_frozen_dtypes_agree(model: nn.Module, device: torch.device) -> None:
@@ -482,14 +470,14 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         mesh: DeviceMesh = self.device_mesh
         check_frozen_dtypes_agree(hf_model, self.root_device)
         for layer in decoder_layers(hf_model):
-            _cast_unsharded_trainable_parameters(layer, precision.master_dtype)
+            cast_trainable_parameters(layer, precision.master_dtype)
             fully_shard(
                 layer,
                 mesh=mesh,
                 mp_policy=policy,
                 reshard_after_forward=self._reshard_after_forward,
             )
-        _cast_unsharded_trainable_parameters(hf_model, precision.master_dtype)
+        cast_trainable_parameters(hf_model, precision.master_dtype)
         fully_shard(hf_model, mesh=mesh, mp_policy=precision.root_policy)
         self._sharded_model = hf_model
 
