@@ -18,14 +18,17 @@ test).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import math
+import gc
 import random
+import weakref
 from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_model
+from helpers import make_samples, reference_loss_and_grads, tiny_config, tiny_model
+from test_moe import EXPERT_RTOL, GRAD_RTOL, LOSS_RTOL, record_routing
 from torch import nn
 
 from lightning_skrull.attention import (
@@ -37,10 +40,17 @@ from lightning_skrull.attention import (
     skrull_attention_forward,
     unpack,
 )
+from lightning_skrull.attention import dispatch
 from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.context import _index_tensors
 from lightning_skrull.attention.layout import RankLayout
-from lightning_skrull.scheduling.plan import DISTRIBUTED
+from lightning_skrull.data.collate import collate_rank
+from lightning_skrull.models import check_model, prepare_model
+from lightning_skrull.models.memory_estimate import layer_bytes_per_token, parameter_count
+from lightning_skrull.models.moe import AUX_LOSS_MODEL_TYPES
+from lightning_skrull.runtime.engine import forward_backward
+from lightning_skrull.scheduling.cost_model import ModelShape, window_pairs
+from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
 HEAD_DIM = 8
 TOL = 1e-10  # float64: summation order only
@@ -270,5 +280,205 @@ def test_attention_function_refuses_bad_sinks_and_flash() -> None:
     assert torch.equal(runs[0], runs[1])
 
 
-def _unused() -> None:  # keep imports honest for tools
-    _ = (math, nn, tiny_model)
+# ----------------------------------------------------------------------------- the whole model
+def gpt_oss_model(seed: int = 4, **overrides: Any) -> nn.Module:
+    """The tiny gpt-oss of tests/helpers.py with sinks of the scores' order (its initialiser
+    draws them at std 0.02, where they would barely matter)."""
+    model = tiny_model("gpt_oss", seed=seed, **overrides)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            sinks = layer.self_attn.sinks
+            sinks.copy_(torch.randn(sinks.shape, generator=gen) * 2)
+    return model
+
+
+# Two micro-batches on one process (CP 1): a sequence of 23 tokens as a "distributed" one (two
+# chunks, lower-right causal blocks) beside local ones, then three local ones; a fully masked
+# sequence and a 1-token one. Every sequence but three exceeds the 3-key window.
+SAMPLES = make_samples([23, 1, 2, 9, 17, 5], seed=1, prompt={0: 3}, fully_masked=(2,))
+PLAN = GlobalBatchPlan(
+    micro_batches=(
+        (
+            MicroBatchPlan((0, 1, 2), (DISTRIBUTED, 0, 0)),
+            MicroBatchPlan((3, 4, 5), (0, 0, 0)),
+        ),
+    ),
+    dp_size=1,
+    cp_size=1,
+    bucket_size=32,
+    policy="hand",
+)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["dense-loss", "chunked-loss"])
+def test_packed_model_equals_hf_per_sequence(chunked: bool, monkeypatch: Any) -> None:
+    """Float32, HF eager on each sequence alone against the prepared model on the packed
+    micro-batches: the loss to LOSS_RTOL, every gradient (sinks, biases, router, experts) to
+    GRAD_RTOL of the largest and each router, expert and sink tensor to EXPERT_RTOL of its own
+    largest (tests/test_moe.py's bounds: the same kernels, packing changes the rows the matmuls
+    see and the summation order). With the sinks dropped the loss is far off."""
+    ref = gpt_oss_model()
+    model = prepare_model(copy.deepcopy(ref), backend="sdpa", chunked_loss=chunked)
+    ref_loss, ref_grads = reference_loss_and_grads(ref, SAMPLES)
+    batch = collate_rank(SAMPLES, PLAN, dp_rank=0, cp_rank=0, world_size=1)
+    with record_routing(model) as routing:
+        loss = forward_backward(model, batch, cp_group=None, backend="sdpa")
+    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * ref_loss
+    for calls in routing.values():  # the batch reaches every expert of both layers
+        used = torch.cat([c["experts"].flatten() for c in calls]).unique()
+        assert len(used) == model.config.num_local_experts
+    scale = max(float(g.abs().max()) for g in ref_grads.values())
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name} got no gradient"
+        diff = float((p.grad - ref_grads[name]).abs().max())
+        assert diff <= GRAD_RTOL * scale, f"{name} differs by {diff} (scale {scale})"
+        if ".experts." in name or ".router." in name or name.endswith("sinks"):
+            own = float(ref_grads[name].abs().max())
+            assert own > 0.0, f"{name} has no reference gradient"
+            assert diff <= EXPERT_RTOL * own, f"{name} differs by {diff / own:.2e} of its size"
+    # the same run ignoring the sinks: the check above could fail
+    monkeypatch.setattr(dispatch, "attention_sink", lambda s_aux, num_heads: None)
+    model.zero_grad(set_to_none=True)
+    wrong = forward_backward(model, batch, cp_group=None, backend="sdpa")
+    assert abs(float(wrong) - ref_loss) > 100 * LOSS_RTOL * ref_loss  # measured 3.2e-4 rel.
+
+
+def test_setup_refuses_flash_mxfp4_experts_and_the_router_loss() -> None:
+    from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
+
+    with pytest.raises(ValueError, match="'flash' cannot train GptOssForCausalLM.*sinks"):
+        prepare_model(gpt_oss_model(), backend="flash")
+    quantized = gpt_oss_model()
+    for layer in quantized.model.layers:  # what from_pretrained builds with the MXFP4 kernels
+        layer.mlp.experts = Mxfp4GptOssExperts(quantized.config)
+    with pytest.raises(ValueError, match=r"MXFP4-quantized \(model.layers.0.mlp.experts, "
+                       r"model.layers.1.mlp.experts:.*Mxfp4Config\(dequantize=True\)"):
+        check_model(quantized)
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        check_model(gpt_oss_model(output_router_logits=True))
+    model = prepare_model(gpt_oss_model(), backend="auto")
+    assert model.config.model_type in AUX_LOSS_MODEL_TYPES
+    with pytest.raises(ValueError, match="called with output_router_logits=True"):
+        model(input_ids=torch.tensor([[3, 4]]), output_router_logits=True)
+
+
+# ----------------------------------------------------------------------------- shape, counts
+def test_published_sizes() -> None:
+    """gpt-oss-20b and -120b as their config.json sets them: 20.91B and 116.83B parameters,
+    3.61B and 5.13B active per token (the model card's table, which leaves the embedding out:
+    half the FLOPs per token of every matmul a token runs, LM head included)."""
+    from transformers import GptOssConfig
+
+    for layers, experts, total, active in ((24, 32, 20.91, 3.61), (36, 128, 116.83, 5.13)):
+        config = GptOssConfig(num_hidden_layers=layers, num_local_experts=experts)
+        shape = ModelShape.from_hf_config(config)
+        assert (shape.sliding_layers, shape.sliding_window, shape.num_key_value_heads) == (
+            layers // 2,
+            128,
+            8,
+        )
+        assert parameter_count(shape).total / 1e9 == pytest.approx(total, abs=0.005)
+        assert shape.linear_flops_per_token() / 2e9 == pytest.approx(active, abs=0.005)
+
+
+@pytest.mark.parametrize("overrides", [{}, {"tie_word_embeddings": True, "num_key_value_heads": 4}])
+def test_parameter_count_equals_hugging_face(overrides: dict[str, Any]) -> None:
+    # Exact: q/k/v/o biases, sinks, the router's weight and bias, every expert's gate/up and
+    # down projections and biases, the norms, a tied or untied head.
+    model = tiny_model("gpt_oss", **overrides)
+    count = parameter_count(
+        ModelShape.from_hf_config(model.config), tied_head=model.config.tie_word_embeddings
+    )
+    assert count.total == sum(p.numel() for p in model.parameters())
+    largest = max(sum(p.numel() for p in layer.parameters()) for layer in model.model.layers)
+    assert count.per_layer == largest
+
+
+def test_flops_match_torch_flop_counter() -> None:
+    # torch's counter on HF's eager forward and backward with the eager experts (as
+    # tests/test_cost_model.py): every matmul is counted, biases, sinks, softmax and the GLU are
+    # not, and eager attention computes every (query, key) pair of every layer, the window's
+    # masked ones too. So the counter gives s * linear_flops_per_token + s^2 * the pair FLOPs
+    # of all layers, exactly (tolerance 0), for a batch that reaches every expert.
+    from torch.utils.flop_counter import FlopCounterMode
+
+    model = tiny_model("gpt_oss", experts_implementation="eager")
+    shape = ModelShape.from_hf_config(model.config)
+    pair = 2 * (shape.q_dim + shape.out_dim) * shape.num_layers
+    for s in (1, 5, 24):
+        ids = torch.randint(0, 64, (1, s), generator=torch.Generator().manual_seed(s))
+        expected = s * shape.linear_flops_per_token() + s * s * pair
+        with FlopCounterMode(display=False) as forward:
+            model(input_ids=ids, use_cache=False)
+        assert forward.get_total_flops() == expected, s
+        with FlopCounterMode(display=False) as train:
+            model(input_ids=ids, use_cache=False).logits.sum().backward()
+        assert train.get_total_flops() == 3 * expected
+    # the cost model's own count skips the window's masked pairs of the sliding layer
+    assert shape.forward_flops(24) == 24 * shape.linear_flops_per_token() + (
+        24 * 25 // 2 * shape.attention_flops_per_pair()
+        + window_pairs(24, 3) * shape.sliding_attention_flops_per_pair()
+    )
+
+
+class _Held:
+    """What the saved-tensors hook hands autograd: dies when autograd drops the tensor."""
+
+    __slots__ = ("__weakref__", "tensor")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+def _mlp_kept_bytes(tokens: int, dtype: torch.dtype, experts: str) -> int:
+    """Bytes autograd still holds after gpt-oss's MLP (router and experts) runs on ``tokens``
+    tokens: each storage once, its parameters and its input (the norm's output, counted with
+    the norms) left out."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssMLP
+
+    config = tiny_config("gpt_oss", hidden_size=64, intermediate_size=32, num_local_experts=8)
+    config._experts_implementation = experts
+    torch.manual_seed(0)
+    mlp = GptOssMLP(config).to(dtype)
+    for p in mlp.parameters():  # spread the tokens over the experts
+        nn.init.normal_(p, std=0.1)
+    x = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
+    skip = {t.untyped_storage().data_ptr() for t in (x, *mlp.parameters())}
+    held: list[weakref.ref[_Held]] = []
+
+    def pack(t: torch.Tensor) -> _Held:
+        h = _Held(t)
+        held.append(weakref.ref(h))
+        return h
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
+        out = mlp(x)
+    gc.collect()
+    kept = {}
+    for ref in held:
+        h = ref()
+        ptr = None if h is None else h.tensor.untyped_storage().data_ptr()
+        if h is not None and ptr not in skip:
+            kept[ptr] = h.tensor.untyped_storage().nbytes()
+    del out
+    return sum(kept.values())
+
+
+@pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_estimate_is_what_autograd_keeps(experts: str, dtype: torch.dtype) -> None:
+    # The MLP's bytes per token (512 tokens less 256, so constants cancel) against the sparse
+    # layer's estimate less its norms and attention (the same shape without experts: a dense
+    # layer, less its SwiGLU's 4 b f), to the byte.
+    kept = (_mlp_kept_bytes(512, dtype, experts) - _mlp_kept_bytes(256, dtype, experts)) / 256
+    config = tiny_config("gpt_oss", hidden_size=64, intermediate_size=32, num_local_experts=8)
+    shape = ModelShape.from_hf_config(config)
+    attention_only = dataclasses.replace(
+        shape, num_experts=0, experts_per_token=0, expert_intermediate_size=0, sparse_layers=0,
+        expert_bias=False, clamped_glu=False,
+    )  # fmt: skip
+    b = torch.empty((), dtype=dtype).element_size()
+    _, sparse = layer_bytes_per_token(shape, bytes_per_element=b, experts_implementation=experts)  # type: ignore[arg-type]
+    dense, _ = layer_bytes_per_token(attention_only, bytes_per_element=b)
+    assert kept == sparse - (dense - 4 * b * shape.intermediate_size)
