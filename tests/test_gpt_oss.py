@@ -36,11 +36,11 @@ from lightning_skrull.attention import (
     attention_context,
     build_rank_layout,
     build_rank_layouts,
+    dispatch,
     pack,
     skrull_attention_forward,
     unpack,
 )
-from lightning_skrull.attention import dispatch
 from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.context import _index_tensors
 from lightning_skrull.attention.layout import RankLayout
@@ -267,7 +267,7 @@ def test_attention_function_refuses_bad_sinks_and_flash() -> None:
     ctx = SkrullAttentionContext.build(layout)
     flash = dataclasses.replace(ctx, backend="flash", auto=False)
     with attention_context(flash):
-        with pytest.raises(ValueError, match="'flash' cannot run .* attention sinks"):
+        with pytest.raises(ValueError, match=r"'flash' cannot run .* attention sinks"):
             skrull_attention_forward(None, q, kv, kv, None, s_aux=torch.zeros(4))
     # "auto" runs the layer on sdpa: the same result as the sdpa context
     auto = dataclasses.replace(ctx, backend="flash", auto=True)
@@ -347,13 +347,16 @@ def test_packed_model_equals_hf_per_sequence(chunked: bool, monkeypatch: Any) ->
 def test_setup_refuses_flash_mxfp4_experts_and_the_router_loss() -> None:
     from transformers.integrations.mxfp4 import Mxfp4GptOssExperts
 
-    with pytest.raises(ValueError, match="'flash' cannot train GptOssForCausalLM.*sinks"):
+    with pytest.raises(ValueError, match=r"'flash' cannot train GptOssForCausalLM.*sinks"):
         prepare_model(gpt_oss_model(), backend="flash")
     quantized = gpt_oss_model()
     for layer in quantized.model.layers:  # what from_pretrained builds with the MXFP4 kernels
         layer.mlp.experts = Mxfp4GptOssExperts(quantized.config)
-    with pytest.raises(ValueError, match=r"MXFP4-quantized \(model.layers.0.mlp.experts, "
-                       r"model.layers.1.mlp.experts:.*Mxfp4Config\(dequantize=True\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"MXFP4-quantized \(model.layers.0.mlp.experts, "
+        r"model.layers.1.mlp.experts:.*Mxfp4Config\(dequantize=True\)",
+    ):
         check_model(quantized)
     with pytest.raises(ValueError, match="output_router_logits=True"):
         check_model(gpt_oss_model(output_router_logits=True))

@@ -399,7 +399,9 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
     reasons.extend(router_problems(model))
     quantized = quantized_experts(model)
     if quantized:
-        shown = ", ".join(quantized[:3]) + (f" and {len(quantized) - 3} more" if len(quantized) > 3 else "")
+        shown = ", ".join(quantized[:3]) + (
+            f" and {len(quantized) - 3} more" if len(quantized) > 3 else ""
+        )
         reasons.append(
             f"its experts are MXFP4-quantized ({shown}: packed uint8 weights without "
             f"gradients, which cannot be fine-tuned); {MXFP4_FIX}"
