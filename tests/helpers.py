@@ -237,6 +237,8 @@ def tiny_config(arch: str, **overrides: Any) -> Any:
         cls, extra = _family_config(arch)
     elif arch in MLA_MOE_ARCHITECTURES:
         cls, extra = _mla_moe_config(arch)
+    elif arch == "gpt_oss":
+        cls, extra = _gpt_oss_config()
     else:
         raise ValueError(f"unknown test architecture {arch!r}")
     return cls(**{**common, **extra, **overrides})
@@ -333,6 +335,27 @@ def _mla_moe_config(arch: str) -> tuple[type, dict[str, Any]]:
         return transformers.DeepseekV2Config, v2
     glm = {"head_dim": 8, "attention_bias": True, "use_qk_norm": True, "n_group": 1}
     return transformers.Glm4MoeConfig, {**experts, **glm, "topk_group": 1, "norm_topk_prob": True}
+
+
+def _gpt_oss_config() -> tuple[type, dict[str, Any]]:
+    """Config class and tiny settings of gpt-oss (tests/test_gpt_oss.py): head dim 8, GQA 4/2,
+    a sliding layer of 3 keys then a full one (the test sequences exceed the window), q/k/v/o
+    biases, 4 experts of 16 units (2 per token), and the released checkpoints' YaRN RoPE
+    (factor 32 over 4096 positions). Sinks are drawn by :func:`tiny_model` like every weight;
+    tests that need them to matter set them larger."""
+    from transformers import GptOssConfig
+
+    return GptOssConfig, {
+        "head_dim": 8,
+        "sliding_window": 3,
+        "num_local_experts": 4,
+        "num_experts_per_tok": 2,
+        "intermediate_size": 16,
+        "max_position_embeddings": 131072,
+        "pad_token_id": 0,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    }
 
 
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, **overrides: Any) -> nn.Module:

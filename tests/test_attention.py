@@ -235,9 +235,9 @@ def test_sliding_window_masks_stay_bounded() -> None:
     shapes: list[tuple[int, int]] = []
     real = sdpa_backend._sdpa
 
-    def spy(q, k, v, *, scale, is_causal=False, mask=None):
+    def spy(q, k, v, *, scale, is_causal=False, mask=None, sink=None):
         shapes.append(tuple(mask.shape))
-        return real(q, k, v, scale=scale, is_causal=is_causal, mask=mask)
+        return real(q, k, v, scale=scale, is_causal=is_causal, mask=mask, sink=sink)
 
     q = torch.randn(3000, 2, HEAD_DIM, dtype=torch.float64)
     kv = torch.randn(3000, 1, HEAD_DIM, dtype=torch.float64)

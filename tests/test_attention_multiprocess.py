@@ -6,12 +6,16 @@ sequence at all), GQA 4/2 and 4/1, float64 and float32, the distributed sequence
 one K/V group or cut into 2 or 3 (``kv_groups``, also a group in which some rank holds no
 token, and a group of only such a sequence), sliding windows (transformers'
 ``sliding_window``: shorter than, equal to and longer than the sequences, cutting inside one
-zigzag chunk and across several), and values narrower than the keys (Multi-head Latent
-Attention's ``v_head_dim < qk_head_dim``) with K/V groups and a window. Every rank runs the registered
+zigzag chunk and across several), values narrower than the keys (Multi-head Latent
+Attention's ``v_head_dim < qk_head_dim``) with K/V groups and a window, and attention sinks
+(gpt-oss's per-head ``s_aux`` logits; each rank's sink gradient comes from its own queries and
+the parent sums them over the ranks, as the strategies' gradient reduction does) with K/V groups
+and windows. Every rank runs the registered
 ``"skrull"`` attention function on its packed tokens and backpropagates a given output
 gradient; the parent unpacks outputs and dq/dk/dv to whole sequences and compares them with
 plain SDPA run on each whole sequence in one process (float64 reference; with transformers' own
-sliding-window mask for a window).
+sliding-window mask for a window; with sinks, the eager gpt-oss attention of
+tests/test_gpt_oss.py, ``sink_reference``).
 
 Tolerances: float64 1e-10 (the only differences are summation order in softmax and in the
 reduce-scatter of dK/dV, ~1e-15 here); float32 1e-5 (float32 rounding, ~1e-7 relative, on
@@ -63,6 +67,14 @@ class Case:
     kv_groups: tuple[int, ...] = ()
     window: int | None = None
     value_dim: int = HEAD_DIM
+    sink: bool = False
+
+
+def _sink(case: Case) -> torch.Tensor:
+    """The case's sink logits ``[Hq]`` (of the scores' order, so they matter), identical in
+    every process."""
+    gen = torch.Generator().manual_seed(case.seed)
+    return (torch.randn(case.num_heads, generator=gen, dtype=torch.float64) * 2 + 1).to(case.dtype)
 
 
 def _make_cases(cp_size: int, seed: int) -> list[Case]:
@@ -188,6 +200,19 @@ def _make_cases(cp_size: int, seed: int) -> list[Case]:
             [DISTRIBUTED, DISTRIBUTED, 0, DISTRIBUTED, cp_size - 1],
             **{"dtype": torch.float64, "value_dim": 5, **extra},
         )
+    # attention sinks: two K/V groups, a window inside a chunk, narrower values, float32
+    sink_cases = [
+        dict(kv_groups=(2, 1)),
+        dict(window=3),
+        dict(dtype=torch.float32, value_dim=5, scale=0.3),
+    ]
+    for extra in sink_cases:
+        add(
+            [23, 1, 9, 2 * cp_size - 1, 6],
+            [0, 1, 2, 3, 4],
+            [DISTRIBUTED, DISTRIBUTED, 0, DISTRIBUTED, cp_size - 1],
+            **{"dtype": torch.float64, "sink": True, **extra},
+        )
     return cases
 
 
@@ -255,6 +280,7 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
             q, k, v = (packed[n].clone().requires_grad_() for n in ("q", "k", "v"))
             used = _broken(layout) if case.broken else layout
             ctx = SkrullAttentionContext.build(used, group=group, backend="sdpa")
+            sink = _sink(case).requires_grad_() if case.sink else None
             before = dict(calls)
             with attention_context(ctx):
                 out, weights = skrull_attention_forward(
@@ -265,6 +291,7 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
                     None,
                     scaling=case.scale,
                     sliding_window=case.window,
+                    s_aux=sink,
                 )
             width = case.value_dim
             assert weights is None and out.shape == (1, layout.num_tokens, case.num_heads, width)
@@ -278,6 +305,9 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
                         name: (t.grad if t.grad is not None else torch.zeros_like(t)).numpy()
                         for name, t in (("dq", q), ("dk", k), ("dv", v))
                     },
+                    "dsink": None
+                    if sink is None
+                    else (sink.grad if sink.grad is not None else torch.zeros_like(sink)).numpy(),
                     "all_gather": calls["all_gather"] - before["all_gather"],
                     "reduce_scatter": calls["reduce_scatter"] - before["reduce_scatter"],
                 }
@@ -292,6 +322,13 @@ def _reference(case: Case, sid: int) -> dict[str, torch.Tensor]:
     window, under transformers' own sliding-window causal mask."""
     d = {name: t.to(torch.float64) for name, t in _sequence_data(case, sid).items()}
     q, k, v = (d[n].clone().requires_grad_() for n in ("q", "k", "v"))
+    if case.sink:
+        from test_gpt_oss import sink_reference
+
+        sink = _sink(case).to(torch.float64).requires_grad_()
+        out = sink_reference(q, k, v, sink, case.window, case.scale)
+        out.backward(d["grad_out"])
+        return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dsink": sink.grad}
     groups = case.num_heads // case.num_kv_heads
     mask = None
     if case.window is not None:
@@ -327,6 +364,12 @@ def _mismatches(case: Case, per_rank: list[dict[str, Any]]) -> list[str]:
     tol = TOLERANCE[case.dtype]
     problems = []
     references = {sid: _reference(case, sid) for sid in case.sequence_ids}
+    if case.sink:  # each rank's gradient from its queries; summed, as the strategies reduce it
+        got_sink = sum(torch.from_numpy(np.asarray(r["dsink"])).double() for r in per_rank)
+        want_sink = sum(references[sid]["dsink"] for sid in case.sequence_ids)
+        err = (got_sink - want_sink).abs().max().item()
+        if not err <= tol * max(1.0, want_sink.abs().max().item()):
+            problems.append(f"sink gradient: max error {err:.3g} > {tol:g}")
     for name in ("out", "dq", "dk", "dv"):
         got = unpack(layouts, [torch.from_numpy(np.asarray(r[name])) for r in per_rank])
         for sid in case.sequence_ids:
@@ -384,5 +427,10 @@ def test_context_parallel_attention_equals_sdpa_on_whole_sequences(
             windows_that_bite += 1
     assert checked_broken == 1
     assert checked_groups >= {1, 2, 3}
-    assert sum(case.value_dim != HEAD_DIM for case in cases) == 3  # MLA's narrower values
+    assert sum(case.value_dim != HEAD_DIM for case in cases) == 4  # MLA's narrower values
+    assert sum(case.sink for case in cases) == 3
+    for i, case in enumerate(cases):  # the sinks change the result: ignoring them is flagged
+        if case.sink:
+            per_rank = [results[rank][i] for rank in range(cp_size)]
+            assert _mismatches(dataclasses.replace(case, sink=False), per_rank), i
     assert windows_that_bite >= 4

@@ -104,7 +104,12 @@ def mla_model(arch: str, *, seed: int = 4, **overrides: Any) -> nn.Module:
     """:func:`tiny_model` with a random ``e_score_correction_bias`` (as a trained checkpoint
     has; transformers initialises it to zeros), the same in every process. Its spread, 0.01, is
     of the order of the sigmoid scores' own at this initialisation: it changes some tokens'
-    experts without deciding every token's."""
+    experts without deciding every token's. gpt-oss: tests/test_gpt_oss.py's model, whose
+    sinks matter."""
+    if arch == "gpt_oss":
+        from test_gpt_oss import gpt_oss_model
+
+        return gpt_oss_model(seed=seed, **overrides)
     model = tiny_model(arch, seed=seed, **overrides)
     gen = torch.Generator().manual_seed(seed + 1)
     for router in _routers(model):
@@ -534,6 +539,9 @@ CASES = [
     ("deepseek_v3", "32-true"),
     ("glm4_moe", "32-true"),
     ("deepseek_v3", "bf16-mixed"),
+    # gpt-oss: attention sinks on CP ranks (each rank's sink gradient from its own queries,
+    # reduced like every gradient), sliding and full layers, its router and experts
+    ("gpt_oss", "32-true"),
 ]
 # Float32: as tests/test_moe.py (PARAM_ATOL of tests/helpers.py: float32 rounding of sums in
 # another order, averaged over 4 ranks; UPDATE_RTOL of each tensor's own 2-step update).

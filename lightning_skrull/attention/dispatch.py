@@ -18,6 +18,11 @@ The layer's sliding window comes as transformers passes it, the ``sliding_window
 of a sequence sees keys ``[p - W + 1, p]`` (``sliding_window_causal_mask_function``). A window
 no sequence of the micro-batch is longer than changes nothing and is dropped, so such a layer
 runs exactly the full causal code.
+
+A layer with attention sinks (gpt-oss) passes its per-head sink logits as the ``s_aux``
+keyword; the ``sdpa`` backend adds them to the softmax of every query (the sink is a key whose
+value is zero; :mod:`~lightning_skrull.attention.sdpa`). The ``flash`` backend has no sink term:
+``"auto"`` runs such layers on ``sdpa``, an explicit ``"flash"`` refuses them.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ import torch
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.attention.context import current_attention_context
-from lightning_skrull.attention.flash import flash_attention, window_supported
+from lightning_skrull.attention.flash import SINK_FIX, flash_attention, window_supported
 from lightning_skrull.attention.schedule import LocalAttention
 from lightning_skrull.attention.sdpa import local_attention_heads_first, sdpa_attention
 
@@ -95,7 +100,8 @@ def skrull_attention_forward(
         **kwargs: other attention kwargs (``position_ids``, ``cu_seq_lens_q``... are ignored in
             favour of the context; ``softcap`` and ``position_bias`` must be ``None``,
             ``is_causal`` must not be ``False``; ``sliding_window``, an int ``>= 1`` or ``None``,
-            is the layer's window, see :func:`layer_window`).
+            is the layer's window, see :func:`layer_window`; ``s_aux``, ``None`` or a tensor of
+            ``Hq`` logits, is the layer's attention sinks, see :func:`attention_sink`).
 
     q, k and v are cast to :func:`compute_dtype` first, so the backend, the K/V exchange and
     the K/V saved for backward all see one dtype.
@@ -106,11 +112,13 @@ def skrull_attention_forward(
     Raises:
         RuntimeError: called outside :func:`~lightning_skrull.attention.attention_context`.
         ValueError: unsupported input (batch size, mask, dropout, a window that is not an int
-            ``>= 1``, softcap, position bias, non-causal), ``T`` not matching the context's
-            layout, or a window on the ``flash`` backend with a kernel that takes none.
+            ``>= 1``, sinks that are not ``Hq`` logits, softcap, position bias, non-causal),
+            ``T`` not matching the context's layout, a window on the ``flash`` backend with a
+            kernel that takes none, or sinks on the ``flash`` backend.
     """
     ctx = current_attention_context()
     _check_inputs(module, query, key, value, attention_mask, dropout, kwargs)
+    sink = attention_sink(kwargs.get("s_aux"), query.shape[1])
     # every rank sees the same micro-batch maximum, so all ranks take the same path
     window = layer_window(kwargs.get("sliding_window"), ctx.layout.max_sequence_length)
     if query.shape[2] != ctx.num_tokens:
@@ -133,19 +141,30 @@ def skrull_attention_forward(
         backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
     if backend == "flash" and window is not None and ctx.auto and not window_supported():
         backend = "sdpa"  # "auto" with a kernel that takes no window: sdpa runs this layer
+    if backend == "flash" and sink is not None:
+        if not ctx.auto:
+            raise ValueError(
+                f"attention backend 'flash' cannot run {type(module).__name__}'s attention "
+                f"sinks (s_aux): the varlen kernels have no sink term; {SINK_FIX}."
+            )
+        backend = "sdpa"  # "auto": sdpa adds the sink as a key
     # One dtype for all three (a no-op when they already have it); the cast's backward returns
     # each gradient in its input's dtype.
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    if sink is not None:
+        sink = sink.to(dtype)
     layout = ctx.layout
     if backend == "sdpa" and not layout.has_distributed and layout.num_local_tokens:
         # Only local sequences (always at cp_size 1): SDPA takes transformers' layout as it is.
-        out = local_attention_heads_first(query, key, value, ctx, scale=scaling, window=window)
+        out = local_attention_heads_first(
+            query, key, value, ctx, scale=scaling, window=window, sink=sink
+        )
         return out, None
     # squeeze, not [0]: indexing's backward writes a zero-filled copy of the whole input.
     q = query.squeeze(0).transpose(0, 1)
     k = key.squeeze(0).transpose(0, 1)
     v = value.squeeze(0).transpose(0, 1)
-    out = _BACKENDS[backend](q, k, v, ctx, scale=scaling, window=window)
+    out = _BACKENDS[backend](q, k, v, ctx, scale=scaling, window=window, sink=sink)
     return out.unsqueeze(0), None
 
 
@@ -178,6 +197,32 @@ def layer_window(sliding_window: Any, max_sequence_length: int) -> int | None:
             "attention; fix the model config's sliding_window."
         )
     return None if sliding_window >= max_sequence_length else sliding_window
+
+
+def attention_sink(s_aux: Any, num_heads: int) -> torch.Tensor | None:
+    """The layer's attention sink logits, one per query head, or ``None`` (no sinks).
+
+    Args:
+        s_aux: the ``s_aux`` keyword transformers' gpt-oss attention passes (its ``sinks``
+            parameter): the logit of a key with value zero that every query of the head sees.
+        num_heads: the query heads ``Hq``.
+
+    Returns:
+        ``s_aux`` as a ``[Hq]`` tensor (a view), or ``None``.
+
+    Raises:
+        ValueError: ``s_aux`` is not a tensor of ``Hq`` elements.
+    """
+    if s_aux is None:
+        return None
+    if not isinstance(s_aux, torch.Tensor) or s_aux.numel() != num_heads:
+        shape = tuple(s_aux.shape) if isinstance(s_aux, torch.Tensor) else type(s_aux).__name__
+        raise ValueError(
+            f"the 'skrull' attention got s_aux={shape}; attention sinks are one logit per query "
+            f"head, a tensor of {num_heads} elements (gpt-oss's sinks parameter); fix the "
+            "attention module that passes them."
+        )
+    return s_aux.reshape(num_heads)
 
 
 def _check_inputs(

@@ -29,6 +29,11 @@ own FlashAttention integration does. The padded columns get zero weight sums and
 gradients, so the result is the unpadded attention's exactly. The exchange carries the values
 unpadded.
 
+Attention sinks (gpt-oss's per-head ``sinks``, passed as ``s_aux``) are refused
+(:func:`refuse_sink`): the varlen kernels have no sink term, and their autograd drops the
+gradient of the log-sum-exp that a sink correction of their output would need. ``"auto"`` runs
+such layers on the ``sdpa`` backend instead, which adds the sink as a key.
+
 ``"auto"`` picks this backend on CUDA whenever a kernel is installed: on an H200 with PyTorch
 2.11 it ran a Qwen2.5-0.5B training step on Wikipedia-like data 1.21x faster than the ``sdpa``
 backend (8-12x before that backend's CUDA fixes) and matched it to bf16 rounding, forward and
@@ -47,7 +52,7 @@ import torch
 
 from lightning_skrull.attention.backends import FLASH_FIX, flash_kernel
 from lightning_skrull.attention.context import SkrullAttentionContext
-from lightning_skrull.attention.schedule import context_parallel_attention
+from lightning_skrull.attention.schedule import context_parallel_attention, crop_value, pad_value
 
 log = logging.getLogger(__name__)
 
@@ -160,18 +165,36 @@ def _torch_varlen(
 
 
 def _padded_value(q: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """``v`` padded with zero columns to ``q``'s head dim, and ``v``'s own width to crop the
-    output to (the kernels take one head dim for q, k and v)."""
+    """``v`` padded with zero columns to ``q``'s head dim (:func:`pad_value`), and ``v``'s own
+    width to crop the output to (the kernels take one head dim for q, k and v)."""
     width = v.shape[-1]
-    if width == q.shape[-1]:
-        return v, width
     if width > q.shape[-1]:
         raise ValueError(
             f"attention backend 'flash' got a value head dim {width} wider than the query/key "
             f"head dim {q.shape[-1]}; the varlen kernels take one head dim, so use "
             "attention_backend='sdpa'."
         )
-    return torch.nn.functional.pad(v, (0, q.shape[-1] - width)), width
+    return pad_value(v, q.shape[-1]), width
+
+
+SINK_FIX = (
+    "use attention_backend='sdpa', or 'auto', which runs the layers with sinks on it (it adds "
+    "the sink as a key of its own)"
+)
+"""How to train a model with attention sinks when the ``flash`` backend was asked for."""
+
+
+def refuse_sink(sink: torch.Tensor | None) -> None:
+    """Raise for attention sink logits: the varlen kernels have no sink term.
+
+    Raises:
+        ValueError: ``sink`` is given.
+    """
+    if sink is not None:
+        raise ValueError(
+            "attention backend 'flash' cannot run a layer with attention sinks (gpt-oss's "
+            f"per-head sink logits, s_aux): the varlen kernels have no sink term; {SINK_FIX}."
+        )
 
 
 def local_attention(
@@ -182,8 +205,10 @@ def local_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the local sequences: one varlen call, ``cu_seqlens_q == _k``."""
+    refuse_sink(sink)
     max_len = max(ctx.layout.local_lengths)
     v, width = _padded_value(q, v)
     out = _varlen_func()(
@@ -198,7 +223,7 @@ def local_attention(
         causal=True,
         **_window_kwargs(window),
     )
-    return out if out.shape[-1] == width else out[..., :width]
+    return crop_value(out, width)
 
 
 def distributed_attention(
@@ -209,6 +234,7 @@ def distributed_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """This rank's distributed chunks against their key prefixes: one varlen call.
 
@@ -217,6 +243,7 @@ def distributed_attention(
     ``seqlen_q < seqlen_k`` gives query ``i`` keys ``0 .. start + i`` (with a window, keys
     ``start + i - window + 1 .. start + i``).
     """
+    refuse_sink(sink)
     chunks = ctx.layout.distributed_chunks
     v, width = _padded_value(q, v_whole.index_select(0, ctx.chunk_key_index))
     out = _varlen_func()(
@@ -231,7 +258,7 @@ def distributed_attention(
         causal=True,
         **_window_kwargs(window),
     )
-    return out if out.shape[-1] == width else out[..., :width]
+    return crop_value(out, width)
 
 
 def flash_attention(
@@ -242,6 +269,7 @@ def flash_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel causal attention of this rank's packed tokens with a FlashAttention-2
     varlen kernel (flash-attn, else ``torch.nn.attention.varlen``).
@@ -254,14 +282,16 @@ def flash_attention(
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         window: the layer's sliding window (the query at position ``p`` sees keys
             ``[p - window + 1, p]``); ``None`` = full causal.
+        sink: must be ``None``: attention sinks are refused (:func:`refuse_sink`).
 
     Returns:
         ``[T, Hq, Dv]`` attention output in packed order.
 
     Raises:
         ImportError: no varlen kernel installed.
-        ValueError: a window with a kernel that takes none, or ``Dv > D``.
+        ValueError: a window with a kernel that takes none, ``Dv > D``, or a sink.
     """
+    refuse_sink(sink)
     _varlen_func()  # fail before any collective when no kernel is installed
     if window is not None:
         require_window_support()

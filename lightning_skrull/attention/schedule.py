@@ -46,11 +46,28 @@ from lightning_skrull.attention.context import SkrullAttentionContext
 
 LocalAttention = Callable[..., torch.Tensor]
 """``fn(q, k, v, ctx, *, scale, window) -> out`` over the local part (``[n_local, H, D]``
-tensors); ``window`` is the layer's sliding window or ``None``."""
+tensors); ``window`` is the layer's sliding window or ``None``. A layer with attention sinks
+also passes ``sink=`` (its per-head sink logits ``[Hq]``)."""
 
 DistributedAttention = Callable[..., torch.Tensor]
 """``fn(q_dist, k_whole, v_whole, ctx, *, scale, window) -> out`` over this rank's distributed
-chunks."""
+chunks (and ``sink=`` as for :data:`LocalAttention`)."""
+
+
+def pad_value(v: torch.Tensor, width: int) -> torch.Tensor:
+    """``v`` with zero columns appended up to ``width`` (itself when it is that wide).
+
+    Kernels that take one head dim for q, k and v get values narrower than the keys (Multi-head
+    Latent Attention) this way: the padded columns of the output are weighted sums of zeros,
+    their gradients zero, so cropping them (:func:`crop_value`) gives the unpadded attention
+    exactly.
+    """
+    return v if v.shape[-1] == width else torch.nn.functional.pad(v, (0, width - v.shape[-1]))
+
+
+def crop_value(out: torch.Tensor, width: int) -> torch.Tensor:
+    """``out``'s first ``width`` columns: the value's own width after :func:`pad_value`."""
+    return out if out.shape[-1] == width else out[..., :width]
 
 
 def _local_and_distributed(t: torch.Tensor, n_local: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,6 +95,7 @@ def context_parallel_attention(
     local_attention: LocalAttention,
     distributed_attention: DistributedAttention,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The schedule shared by every backend (see the module docstring).
 
@@ -100,6 +118,9 @@ def context_parallel_attention(
             group with the group's context.
         window: the layer's sliding window, passed to both; ``None`` = full causal. The K/V
             exchange is the same either way.
+        sink: the layer's attention sink logits ``[Hq]`` (gpt-oss), passed to both as ``sink=``
+            (not passed when ``None``). Every query's keys are in one call of each, so the sink
+            needs no exchange.
 
     Returns:
         ``[T, Hq, D]`` in packed order.
@@ -128,13 +149,14 @@ def context_parallel_attention(
         for g, k_g, v_g in zip(groups, k_parts, v_parts, strict=True)
     ]
     outs = []
+    kwargs = {"scale": scale, "window": window, **({"sink": sink} if sink is not None else {})}
     if n_local:
-        outs.append(local_attention(q_local, k_local, v_local, ctx, scale=scale, window=window))
+        outs.append(local_attention(q_local, k_local, v_local, ctx, **kwargs))
     for g, q_g, gather in zip(groups, q_parts, pending, strict=True):
         assert gather is not None  # a group has a distributed sequence
         k_whole, v_whole = gather.wait()
         if g.layout.distributed_chunks:
-            outs.append(distributed_attention(q_g, k_whole, v_whole, g, scale=scale, window=window))
+            outs.append(distributed_attention(q_g, k_whole, v_whole, g, **kwargs))
         else:
             # No query here, but the gathered K/V must stay in the graph so that this rank's
             # backward joins the other ranks' reduce-scatter.

@@ -45,6 +45,20 @@ backward, so the values are padded with zero columns to ``D`` and the output cro
 (:func:`_sdpa_heads_first`): the fused kernel then runs, and the padded columns, weighted sums
 of zeros with zero gradients, change nothing.
 
+Attention sinks (gpt-oss): a layer's per-head logit ``sink_h`` joins the softmax of every query
+of head ``h`` as a key whose value is zero, so the output is the attention over the real keys
+times ``sigmoid(lse - sink_h)`` (``lse`` the log-sum-exp of the query's scores). Each SDPA call
+here holds all the keys of its queries, so the sink is added to each call as one more key, in
+front of the real ones (:func:`_with_sink_key`): the queries get one more column,
+``sink_h / scale``, the keys a zero column and, in front, a key that is zero but for a 1 in
+that column, the values a zero row. Its score is ``sink_h`` for every query of head ``h``,
+every query sees it (each mask gets a leading ``True`` column; a lower-right causal call over
+``L`` queries and ``S`` keys becomes one over ``S + 1`` keys, which sees the new first key from
+every row), and autograd gives the gradients of q, k, v and the sink exactly (the sink's summed
+over this rank's queries; the strategies reduce it over the ranks as any other parameter's).
+A call that would run ``is_causal=True`` on a sequence too long for one mask runs in the query
+blocks of a lower-right call instead, so no mask outgrows :data:`MASK_ELEMENTS_PER_CALL`.
+
 On CUDA, SDPA is restricted to its flash, memory-efficient and math kernels. PyTorch prefers
 cuDNN's kernel on Hopper, which builds an execution plan for every new shape: with the many
 different sequence lengths of a packed batch that cost 7.3 s per layer (forward + backward) on
@@ -66,7 +80,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import CausalBias, causal_lower_right
 
 from lightning_skrull.attention.context import SkrullAttentionContext
-from lightning_skrull.attention.schedule import context_parallel_attention
+from lightning_skrull.attention.schedule import context_parallel_attention, crop_value, pad_value
 
 MASK_ELEMENTS_PER_CALL = 1 << 22
 """Largest boolean mask (elements) one SDPA call of a distributed chunk builds (4 MiB)."""
@@ -111,11 +125,52 @@ def _sdpa(
     scale: float | None,
     is_causal: bool = False,
     mask: torch.Tensor | CausalBias | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``q [L, Hq, D]``, ``k, v [S, Hkv, D]`` -> ``[L, Hq, D]``."""
     q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-    out = _sdpa_heads_first(q4, k4, v4, scale=scale, is_causal=is_causal, mask=mask)
+    out = _sdpa_heads_first(q4, k4, v4, scale=scale, is_causal=is_causal, mask=mask, sink=sink)
     return out.squeeze(0).transpose(0, 1)
+
+
+def _with_sink_key(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    sink: torch.Tensor,
+    *,
+    scale: float,
+    is_causal: bool,
+    mask: torch.Tensor | CausalBias | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | CausalBias | None]:
+    """q, k, v and the mask of one SDPA call with the sink as a key in front of the real ones.
+
+    ``q [..., Hq, L, D]`` gets the column ``sink / scale`` (zero-padded to a multiple of 8
+    columns on CUDA, whose fused kernels want one), ``k [..., Hkv, S, D]`` zero columns and the
+    sink key (a 1 in the sink column, zeros elsewhere), ``v`` a zero row in front: the sink
+    key's score is ``sink_h`` for head ``h``, its value zero. The mask sees the sink key from
+    every query (see the module docstring); ``is_causal`` (``L == S``) becomes a lower-right
+    causal mask over ``S + 1`` keys.
+    """
+    num_q, num_k, dim = q.shape[-2], k.shape[-2], q.shape[-1]
+    extra = 1 if not q.is_cuda else 8 - dim % 8
+    column = (sink / scale).to(q.dtype).reshape(-1, 1, 1).expand(*q.shape[:-1], 1)
+    q = F.pad(torch.cat([q, column], dim=-1), (0, extra - 1))
+    key = k.new_zeros((*k.shape[:-2], 1, dim + extra))
+    key[..., dim] = 1
+    k = torch.cat([key, F.pad(k, (0, extra))], dim=-2)
+    v = F.pad(v, (0, 0, 1, 0))
+    if isinstance(mask, CausalBias):  # lower-right causal over S keys -> over S + 1
+        return q, k, v, causal_lower_right(num_q, num_k + 1)
+    if isinstance(mask, torch.Tensor):
+        return q, k, v, F.pad(mask, (1, 0), value=True)
+    if not is_causal:
+        return q, k, v, None
+    if _lower_right_bias(q):
+        return q, k, v, causal_lower_right(num_q, num_k + 1)
+    rows = torch.arange(num_q, device=q.device).unsqueeze(1)
+    cols = torch.arange(num_k + 1, device=q.device).unsqueeze(0)
+    return q, k, v, cols <= rows + 1
 
 
 def _sdpa_heads_first(
@@ -126,21 +181,29 @@ def _sdpa_heads_first(
     scale: float | None,
     is_causal: bool = False,
     mask: torch.Tensor | CausalBias | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """SDPA on ``q [..., Hq, L, D]``, ``k, v [..., Hkv, S, D]`` (GQA allowed) -> ``[..., Hq, L, D]``."""
+    """SDPA on ``q [..., Hq, L, D]``, ``k, v [..., Hkv, S, Dv]`` (GQA allowed) -> ``[..., Hq, L, Dv]``.
+
+    With ``sink`` (``[Hq]`` logits), the sink is a key of the call (:func:`_with_sink_key`).
+    """
+    width = v.shape[-1]
+    if sink is not None:
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        q, k, v, mask = _with_sink_key(q, k, v, sink, scale=scale, is_causal=is_causal, mask=mask)
+        is_causal = False
     gqa = q.shape[-3] != k.shape[-3]
     restrict = _restrict_kernels(q)
     if restrict and gqa and mask is not None:
         groups = q.shape[-3] // k.shape[-3]
         k, v, gqa = k.repeat_interleave(groups, -3), v.repeat_interleave(groups, -3), False
-    width = v.shape[-1]
-    if width < q.shape[-1] and not q.is_cuda:
-        v = F.pad(v, (0, q.shape[-1] - width))  # CPU's fused kernel takes one head dim
+    if not q.is_cuda:
+        v = pad_value(v, q.shape[-1])  # CPU's fused kernel takes one head dim
     with sdpa_kernel(list(CUDA_SDPA_KERNELS)) if restrict else contextlib.nullcontext():
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=gqa
         )
-    return out if out.shape[-1] == width else out[..., :width]
+    return crop_value(out, width)
 
 
 def causal_lower_right_attention(
@@ -150,6 +213,7 @@ def causal_lower_right_attention(
     *,
     scale: float | None = None,
     mask_elements: int = MASK_ELEMENTS_PER_CALL,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last ``L`` positions of a sequence against its first ``S``.
 
@@ -159,16 +223,18 @@ def causal_lower_right_attention(
         v: ``[S, Hkv, D]`` values.
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         mask_elements: largest mask one SDPA call may build.
+        sink: attention sink logits ``[Hq]``, or ``None`` (module docstring).
 
     Returns:
         ``[L, Hq, D]``.
     """
     num_q, num_k = q.shape[0], k.shape[0]
     offset = num_k - num_q
-    if offset == 0:
-        return _sdpa(q, k, v, scale=scale, is_causal=True)
+    # with a sink, a square call needs a mask (the sink key): one call while it fits
+    if offset == 0 and (sink is None or num_q * (num_k + 1) <= mask_elements):
+        return _sdpa(q, k, v, scale=scale, is_causal=True, sink=sink)
     if _lower_right_bias(q):
-        return _sdpa(q, k, v, scale=scale, mask=causal_lower_right(num_q, num_k))
+        return _sdpa(q, k, v, scale=scale, mask=causal_lower_right(num_q, num_k), sink=sink)
     block = max(1, mask_elements // num_k)
     outs = []
     for a in range(0, num_q, block):
@@ -176,7 +242,8 @@ def causal_lower_right_attention(
         keys = offset + a + b  # the block's last query sees key offset + a + b - 1
         rows = torch.arange(offset + a, offset + a + b, device=q.device).unsqueeze(1)
         cols = torch.arange(keys, device=q.device).unsqueeze(0)
-        outs.append(_sdpa(q[a : a + b], k[:keys], v[:keys], scale=scale, mask=cols <= rows))
+        mask = cols <= rows
+        outs.append(_sdpa(q[a : a + b], k[:keys], v[:keys], scale=scale, mask=mask, sink=sink))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
@@ -201,6 +268,7 @@ def sliding_window_attention(
     window: int,
     scale: float | None = None,
     mask_elements: int = MASK_ELEMENTS_PER_CALL,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Sliding-window causal attention of the last ``L`` positions of a sequence against its
     first ``S``: the query at position ``p`` sees keys ``[max(0, p - window + 1), p]``.
@@ -216,13 +284,17 @@ def sliding_window_attention(
         window: keys each query sees, itself included (``>= 1``).
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         mask_elements: largest mask one SDPA call may build.
+        sink: attention sink logits ``[Hq]``, or ``None`` (module docstring); every query sees
+            the sink, whatever its window.
 
     Returns:
         ``[L, Hq, D]``.
     """
     num_q, num_k = q.shape[0], k.shape[0]
     if num_k <= window:
-        return causal_lower_right_attention(q, k, v, scale=scale, mask_elements=mask_elements)
+        return causal_lower_right_attention(
+            q, k, v, scale=scale, mask_elements=mask_elements, sink=sink
+        )
     offset = num_k - num_q
     block = window_rows(num_k, window, mask_elements)
     outs = []
@@ -233,7 +305,7 @@ def sliding_window_attention(
         rows = torch.arange(first, hi, device=q.device).unsqueeze(1)
         cols = torch.arange(lo, hi, device=q.device).unsqueeze(0)
         mask = (cols <= rows) & (cols > rows - window)
-        outs.append(_sdpa(q[a : a + b], k[lo:hi], v[lo:hi], scale=scale, mask=mask))
+        outs.append(_sdpa(q[a : a + b], k[lo:hi], v[lo:hi], scale=scale, mask=mask, sink=sink))
     return torch.cat(outs, dim=0) if len(outs) > 1 else outs[0]
 
 
@@ -420,21 +492,26 @@ def _local_call(
     mask: torch.Tensor | None,
     scale: float | None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One call on ``[1, H, tokens, D]`` inputs -> ``[1, tokens, Hq, D]``."""
-    if window is not None and mask is None and call.lengths[0] > window:
-        # One sequence, or a batched run of one length, longer than the window: each sequence
-        # in query blocks that skip the keys outside the window.
+    windowed = window is not None and call.lengths[0] > window
+    if mask is None and (windowed or sink is not None):
+        # One sequence, or a batched run of one length, longer than the window (or with a
+        # sink, whose causal call needs a mask): each sequence in query blocks whose masks
+        # stay bounded, skipping the keys outside the window.
         q3, k3, v3 = (t.squeeze(0).transpose(0, 1) for t in (q, k, v))  # [tokens, H, D]
         outs = [
-            sliding_window_attention(qs, ks, vs, window=window, scale=scale)
+            sliding_window_attention(qs, ks, vs, window=window, scale=scale, sink=sink)
+            if window is not None
+            else causal_lower_right_attention(qs, ks, vs, scale=scale, sink=sink)
             for qs, ks, vs in zip(
                 q3.split(call.lengths), k3.split(call.lengths), v3.split(call.lengths), strict=True
             )
         ]
         return (torch.cat(outs) if len(outs) > 1 else outs[0]).unsqueeze(0)
     if not call.batched:
-        out = _sdpa_heads_first(q, k, v, scale=scale, is_causal=mask is None, mask=mask)
+        out = _sdpa_heads_first(q, k, v, scale=scale, is_causal=mask is None, mask=mask, sink=sink)
         return out.transpose(1, 2)
     # [1, H, n * L, D] -> [n, H, L, D]: views (a dim split and a transpose), no copy
     shape = (len(call.lengths), call.lengths[0])
@@ -453,6 +530,7 @@ def local_attention_heads_first(
     group_mask_elements: int | None = None,
     batch_equal_lengths: bool | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each local sequence on its own, in SDPA's own layout.
 
@@ -473,6 +551,7 @@ def local_attention_heads_first(
             :data:`LOCAL_BATCH_EQUAL_LENGTHS`.
         window: the layer's sliding window (each query sees the ``window`` keys up to itself);
             ``None`` = full causal.
+        sink: the layer's attention sink logits ``[Hq]``, or ``None`` (module docstring).
 
     Returns:
         ``[1, n_local, Hq, D]``.
@@ -484,11 +563,11 @@ def local_attention_heads_first(
     plan = local_calls(ctx, group_mask_elements, q.device, batch_equal_lengths, window)
     window = plan.window
     if len(plan.calls) == 1:
-        return _local_call(q, k, v, plan.calls[0], plan.masks[0], scale, window)
+        return _local_call(q, k, v, plan.calls[0], plan.masks[0], scale, window, sink)
     # One split per tensor: its backward is one concatenation. Slicing each call's part out
     # instead costs a zero-filled gradient of the whole buffer per call in the backward.
     outs = [
-        _local_call(qs, ks, vs, call, mask, scale, window)
+        _local_call(qs, ks, vs, call, mask, scale, window, sink)
         for qs, ks, vs, call, mask in zip(
             q.split(plan.sizes, 2),
             k.split(plan.sizes, 2),
@@ -511,6 +590,7 @@ def local_attention(
     group_mask_elements: int | None = None,
     batch_equal_lengths: bool | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each local sequence on its own, short ones grouped in one call.
 
@@ -526,6 +606,7 @@ def local_attention(
         group_mask_elements: as for :func:`local_attention_heads_first`.
         batch_equal_lengths: as for :func:`local_attention_heads_first`.
         window: as for :func:`local_attention_heads_first`.
+        sink: as for :func:`local_attention_heads_first`.
 
     Returns:
         ``[n_local, Hq, D]``.
@@ -540,6 +621,7 @@ def local_attention(
         group_mask_elements=group_mask_elements,
         batch_equal_lengths=batch_equal_lengths,
         window=window,
+        sink=sink,
     )
     return out.squeeze(0)
 
@@ -552,6 +634,7 @@ def distributed_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Lower-right causal attention of this rank's distributed chunks on the whole sequences.
 
@@ -564,6 +647,7 @@ def distributed_attention(
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         window: the layer's sliding window; ``None`` = full causal. A chunk ending within it
             runs as without one.
+        sink: the layer's attention sink logits ``[Hq]``, or ``None`` (module docstring).
 
     Returns:
         ``[n_dist, Hq, D]``.
@@ -577,11 +661,16 @@ def distributed_attention(
     vs = v_whole.split(layout.distributed_lengths)
     outs = [
         causal_lower_right_attention(
-            q_chunk, ks[c.index][: c.end], vs[c.index][: c.end], scale=scale
+            q_chunk, ks[c.index][: c.end], vs[c.index][: c.end], scale=scale, sink=sink
         )
         if window is None or c.end <= window
         else sliding_window_attention(
-            q_chunk, ks[c.index][: c.end], vs[c.index][: c.end], window=window, scale=scale
+            q_chunk,
+            ks[c.index][: c.end],
+            vs[c.index][: c.end],
+            window=window,
+            scale=scale,
+            sink=sink,
         )
         for q_chunk, c in zip(qs, chunks, strict=True)
     ]
@@ -596,6 +685,7 @@ def sdpa_attention(
     *,
     scale: float | None = None,
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Context-parallel causal attention of this rank's packed tokens with PyTorch SDPA.
 
@@ -610,6 +700,8 @@ def sdpa_attention(
         scale: softmax scale; ``None`` = ``D ** -0.5``.
         window: the layer's sliding window (transformers' ``sliding_window``: the query at
             position ``p`` sees keys ``[p - window + 1, p]``); ``None`` = full causal.
+        sink: the layer's attention sink logits ``[Hq]`` (gpt-oss), or ``None`` (module
+            docstring).
 
     Returns:
         ``[T, Hq, D]`` attention output in packed order.
@@ -621,6 +713,7 @@ def sdpa_attention(
         ctx,
         scale=scale,
         window=window,
+        sink=sink,
         local_attention=local_attention,
         distributed_attention=distributed_attention,
     )

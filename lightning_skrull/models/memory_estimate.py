@@ -36,8 +36,15 @@ DeepSeek's and GLM-4-MoE's shared experts keep the SwiGLU MLP only. DeepSeek-V3 
 route with sigmoid scores (``4E`` kept, as the probabilities) and group-limited top-k, whose
 group selection leaves nothing autograd keeps; their router computes in float32, so a 16-bit
 model adds the float32 copy of its input (``4h``), and it saves the weights' sum only with
-``norm_topk_prob`` (DeepSeek-V2 never normalises). Every routed row is computed, however the
-router spreads the tokens, so none of this depends on the routing.
+``norm_topk_prob`` (DeepSeek-V2 never normalises). gpt-oss's router softmaxes its top-k logits
+only, keeping their probabilities (``b k``) and indices (``8k``); each of its rows keeps the
+gathered input and output (``2 b h``), the gate/up output, the clamped gate, its sigmoid, the
+GLU, ``up + 1`` and the product (``7 b f_e``, the clamped GLU) and its routing weight (``b``),
+with four int64 indices under ``"grouped_mm"`` (the biases are gathered too) and, under
+``"eager"``, the weighted output and two. Every routed row is computed, however the router
+spreads the tokens, so none of this depends on the routing. The ``sdpa`` attention's copies of
+q, k and v with the sink column (gpt-oss, :mod:`~lightning_skrull.attention.sdpa`) are not
+counted: like the score matrix, they belong to the kernel, not to the model.
 
 The head, dense (transformers' ``lm_head`` then ``ForCausalLMLoss``): the logits (``b V``), their
 float32 copy when ``b < 4`` (``4 V``), log-softmax's float32 output (``4 V``), and the float32
@@ -126,10 +133,16 @@ def layer_bytes_per_token(
     if not shape.sparse_layers:
         return dense, 0
     k = shape.experts_per_token
-    router = 4 * shape.num_experts + 12 * k + (4 if shape.normalized_routing else 0)
-    router += 4 * h if shape.float32_router and b < 4 else 0
-    row = 2 * b * h + 4 * b * shape.expert_intermediate_size + 4
-    row += b * h + 16 if experts_implementation == "eager" else 24
+    eager = experts_implementation == "eager"
+    if shape.clamped_glu:  # gpt-oss (module docstring)
+        router = b * k + 8 * k
+        row = 2 * b * h + 7 * b * shape.expert_intermediate_size + b
+        row += b * h + 16 if eager else 32
+    else:
+        router = 4 * shape.num_experts + 12 * k + (4 if shape.normalized_routing else 0)
+        router += 4 * h if shape.float32_router and b < 4 else 0
+        row = 2 * b * h + 4 * b * shape.expert_intermediate_size + 4
+        row += b * h + 16 if eager else 24
     shared = shape.shared_expert_intermediate_size
     gate = b * h + b if shape.shared_expert_gate else 0
     shared_bytes = 4 * b * shared + gate if shared else 0
@@ -236,6 +249,9 @@ def _attention_parameters(shape: ModelShape) -> int:
     if not shape.kv_lora_rank:
         attention = h * (q + kv + shape.v_dim) + shape.out_dim * h + 2 * h
         attention += (q + kv + shape.v_dim) if shape.qkv_bias else 0
+        attention += (h if shape.out_bias else 0) + (
+            shape.num_attention_heads if shape.attention_sinks else 0
+        )
         return attention + (2 * shape.head_dim if shape.qk_norm else 0)
     r_q, r_kv, rope = shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim
     nope = shape.head_dim - rope
@@ -252,12 +268,16 @@ def parameter_count(shape: ModelShape, *, tied_head: bool = False) -> ParameterC
     attention biases of Multi-head Latent Attention, its ``attention_bias``), Qwen3's q/k head
     norms where ``shape.qk_norm``, MLA's latent projections and norms, RMSNorm weights; a sparse
     layer holds all ``num_experts`` experts, the router and the shared expert with its gate (if
-    any), whichever few a token runs."""
+    any), whichever few a token runs; gpt-oss's o_proj bias, sinks and router and expert biases
+    where ``shape`` has them."""
     h, f = shape.hidden_size, shape.intermediate_size
     attention = _attention_parameters(shape)
     dense = attention + 3 * h * f
     shared = shape.shared_expert_intermediate_size
-    experts = shape.num_experts * (3 * h * shape.expert_intermediate_size + h)
+    f_e = shape.expert_intermediate_size
+    experts = shape.num_experts * (3 * h * f_e + h)  # the router's weight is h per expert
+    if shape.expert_bias:  # router, gate/up (2 f_e) and down (h) biases per expert
+        experts += shape.num_experts * (1 + 2 * f_e + h)
     gate = h if shape.shared_expert_gate else 0
     sparse = attention + experts + (3 * h * shared + gate if shared else 0)
     layers = shape.dense_layers * dense + shape.sparse_layers * sparse

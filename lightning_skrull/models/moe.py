@@ -1,6 +1,6 @@
 """Mixture-of-Experts decoders under Skrull: what keeps their routing exact, and what is refused.
 
-Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 replace the MLP of their
+Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V3, GLM-4-MoE, DeepSeek-V2 and gpt-oss replace the MLP of their
 sparse layers by a top-k router and experts stored as fused 3-D parameters. The router picks
 each token's experts from that token's hidden state alone, and every expert computes each of its
 tokens alone: no capacity factor, no token dropping, nothing that depends on the other tokens of
@@ -18,6 +18,9 @@ between steps from the experts' loads; transformers keeps the bias a buffer that
 only reads, adds no auxiliary loss (not even with ``output_router_logits=True``, which only
 returns the router logits), and does no update. DeepSeek-V2's router is a per-token softmax
 with a greedy or group-limited greedy top-k, also without an auxiliary loss in transformers.
+gpt-oss's router (``GptOssTopKRouter``) is a linear layer with bias whose top-k logits are
+softmaxed among themselves; its experts add biases and a clamped GLU, all per token. Its
+causal-LM forward adds the router auxiliary loss like Mixtral's.
 
 Two things would break the exactness, and :func:`router_problems` refuses them at setup:
 
@@ -38,7 +41,7 @@ from torch import nn
 # MLP the cost model reads, one list for both
 from lightning_skrull.scheduling.cost_model import MOE_MODEL_TYPES
 
-AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral")
+AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 """The ones whose causal-LM forward adds the router auxiliary loss with
 ``output_router_logits=True`` (DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 have none in
 transformers: there the flag only returns the router logits)."""
@@ -54,8 +57,8 @@ AUX_LOSS_RULE = (
 """Why the router auxiliary loss cannot be trained exactly under Skrull."""
 
 AUX_LOSS_FIX = (
-    "set config.output_router_logits=False (as the released Qwen3-MoE, Qwen2-MoE and Mixtral "
-    "configs do) and do not pass output_router_logits=True in the training forward; to read the "
+    "set config.output_router_logits=False (as the released Qwen3-MoE, Qwen2-MoE, Mixtral and "
+    "gpt-oss configs do) and do not pass output_router_logits=True in the training forward; to read the "
     "router logits, run the model outside the training step (trainer.strategy.generating() or "
     "lightning_skrull.models.plain_attention(model))"
 )

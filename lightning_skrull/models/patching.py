@@ -14,8 +14,11 @@ one whose result under Skrull equals its result on one process:
 - a sliding window only where each layer passes it to the attention function (the
   ``sliding_window`` keyword, which the Skrull attention applies; Qwen2-MoE does not, so its
   window still limits the sequence length, :func:`unpassed_window`);
-- for a Mixture-of-Experts model, a deterministic router (no ``router_jitter_noise``) and no
-  router auxiliary loss (``output_router_logits`` off; :mod:`lightning_skrull.models.moe`);
+- for a Mixture-of-Experts model, a deterministic router (no ``router_jitter_noise``), no
+  router auxiliary loss (``output_router_logits`` off; :mod:`lightning_skrull.models.moe`) and
+  trainable experts (gpt-oss's MXFP4-quantized ones are refused, :func:`quantized_experts`);
+- attention sinks (gpt-oss) only on a backend that adds them (``"sdpa"`` or ``"auto"``, not
+  ``"flash"``; :func:`has_attention_sinks`);
 - a RoPE whose frequencies depend on the config only, or on the batch only beyond a length no
   sequence reaches (:mod:`lightning_skrull.models.rope`).
 
@@ -37,7 +40,7 @@ from lightning_skrull.attention.backends import (
 )
 from lightning_skrull.attention.context import has_attention_context
 from lightning_skrull.attention.dispatch import register_skrull_attention
-from lightning_skrull.attention.flash import require_window_support
+from lightning_skrull.attention.flash import SINK_FIX, require_window_support
 from lightning_skrull.models.chunked_loss import (
     check_chunked_loss_supported,
     check_loss_kernel,
@@ -81,6 +84,7 @@ SUPPORTED_ARCHITECTURES: MappingProxyType[str, tuple[str, ...]] = MappingProxyTy
         "deepseek_v3": ("DeepseekV3ForCausalLM", "DeepseekV3Model"),
         "glm4_moe": ("Glm4MoeForCausalLM", "Glm4MoeModel"),
         "deepseek_v2": ("DeepseekV2ForCausalLM", "DeepseekV2Model"),
+        "gpt_oss": ("GptOssForCausalLM", "GptOssModel"),
     }
 )
 """``config.model_type`` -> model classes (or their subclasses) that Skrull runs exactly.
@@ -101,6 +105,15 @@ Multi-head Latent Attention builds per-head keys and values from a per-token lat
 part of q and k, and passes values narrower than the keys to the attention function, which
 takes them (the K/V exchange carries both widths).
 
+gpt-oss (``gpt_oss``, gpt-oss-20b / 120b) routes per token too (a linear router with bias, top-k
+then a softmax over the chosen logits; experts with biases and a clamped GLU), alternates
+sliding (128-token) and full layers, whose window it passes, and adds attention sinks: a
+learned logit per head, passed to the attention function as ``s_aux``, that joins every query's
+softmax as a key of value zero. The Skrull ``sdpa`` backend adds it
+(:mod:`~lightning_skrull.attention.sdpa`); the ``flash`` backend has no sink term and is
+refused for it. Its released checkpoints hold MXFP4-quantized experts, which train only once
+dequantized (:func:`quantized_experts`).
+
 Gemma 3's text model (``gemma3_text``) adds per-token pieces only (RMSNorms of q and k per
 head, a scaled embedding, ``query_pre_attn_scalar`` as the softmax scale, a RoPE per layer
 kind) and interleaves sliding and full layers, whose window it passes to the attention
@@ -119,6 +132,19 @@ _INTERFACE_CALL = "ALL_ATTENTION_FUNCTIONS.get_interface("
 _ROPE_CALLS = ("apply_rotary_pos_emb(", "apply_rotary_emb(")
 """The rotary calls of the allow-listed attentions (DeepSeek-V2's is ``apply_rotary_emb``)."""
 _WINDOW_ARGUMENT = "sliding_window="
+_SINK_ARGUMENT = "s_aux="
+
+QUANTIZED_EXPERTS = ("Mxfp4GptOssExperts",)
+"""Class names of transformers' quantized expert modules that hold packed weights autograd
+cannot train (gpt-oss's MXFP4 experts, ``transformers.integrations.mxfp4``); matched by name, so
+that the check imports no quantization kernel."""
+
+MXFP4_FIX = (
+    "load the checkpoint dequantized to bf16: AutoModelForCausalLM.from_pretrained(name, "
+    "dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)) "
+    "(from transformers import Mxfp4Config)"
+)
+"""How to load gpt-oss for fine-tuning."""
 
 
 def attention_window(model: nn.Module) -> int | None:
@@ -148,6 +174,37 @@ def _passes_window(cls: type) -> bool:
         return False
     call = source.find("attention_interface(")
     return call >= 0 and source.find(_WINDOW_ARGUMENT, call) >= 0
+
+
+def _passes_sinks(cls: type) -> bool:
+    """Whether ``cls.forward`` passes ``s_aux=`` (attention sinks) to its attention call."""
+    try:
+        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return False
+    call = source.find("attention_interface(")
+    return call >= 0 and source.find(_SINK_ARGUMENT, call) >= 0
+
+
+def has_attention_sinks(model: nn.Module) -> bool:
+    """Whether some attention module of the text decoder passes attention sinks (``s_aux``,
+    gpt-oss) to the attention function: the ``flash`` backend cannot run it."""
+    return any(_passes_sinks(type(attn)) for attn in _attention_modules(model))
+
+
+def quantized_experts(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that are quantized experts (:data:`QUANTIZED_EXPERTS`).
+
+    gpt-oss's released checkpoints store the experts in MXFP4. On a machine with transformers'
+    MXFP4 kernels they load as ``Mxfp4GptOssExperts``, whose packed ``uint8`` weights have no
+    gradient; elsewhere transformers dequantizes them to bf16 itself, and so does
+    ``quantization_config=Mxfp4Config(dequantize=True)`` everywhere (:data:`MXFP4_FIX`).
+    """
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(cls.__name__ in QUANTIZED_EXPERTS for cls in type(module).__mro__)
+    ]
 
 
 def unpassed_window(model: nn.Module) -> int | None:
@@ -340,6 +397,15 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
         )
     reasons.extend(rope_problems(model, max_sequence_length))
     reasons.extend(router_problems(model))
+    quantized = quantized_experts(model)
+    if quantized:
+        shown = ", ".join(quantized[:3]) + (
+            f" and {len(quantized) - 3} more" if len(quantized) > 3 else ""
+        )
+        reasons.append(
+            f"its experts are MXFP4-quantized ({shown}: packed uint8 weights without "
+            f"gradients, which cannot be fine-tuned); {MXFP4_FIX}"
+        )
     if model_type in ("gemma3_text", "gemma3"):
         reasons.extend(_gemma3_problems(decoder))
     if reasons:
@@ -394,7 +460,7 @@ def prepare_model(
         TypeError: ``model`` is not a ``PreTrainedModel``.
         ValueError: unsupported model (the message names the class and why), unknown backend,
             or ``"flash"`` without a varlen kernel installed, or, for a model with a sliding
-            window, with a kernel that takes no window.
+            window, with a kernel that takes no window, or for a model with attention sinks.
     """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {backend!r}; use one of {ATTENTION_BACKENDS}.")
@@ -403,6 +469,12 @@ def prepare_model(
     check_model(model, max_sequence_length=max_sequence_length)
     if backend == "flash" and attention_window(model) is not None:
         require_window_support()
+    if backend == "flash" and has_attention_sinks(model):
+        raise ValueError(
+            f"attention backend 'flash' cannot train {type(model).__name__}: its attention "
+            f"passes attention sinks (s_aux), which the varlen kernels have no term for; "
+            f"{SINK_FIX}."
+        )
     if chunked_loss:
         check_chunked_loss_supported(model)
         check_loss_kernel(loss_kernel)

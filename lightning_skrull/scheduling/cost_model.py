@@ -51,7 +51,15 @@ import numpy as np
 
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
 
-MOE_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v2")
+MOE_MODEL_TYPES = (
+    "qwen3_moe",
+    "qwen2_moe",
+    "mixtral",
+    "deepseek_v3",
+    "glm4_moe",
+    "deepseek_v2",
+    "gpt_oss",
+)
 """Hugging Face ``model_type``s whose sparse MLP :meth:`ModelShape.from_hf_config` reads."""
 
 MLA_MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
@@ -81,6 +89,11 @@ class ModelShape:
     by every head. ``head_dim`` is then the q/k head width (nope + rope), ``v_head_dim`` the
     value's, and every head has its own keys and values (``num_key_value_heads`` = heads).
 
+    gpt-oss adds, all outside the FLOP count (no matmul) but in the parameters: an o_proj bias
+    (``out_bias``), a sink logit per query head (``attention_sinks``), and biases on the router
+    and on every expert's gate/up and down projections (``expert_bias``). Its experts compute a
+    clamped GLU instead of SwiGLU (``clamped_glu``; the same matmuls, more kept activations).
+
     Attributes:
         hidden_size: model width ``h``.
         num_layers: decoder layers.
@@ -109,6 +122,13 @@ class ModelShape:
             GLM-4-MoE); activation memory only.
         normalized_routing: the top-k routing weights are divided by their sum
             (``norm_topk_prob``; DeepSeek-V2 never does); activation memory only.
+        out_bias: the o projection has a bias (gpt-oss); parameters only.
+        attention_sinks: a learned sink logit per query head and layer (gpt-oss); parameters
+            only.
+        expert_bias: the router and each expert's projections have biases (gpt-oss);
+            parameters only.
+        clamped_glu: the experts' activation is gpt-oss's clamped GLU, and its router a
+            softmax over the top-k logits only; activation memory only.
     """
 
     hidden_size: int
@@ -134,6 +154,10 @@ class ModelShape:
     shared_expert_gate: bool = True
     float32_router: bool = False
     normalized_routing: bool = True
+    out_bias: bool = False
+    attention_sinks: bool = False
+    expert_bias: bool = False
+    clamped_glu: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -218,7 +242,9 @@ class ModelShape:
         token, on the layers from ``first_k_dense_replace`` on, and ``n_shared_experts`` shared
         ones of the same width as one ungated shared expert; DeepSeek's Multi-head Latent
         Attention from ``q_lora_rank``, ``kv_lora_rank``, ``qk_nope_head_dim``,
-        ``qk_rope_head_dim`` and ``v_head_dim``.
+        ``qk_rope_head_dim`` and ``v_head_dim``. gpt-oss: ``num_local_experts`` experts of
+        ``intermediate_size`` on every layer, with biases, sinks and ``attention_bias`` on all
+        four attention projections.
 
         Raises:
             ValueError: when the config lacks a needed field, or has experts of a family not
@@ -248,6 +274,7 @@ class ModelShape:
             kv_heads = heads  # every head has its own keys and values
             head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
         window, sliding = _sliding_window(config, layers)
+        gpt_oss = model_type == "gpt_oss"
         if model_type == "qwen2":
             qkv_bias = True  # Qwen2's q/k/v projections always have biases
         else:
@@ -267,6 +294,8 @@ class ModelShape:
             or (model_type == "glm4_moe" and bool(getattr(config, "use_qk_norm", False))),
             sliding_window=window,
             sliding_layers=sliding,
+            out_bias=gpt_oss and qkv_bias,
+            attention_sinks=gpt_oss,
             **moe,
             **mla,
         )
@@ -428,13 +457,15 @@ def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str
                 "normalized_routing": model_type != "deepseek_v2"
                 and bool(getattr(config, "norm_topk_prob", False)),
             }
-    elif model_type == "mixtral":
+    elif model_type in ("mixtral", "gpt_oss"):
         moe = {
             "num_experts": int(config.num_local_experts),
             "experts_per_token": int(config.num_experts_per_tok),
             "expert_intermediate_size": int(config.intermediate_size),
             "sparse_layers": layers,
         }
+        if model_type == "gpt_oss":
+            moe.update(expert_bias=True, clamped_glu=True)
     elif model_type not in MOE_MODEL_TYPES:
         experts = {n: getattr(config, n, None) for n in _EXPERT_FIELDS}
         experts = {n: v for n, v in experts.items() if v}
