@@ -262,7 +262,12 @@ def figures(recipe: Recipe) -> Figures:
     states = model_state_bytes(shape, recipe.strategy, cp_size=cp, world_size=world).total
     per_token = activation_bytes_per_token_checkpointed(shape, chunked_loss=True)
     largest = largest_bucket(
-        shape, recipe.strategy, capacity, cp_size=cp, world_size=world, activation_checkpointing=True
+        shape,
+        recipe.strategy,
+        capacity,
+        cp_size=cp,
+        world_size=world,
+        activation_checkpointing=True,
     )
     shard = {"fsdp_cp": cp, "fsdp_world": world}[recipe.strategy]
     # What the checkpoint holds beyond the model's count: the vision tower and projector as
@@ -319,7 +324,9 @@ def figures(recipe: Recipe) -> Figures:
         )
         text_figures += [kilo_tokens(tokens), device]
     for other in recipe.compared:
-        text_figures.append(gib(model_state_bytes(shape, other, cp_size=cp, world_size=world).total))
+        text_figures.append(
+            gib(model_state_bytes(shape, other, cp_size=cp, world_size=world).total)
+        )
     return Figures(
         states=states,
         per_token=per_token,
@@ -354,10 +361,12 @@ def test_the_published_config_is_the_checkpoint_the_recipe_names(recipe: Recipe)
     text = text_config(model.config)
     tied = bool(getattr(text, "tie_word_embeddings", False))
     assert parameter_count(shape, tied_head=tied).total + gemma_norms(text) == total - vision
-    name = recipe.checkpoint_class.removesuffix("ForCausalLM").removesuffix(
-        "ForConditionalGeneration"
-    )
-    assert values["model"]["model"].split("/")[0] in {"meta-llama", "google", "mistralai"}, name
+    hub = {
+        "llama3.1-8b.yaml": "meta-llama/Llama-3.1-8B-Instruct",
+        "gemma3-27b.yaml": "google/gemma-3-27b-it",
+        "mistral-small-3.2-24b.yaml": "mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+    }[recipe.file]
+    assert values["model"]["model"] == values["data"]["tokenizer"] == hub
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -435,7 +444,9 @@ def test_gemma3_layer_keeps_what_the_correction_adds() -> None:
     counted = {a: layer_bytes_per_token(s)[0] for a, s in shapes.items()}
     gemma = shapes["gemma3_text"]
     correction = 20 * gemma.hidden_size + 2 * (gemma.q_dim + gemma.kv_dim)
-    excess = (layer["gemma3_text"] - counted["gemma3_text"]) - (layer["mistral"] - counted["mistral"])
+    excess = (layer["gemma3_text"] - counted["gemma3_text"]) - (
+        layer["mistral"] - counted["mistral"]
+    )
     # the rest is Gemma3RMSNorm's float32 rsqrt (4 B per token per norm) and the q/k norms'
     assert excess == pytest.approx(correction, rel=0.05)
     assert excess > 0.5 * correction  # without the correction the recipe's count is short
@@ -554,3 +565,18 @@ def test_the_recipe_trains_a_tiny_model_of_its_family(
     assert "Skrull run summary (DP=1 x CP=1, 2 steps, policy skrull)" in out
     loss = float(next(line for line in out.splitlines() if "last train loss" in line).split()[-1])
     assert 0 < loss < 10  # a finite loss of a vocabulary of 68 (ln 68 = 4.2 at random)
+
+
+def test_the_recipe_table_of_the_docs_matches_every_recipe() -> None:
+    # docs/lightning.md lists every shipped recipe with its layout and bucket_size
+    table = (Path(__file__).parent.parent / "docs" / "lightning.md").read_text()
+    rows = {
+        m.group(1): (m.group(2), m.group(3))
+        for m in re.finditer(r"^\| `([\w.-]+\.yaml)` \|.*?\| (DP=\d+ x CP=\d+) \|.*\| ([\d ]+) \|$",
+                             table, re.MULTILINE)
+    }  # fmt: skip
+    assert set(rows) == {p.name for p in CONFIGS.glob("*.yaml")}
+    for name, (written_layout, written_bucket) in rows.items():
+        world, cp, bucket = layout(yaml.safe_load((CONFIGS / name).read_text()))
+        assert written_layout == f"DP={world // cp} x CP={cp}", name
+        assert int(written_bucket.replace(" ", "")) == bucket, name
