@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+import yaml
 from helpers import built_cli
 
 from lightning_skrull import SkrullDataModule
@@ -69,6 +70,14 @@ def test_every_shipped_recipe_parses(path: Path, subcommand: str) -> None:
     assert strategy.init_args.bucket_size >= 1
     assert config.data.global_batch_size >= world // strategy.init_args.cp_size
     assert isinstance(config.model.model, (str, dict))
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.name for p in CONFIGS])
+def test_every_recipe_states_its_validation_hold_out(path: Path) -> None:
+    # The CLI's defaults are the tiny recipe's, val_split 32 among them: a recipe that left it
+    # out would hold 32 of the user's samples out of training without showing it.
+    data = yaml.safe_load(path.read_text())["data"]
+    assert "val_split" in data or "val_data" in data, f"{path.name} inherits val_split"
 
 
 def test_cli_defaults_are_the_tiny_cpu_recipe() -> None:
