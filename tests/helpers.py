@@ -546,6 +546,19 @@ def reference_sgd_step(
     return loss
 
 
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Torch on one thread inside the block, as each spawned rank runs: a tiny model's ops gain
+    nothing from a second thread, and on a busy machine its waits made the references up to 10x
+    slower (measured 10.5 s against 0.9 s for 4 autocast steps)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def sgd_training(
     model: nn.Module,
     data: Sequence[dict[str, list[int]]],
@@ -561,16 +574,18 @@ def sgd_training(
     ``clip`` before each step. Returns each step's gradient norm before clipping."""
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     norms = []
-    for step in range(steps):
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)))
-        optimizer.step()
+    with one_thread():
+        for step in range(steps):
+            total, tokens = torch.zeros(()), 0
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
+                    loss, n = token_loss_sum(model, sample)
+                    total, tokens = total + loss, tokens + n
+            optimizer.zero_grad()
+            (total / tokens).backward()
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)
+            norms.append(float(norm))
+            optimizer.step()
     return norms
 
 
@@ -603,22 +618,23 @@ def bf16_policy_training(
         return {n: p.detach().double().numpy().copy() for n, p in master.named_parameters()}
 
     before = params()
-    for batch in batches[:steps]:
-        with torch.no_grad():
+    with one_thread():
+        for batch in batches[:steps]:
+            with torch.no_grad():
+                for c, m in zip(compute.parameters(), master.parameters(), strict=True):
+                    c.copy_(m)
+                    c.grad = None
+            total, tokens = torch.zeros(()), 0
+            for i in batch:
+                loss, n = token_loss_sum(compute, data[i])
+                total, tokens = total + loss, tokens + n
+            (total / tokens).backward()
             for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                c.copy_(m)
-                c.grad = None
-        total, tokens = torch.zeros(()), 0
-        for i in batch:
-            loss, n = token_loss_sum(compute, data[i])
-            total, tokens = total + loss, tokens + n
-        (total / tokens).backward()
-        for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-            m.grad = c.grad.float()
-        norm = torch.nn.utils.clip_grad_norm_(master.parameters(), clip or math.inf)
-        if norms is not None:
-            norms.append(float(norm))
-        optimizer.step()
+                m.grad = c.grad.float()
+            norm = torch.nn.utils.clip_grad_norm_(master.parameters(), clip or math.inf)
+            if norms is not None:
+                norms.append(float(norm))
+            optimizer.step()
     return before, params()
 
 

@@ -44,6 +44,7 @@ from helpers import (
     make_data,
     max_diff,
     momentum_training,
+    one_thread,
     reference_model,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
@@ -160,7 +161,8 @@ def _reference(batches: tuple[tuple[int, ...], ...], kind: str = "float32") -> d
             reference_model, make_data(), len(batches), batches=batches, momentum=MOMENTUM
         )
         return after
-    *_, model = momentum_training(batches, MOMENTUM, autocast=kind == "autocast")
+    with one_thread():
+        *_, model = momentum_training(batches, MOMENTUM, autocast=kind == "autocast")
     return {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
 
 
