@@ -9,8 +9,10 @@ One spawn of 4 processes, DP=2 x CP=2, runs every case (each process start costs
   plan's largest micro-batch count;
 - validation of the trained ``shard="cp"`` model, of one set and of named short and long sets
   (``val_loss/<name>``), equals the single-process token mean of each set;
-- gradient clipping on the DTensor gradients, with activation checkpointing;
-- resume from a sharded (torch.distributed.checkpoint) checkpoint equals the uninterrupted run;
+- gradient clipping on the DTensor gradients, with activation checkpointing, in float32 and in
+  ``bf16-mixed`` (by the rule of tests/test_precision_matrix.py);
+- resume from a sharded (torch.distributed.checkpoint) checkpoint equals the uninterrupted run,
+  in float32 and in ``bf16-mixed``;
 - ``bf16-mixed`` through FSDP2's ``MixedPrecisionPolicy``, with ``shard="cp"`` and
   ``shard="world"``, within the tolerance rule of
   tests/test_precision_matrix.py;
@@ -29,6 +31,7 @@ import dataclasses
 import functools
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -202,6 +205,7 @@ def _fit(
     *,
     momentum: float = 0.0,
     shuffle: bool = False,
+    seed: int = 3,
     fit_kwargs: dict[str, Any] | None = None,
     callbacks: tuple[L.Callback, ...] = (),
     module: PlainLM | None = None,
@@ -223,7 +227,7 @@ def _fit(
     )
     module = module if module is not None else PlainLM(momentum=momentum)
     data = SkrullDataModule(
-        train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=shuffle, seed=3
+        train_data=make_data(), global_batch_size=GLOBAL_BATCH, shuffle=shuffle, seed=seed
     )
     trainer.fit(module, data, **(fit_kwargs or {}))
     return module, trainer, recorder
@@ -323,6 +327,46 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["whole"], out["whole_steps"] = _full_params(whole.model), whole_rec.steps
     out["resumed"], out["resumed_steps"] = _full_params(resumed.model), resumed_rec.steps
     out["ckpt_is_dir"] = os.path.isdir(os.path.join(ckpt_dir, "step=2.ckpt"))
+
+    # in bf16-mixed: gradient clipping with activation checkpointing, and the resume above
+    started = time.perf_counter()
+    module, _, recorder = _fit(
+        STEPS,
+        module=PretrainedLM(os.path.join(tmp, "untied"), on_rank_zero=False),
+        activation_checkpointing=True,
+        gradient_clip_val=CLIP,
+        precision="bf16-mixed",
+    )
+    out["bf16_clip"] = {
+        "before": recorder.before,
+        "after": _full_params(module.model),
+        "checkpointing": module.model.is_gradient_checkpointing,
+        "steps": recorder.steps,
+    }
+    bf16_dir = os.path.join(tmp, "ckpt_bf16")
+    save = ModelCheckpoint(
+        dirpath=bf16_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
+    )
+    # shuffle seed 6: the DP ranks run 3 and 2 micro-batches in both resumed steps (seed 3's
+    # give them equal counts there); the cost model pinned, so both runs plan alike
+    resume = {"momentum": 0.9, "shuffle": True, "seed": 6, "calibration": "off"}
+    whole, _, whole_rec = _fit(
+        4, callbacks=(save,), enable_checkpointing=True, precision="bf16-mixed", **resume
+    )
+    resumed, _, resumed_rec = _fit(
+        4,
+        fit_kwargs={"ckpt_path": os.path.join(bf16_dir, "step=2.ckpt")},
+        precision="bf16-mixed",
+        **resume,
+    )
+    out["bf16_resume"] = {
+        "whole": _full_params(whole.model),
+        "whole_steps": whole_rec.steps,
+        "resumed": _full_params(resumed.model),
+        "resumed_steps": resumed_rec.steps,
+        "resumed_start": resumed_rec.before,
+    }
+    out["bf16_added_seconds"] = time.perf_counter() - started
 
     # online calibration under FSDP (only earlier micro-batches are timed), from a model that
     # thinks communication free: 3 steps give the first refit
@@ -558,6 +602,56 @@ def test_resume_from_sharded_checkpoint_equals_uninterrupted_run(
 
 
 # ----------------------------------------------------------------------------- bf16
+@pytest.mark.multiprocess
+def test_bf16_mixed_resume_from_sharded_checkpoint_equals_uninterrupted_run(
+    runs: list[dict[str, Any]],
+) -> None:
+    """The resume above in bf16-mixed: float32 master shards and momentum, bf16 compute
+    through the policy, the same micro-batches. Measured bitwise equal (BF16_RESUME_ATOL)."""
+    for out in runs:
+        cell = out["bf16_resume"]
+        assert [(s["index"], s["samples"]) for s in cell["resumed_steps"]] == [
+            (s["index"], s["samples"]) for s in cell["whole_steps"][2:]
+        ]
+        assert max_diff(cell["resumed"], cell["whole"]) <= BF16_RESUME_ATOL
+        # the resumed run's two steps move the parameters far more than the tolerance: an
+        # update 5% off fails it
+        delta = _update(cell["resumed_start"], cell["resumed"])
+        assert np.abs(0.05 * delta).max() > 10 * BF16_RESUME_ATOL
+        # the DP ranks run different micro-batch counts in a resumed step
+        assert any(s["max"] != s["min"] for s in cell["resumed_steps"])
+
+
+@pytest.mark.multiprocess
+def test_bf16_mixed_clipping_on_dtensors_with_activation_checkpointing(
+    runs: list[dict[str, Any]],
+) -> None:
+    """Gradient clipping on the float32 DTensor gradients with activation checkpointing in
+    bf16-mixed, the clip below every step's gradient norm, by docs/precision.md's rule against
+    the policy's dtypes on one process with the same clipping. Measured 5.3e-3 against the
+    reference's 6.2e-3 (bound 1.35e-2; the gradient norms 0.51 and 0.57, CLIP 0.05); the update
+    scaled by 1.05 lies 5.0e-2 away."""
+    ref_norms: list[float] = []
+    ref_before, ref_after = bf16_policy_training(
+        reference_model, make_data(), STEPS, clip=CLIP, norms=ref_norms
+    )
+    assert min(ref_norms) > CLIP, ref_norms  # clipping acts in every step
+    fp32_after, _ = reference_training(STEPS, clip=CLIP)  # the float32 test's reference
+    delta_fp32 = _update(ref_before, {k: v.astype(np.float64) for k, v in fp32_after.items()})
+    ref_distance = _distance(_update(ref_before, ref_after), delta_fp32)
+    assert ref_distance > FLOOR
+    bound = RATIO * ref_distance + FLOOR
+    for out in runs:
+        cell = out["bf16_clip"]
+        assert cell["checkpointing"]
+        assert max_diff(cell["before"], ref_before) == 0.0
+        delta = _update(cell["before"], cell["after"])
+        distance = _distance(delta, delta_fp32)
+        assert distance <= bound, (distance, ref_distance)
+        assert _distance(1.05 * delta, delta_fp32) > bound
+        assert any(s["max"] != s["min"] for s in cell["steps"])
+
+
 @functools.cache
 def _bf16_reference() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """FSDP2's bf16 policy on one process (:func:`~helpers.bf16_policy_training`)."""
@@ -579,6 +673,13 @@ def _distance(delta: np.ndarray, delta_fp32: np.ndarray) -> float:
 # 5.0e-2 away.
 RATIO = 2.0
 FLOOR = 1e-3
+# A bf16-mixed run resumed from its sharded checkpoint against the uninterrupted run: float32
+# master shards and momentum, the same micro-batches, and the same collectives in the same
+# order (FSDP2 reduce-scatters each unit's gradients in the CP group and all-reduces them over
+# the 2 DP ranks, where a sum of two does not depend on the order): measured bitwise equal, as
+# in float32. 1e-7 allows float32 rounding only; the resumed steps move the parameters by up to
+# about 7e-2, so an update 5% off fails it by far.
+BF16_RESUME_ATOL = 1e-7
 
 
 @pytest.mark.multiprocess

@@ -4,9 +4,11 @@ Two torchrun launchers (``--node-rank 0`` and ``1``) meet at a static rendezvous
 each starts 2 CPU processes, and Lightning sees a torchelastic cluster of 2 nodes x 2 devices.
 In those 4 processes this module, run as a script, fits DP=2 x CP=2 with the DDP strategy
 (``SkrullStrategy``) and then with FSDP2 (``SkrullFSDPStrategy``, ``shard="cp"``), 2 steps each,
-and writes what each rank saw. The tests check that every CP group is the two processes of one
-node (the CP collectives never leave a node), that the DP ranks ran different micro-batch
-counts, and that both strategies' parameters equal plain Hugging Face training on one process.
+and writes what each rank saw; then both again in ``bf16-mixed``. The tests check that every CP
+group is the two processes of one node (the CP collectives never leave a node), that the DP
+ranks ran different micro-batch counts, that both strategies' parameters equal plain Hugging
+Face training on one process in float32, and that in ``bf16-mixed`` they are as close to it as
+single-process training in their dtypes (the rule of tests/test_precision_matrix.py).
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +32,11 @@ STEPS = 2
 # Float32 parity as in tests/test_strategy_multiprocess.py and tests/test_fsdp.py: the same token
 # terms summed in another order and averaged over 4 ranks (measured max difference 6.0e-8).
 PARAM_ATOL = 1e-5
+# The same two strategies in bf16-mixed, in the same job: docs/precision.md's rule against
+# single-process training in each one's dtypes (bf16 autocast for DDP, FSDP2's policy for FSDP).
+# Measured (cell / reference, bound): DDP 3.4e-3 / 4.5e-3 (1.0e-2), FSDP 5.5e-3 / 6.4e-3 (1.4e-2);
+# an update 5% too large lies 5.0e-2 away. The two fits add about 1.4 s to the job.
+BF16_RUNS = ("ddp_bf16", "fsdp_bf16")
 
 
 # ----------------------------------------------------------------------------- the job
@@ -50,7 +59,10 @@ def _run_job(out_dir: Path) -> None:
         "ddp": lambda: SkrullStrategy(cp_size=CP_SIZE, bucket_size=BUCKET),
         "fsdp": lambda: SkrullFSDPStrategy(cp_size=CP_SIZE, bucket_size=BUCKET),
     }
+    for name in BF16_RUNS:
+        strategies[name] = strategies[name.removesuffix("_bf16")]
     for name, make in strategies.items():
+        started = time.perf_counter()
         recorder = BatchRecorder()
         trainer = cpu_trainer(
             make(),
@@ -58,6 +70,7 @@ def _run_job(out_dir: Path) -> None:
             num_nodes=NODES,
             max_steps=STEPS,
             callbacks=[recorder],
+            precision="bf16-mixed" if name in BF16_RUNS else "32-true",
         )
         module = PlainLM()
         data = SkrullDataModule(
@@ -70,6 +83,7 @@ def _run_job(out_dir: Path) -> None:
             "cp_ranks": layout.cp_ranks,
             "params": _full_params(module.model),
             "steps": recorder.steps,
+            "seconds": time.perf_counter() - started,
         }
     with open(out_dir / f"rank{results[name]['global_rank']}.pkl", "wb") as f:
         pickle.dump(results, f)
@@ -134,7 +148,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", *BF16_RUNS])
 def test_cp_groups_stay_inside_a_node(job: list[dict[str, Any]], strategy: str) -> None:
     for rank, out in enumerate(job):
         node = out["node_rank"]
@@ -159,6 +173,44 @@ def test_two_nodes_equal_single_process(job: list[dict[str, Any]], strategy: str
         for out in job
     }
     assert runs[0] != runs[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", BF16_RUNS)
+def test_two_nodes_bf16_mixed_as_close_to_float32_as_single_process(
+    job: list[dict[str, Any]], strategy: str
+) -> None:
+    from helpers import (
+        bf16_policy_training,
+        make_data,
+        reference_model,
+        reference_training,
+        sgd_training,
+    )
+    from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+
+    model = reference_model()
+    before = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    if strategy == "fsdp_bf16":
+        _, ref_after = bf16_policy_training(reference_model, make_data(), STEPS)
+    else:
+        sgd_training(model, make_data(), STEPS, autocast=True)
+        ref_after = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
+    fp32_after, _ = reference_training(STEPS)
+    delta_fp32 = update(before, {k: v.astype(np.float64) for k, v in fp32_after.items()})
+    ref_distance = relative_distance(update(before, ref_after), delta_fp32)
+    assert ref_distance > FLOOR  # the reference's bf16 rounding shows
+    bound = RATIO * ref_distance + FLOOR
+    for out in job:
+        delta = update(before, out[strategy]["params"])
+        distance = relative_distance(delta, delta_fp32)
+        assert distance <= bound, (distance, ref_distance)
+        assert relative_distance(1.05 * delta, delta_fp32) > bound
+    runs = {
+        out[strategy]["steps"][0]["dp_rank"]: [s["run"] for s in out[strategy]["steps"]]
+        for out in job
+    }
+    assert runs[0] != runs[1]  # the two nodes ran different micro-batch counts
 
 
 if __name__ == "__main__":

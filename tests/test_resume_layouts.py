@@ -15,6 +15,9 @@ Two spawns:
   2 x 2 one for ``"cp"``, 4 ranks for ``"world"`` where it was written on 2) continue; ZeRO-2,
   whose optimizer partitions belong to the process count they were written at, is refused.
 
+DDP and FSDP (``shard="cp"``) run every layout in ``bf16-mixed`` too, held to the rule of
+tests/test_precision_matrix.py against single-process training in their dtypes.
+
 The uninterrupted run is compared with single-process training of the global batches it
 recorded (plain Hugging Face, SGD with momentum: the momentum buffers make the optimizer state
 matter). Loader-level cases (no process group) check the data position alone.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import functools
 import os
 import tempfile
+import time
 from typing import Any
 
 import numpy as np
@@ -35,11 +39,15 @@ from helpers import (
     PARAM_ATOL,
     BatchRecorder,
     PlainLM,
+    bf16_policy_training,
     cpu_trainer,
     make_data,
     max_diff,
     momentum_training,
+    one_thread,
+    reference_model,
 )
+from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 
 from lightning_skrull.runtime.launch import spawn
 
@@ -47,11 +55,14 @@ MOMENTUM = 0.9
 STEPS = 4  # 24 samples in global batches of 8: epoch 0 is steps 1-3, step 4 opens epoch 1
 SEED = 6  # shuffle seed: the DP ranks run 3 and 2, then 2 and 3 micro-batches in steps 3 and 4
 STRATEGIES = ("ddp", "fsdp", "fsdp_world", "zero2")
+# the same layouts in bf16-mixed (ZeRO-2's refusal does not depend on the precision)
+BF16_STRATEGIES = ("ddp_bf16", "fsdp_bf16")
 
 
 def _strategy(name: str, cp_size: int) -> Any:
     from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
 
+    name = name.removesuffix("_bf16")
     # at cp_size=1 one rank must hold the longest sample (69 tokens) alone
     bucket_size = BUCKET * 2 // cp_size
     if name == "fsdp_world":
@@ -92,7 +103,11 @@ def _fit(
         )
     strategy = _strategy(name, cp_size)
     trainer = cpu_trainer(
-        strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=save_to is not None
+        strategy,
+        max_steps=steps,
+        callbacks=callbacks,
+        enable_checkpointing=save_to is not None,
+        precision="bf16-mixed" if name.endswith("_bf16") else "32-true",
     )
     module = PlainLM(momentum=MOMENTUM)
     data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, seed=SEED)
@@ -102,7 +117,10 @@ def _fit(
 
 def _write(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in STRATEGIES:
+    started = 0.0
+    for name in STRATEGIES + BF16_STRATEGIES:
+        if name == BF16_STRATEGIES[0]:
+            started = time.perf_counter()
         # DP=2 x CP=1, 2 steps: the checkpoint these processes resume below at DP=1 x CP=2
         _fit(name, 1, 2, save_to=os.path.join(tmp, name, "dp2_cp1"))
         out[name] = {
@@ -111,12 +129,16 @@ def _write(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 name, 2, STEPS, ckpt_path=os.path.join(tmp, name, "dp2_cp1", "step=2.ckpt")
             ),
         }
+    out["bf16_seconds"] = time.perf_counter() - started
     return out
 
 
 def _resume(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for name in STRATEGIES:
+    started = 0.0
+    for name in STRATEGIES + BF16_STRATEGIES:
+        if name == BF16_STRATEGIES[0]:
+            started = time.perf_counter()
         path = os.path.join(tmp, name, "dp1_cp2", "step=2.ckpt")
         if name == "zero2":
             with pytest.raises(ValueError) as refused:
@@ -124,14 +146,24 @@ def _resume(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out[name] = str(refused.value)
         else:
             out[name] = _fit(name, 2, STEPS, ckpt_path=path)
+    out["bf16_seconds"] = time.perf_counter() - started
     return out
 
 
 @functools.cache
-def _reference(batches: tuple[tuple[int, ...], ...]) -> dict[str, np.ndarray]:
-    """Plain HF training of ``batches`` (sample indices) on one process, SGD with momentum."""
-    *_, model = momentum_training(batches, MOMENTUM)
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}
+def _reference(batches: tuple[tuple[int, ...], ...], kind: str = "float32") -> dict[str, Any]:
+    """Plain HF training of ``batches`` (sample indices) on one process, SGD with momentum:
+    ``kind`` ``"float32"``; ``"autocast"`` (the forward under ``torch.autocast("cpu",
+    bfloat16)``, float32 gradients and SGD: DDP's bf16-mixed); ``"policy"`` (FSDP2's bf16
+    policy, :func:`~helpers.bf16_policy_training`)."""
+    if kind == "policy":
+        _, after = bf16_policy_training(
+            reference_model, make_data(), len(batches), batches=batches, momentum=MOMENTUM
+        )
+        return after
+    with one_thread():
+        *_, model = momentum_training(batches, MOMENTUM, autocast=kind == "autocast")
+    return {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
 
 
 def _global_batches(runs: list[list[dict[str, Any]]]) -> list[tuple[int, int, list[int]]]:
@@ -209,6 +241,70 @@ def test_resume_with_another_cp_size_continues_the_run(runs: Runs, name: str) ->
     for out in written:
         if out[name]["cp_changed"][0]:
             assert max_diff(out[name]["cp_changed"][0], out[name]["whole"][0]) < LAYOUT_ATOL
+
+
+# bf16-mixed: docs/precision.md's rule (tests/test_precision_matrix.py). The distance of the
+# 4-step update of each run (written uninterrupted at DP=1 x CP=2, resumed at DP=2 x CP=2 on 4
+# processes, resumed at DP=1 x CP=2 from DP=2 x CP=1) to the float32 reference's update of the
+# same global batches, relative to the latter, at most RATIO x that of single-process training
+# in the run's dtypes (bf16 autocast for DDP, FSDP2's policy for FSDP) plus FLOOR. Measured
+# (uninterrupted / resumed on 4 processes / resumed with cp_size 2 from 1; reference, bound):
+# DDP 3.6e-3 / 3.6e-3 / 3.5e-3; 4.5e-3, 9.9e-3. FSDP 5.4e-3 / 5.4e-3 / 5.5e-3; 6.1e-3, 1.3e-2.
+# Every update scaled by 1.05 lies 5.0e-2 away.
+
+
+def _bf16_distances(runs: Runs, name: str) -> dict[str, Any]:
+    """For ``name`` (a :data:`BF16_STRATEGIES` entry): the recorded global batches, the
+    distances of each run's update to the float32 update, d(ref), and each update scaled by
+    1.05's distance."""
+    written, resumed = runs
+    batches = _global_batches([out[name]["whole"][1] for out in written])
+    key = tuple(tuple(samples) for _, _, samples in batches)
+    before = {k: v.detach().double().numpy() for k, v in reference_model().state_dict().items()}
+    delta_fp32 = update(before, _reference(key))
+    kind = "policy" if name.startswith("fsdp") else "autocast"
+    ref_distance = relative_distance(update(before, _reference(key, kind)), delta_fp32)
+    cells = {
+        "whole": [out[name]["whole"][0] for out in written],
+        "cp_changed": [out[name]["cp_changed"][0] for out in written],
+        "four_processes": [out[name][0] for out in resumed],
+    }
+    distances: dict[str, list[tuple[float, float]]] = {}
+    for cell, params in cells.items():
+        distances[cell] = []
+        for p in params:
+            if p:  # FSDP gathers the full weights on rank 0 only
+                delta = update(before, {k: v.astype(np.float64) for k, v in p.items()})
+                distances[cell].append(
+                    (
+                        relative_distance(delta, delta_fp32),
+                        relative_distance(1.05 * delta, delta_fp32),
+                    )
+                )
+    return {"batches": batches, "ref": ref_distance, "cells": distances}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", BF16_STRATEGIES)
+def test_bf16_mixed_resume_on_other_layouts_as_close_to_float32_as_single_process(
+    runs: Runs, name: str
+) -> None:
+    written, resumed = runs
+    measured = _bf16_distances(runs, name)
+    whole = measured["batches"]
+    assert [(epoch, index) for epoch, index, _ in whole] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+    assert _global_batches([out[name][1] for out in resumed]) == whole[2:]
+    assert _global_batches([out[name]["cp_changed"][1] for out in written]) == whole[2:]
+    assert measured["ref"] > FLOOR  # the reference's bf16 rounding shows
+    bound = RATIO * measured["ref"] + FLOOR
+    for cell, distances in measured["cells"].items():
+        assert distances, cell
+        for distance, five_percent_off in distances:
+            assert distance <= bound, (cell, distance, measured["ref"])
+            assert five_percent_off > bound, (cell, five_percent_off)
+    # the resumed steps give the two DP ranks different micro-batch counts
+    steps = resumed[0][name][1]
+    assert len(steps) == 2 and all(s["max"] != s["min"] for s in steps)
 
 
 @pytest.mark.multiprocess
