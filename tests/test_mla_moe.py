@@ -546,6 +546,7 @@ CASES = [
     # gpt-oss: attention sinks on CP ranks (each rank's sink gradient from its own queries,
     # reduced like every gradient), sliding and full layers, its router and experts
     ("gpt_oss", "32-true"),
+    ("gpt_oss", "bf16-mixed"),
 ]
 # the cases added to prove in bf16 what was proved in float32 only (with DeepSeek-V2's float32
 # run, the bf16 one's counterpart); their time in the spawn is measured (``added_seconds``)
@@ -557,7 +558,7 @@ ADDED = (
 # The error the bf16 rule must reject, per family: an update 5% too large. The sigmoid-routed
 # families are farther from float32 in bf16 alone (tests/test_families_precision.py), so their
 # bound lets 5% through; 10% fails it (docs/precision.md).
-UPDATE_ERROR = {"deepseek_v3": 0.10, "glm4_moe": 0.10, "deepseek_v2": 0.05}
+UPDATE_ERROR = {"deepseek_v3": 0.10, "glm4_moe": 0.10, "deepseek_v2": 0.05, "gpt_oss": 0.05}
 # Float32: as tests/test_moe.py (PARAM_ATOL of tests/helpers.py: float32 rounding of sums in
 # another order, averaged over 4 ranks; UPDATE_RTOL of each tensor's own 2-step update).
 # Measured: parameters 1.2e-7 at most (DeepSeek-V2 7.5e-9), any tensor 2.2e-4 of its update.
