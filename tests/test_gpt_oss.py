@@ -83,13 +83,13 @@ def sink_reference(
     return torch.einsum("hqk,khd->qhd", probs, vr)
 
 
-def _context(layout: RankLayout) -> SkrullAttentionContext:
+def _context(layout: RankLayout, device: str = "cpu") -> SkrullAttentionContext:
     return SkrullAttentionContext(
         layout=layout,
         group=None,
         backend="sdpa",
-        device=torch.device("cpu"),
-        **_index_tensors(layout, "sdpa", torch.device("cpu")),
+        device=torch.device(device),
+        **_index_tensors(layout, "sdpa", torch.device(device)),
     )
 
 
@@ -107,7 +107,7 @@ def _emulate(
     v_whole = torch.cat([seqs[s][2] for s in ids]) if ids else None
     outs = []
     for layout in layouts:
-        ctx = _context(layout)
+        ctx = _context(layout, str(next(iter(seqs.values()))[0].device))
         q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
         n = layout.num_local_tokens
         kw: dict[str, Any] = {"scale": scale, "window": window, "sink": sink}
@@ -178,6 +178,61 @@ def test_sinks_on_emulated_ranks_equal_eager_attention(cp_size: int, window: int
         plain = unpack(layouts, _emulate(layouts, seqs, None, window, scale))
         s = max(ids, key=lambda i: lengths[i])
         assert (plain[s] - got[s]).abs().max().item() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cp_size", [1, 2, 4])
+@pytest.mark.parametrize("window", [None, 128])
+def test_sinks_on_cuda_in_bf16(cp_size: int, window: int | None) -> None:
+    # The CUDA path pads the sink column to a multiple of 8 (gpt-oss's head dim 64 -> 72) and
+    # runs CUDA's fused SDPA kernels. Against sink_reference in float32 on the CPU, with
+    # sink_reference itself in bf16 on CUDA as the yardstick: the relative distance (norms) of
+    # each of output and q/k/v/sink gradients may be at most twice the yardstick's plus 1e-2,
+    # the precision rule's form (a relative max-abs error is too noisy for the key and value
+    # gradients, sums over hundreds of queries). A misplaced sink key or a lost padding column
+    # gives distances of order 1.
+    rng = random.Random(cp_size * 7 + (window or 0))
+    lengths, ids, placement, seqs = _case(rng, cp_size, 8, 2, 64)
+    lengths = [n * 9 for n in lengths]  # up to 630 tokens: the 128-token window bites
+    gen = torch.Generator().manual_seed(cp_size)
+    seqs = {s: tuple(torch.randn(lengths[s], h, 64, generator=gen) for h in (8, 2, 2)) for s in ids}
+    layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
+    sink = _sinks(8, cp_size).detach().float()
+    grads = {s: torch.randn(lengths[s], 8, 64, generator=gen) for s in ids}
+
+    def run(device: str, dtype: torch.dtype, skrull: bool) -> dict[int, list[torch.Tensor]]:
+        ins = {
+            s: tuple(t.detach().to(device, dtype).requires_grad_() for t in seqs[s]) for s in ids
+        }
+        sk = sink.detach().to(device, dtype).requires_grad_()
+        if skrull:
+            got = unpack(layouts, _emulate(layouts, ins, sk, window, None))
+        else:
+            got = {s: sink_reference(*ins[s], sk, window) for s in ids}
+        torch.autograd.backward([got[s] for s in ids], [grads[s].to(device, dtype) for s in ids])
+        return {
+            s: [got[s].float().cpu()]
+            + [t.grad.float().cpu() for t in ins[s]]
+            + [sk.grad.float().cpu()]
+            for s in ids
+        }
+
+    want = run("cpu", torch.float32, skrull=False)
+    yardstick = run("cuda", torch.bfloat16, skrull=False)
+    got = run("cuda", torch.bfloat16, skrull=True)
+    for s in ids:
+        for i, name in enumerate(("out", "dq", "dk", "dv")):
+            err = _relative(got[s][i], want[s][i])
+            ref = _relative(yardstick[s][i], want[s][i])
+            assert err <= 2 * ref + 1e-2, (s, name, err, ref)
+    dsink = [r[ids[0]][4] for r in (got, yardstick, want)]  # sink.grad: summed over all
+    assert _relative(dsink[0], dsink[2]) <= 2 * _relative(dsink[1], dsink[2]) + 1e-2
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """``|a - b| / |b|`` (Frobenius norms), the precision rule's distance."""
+    return ((a - b).norm() / b.norm().clamp_min(1e-12)).item()
 
 
 @pytest.mark.parametrize("mask_elements", [1, 7, 40, 1 << 22])
