@@ -3,10 +3,12 @@
 Two torchrun launchers (``--node-rank 0`` and ``1``) meet at a static rendezvous on 127.0.0.1;
 each starts 2 CPU processes, and Lightning sees a torchelastic cluster of 2 nodes x 2 devices.
 In those 4 processes this module, run as a script, fits DP=2 x CP=2 with the DDP strategy
-(``SkrullStrategy``) and then with FSDP2 (``SkrullFSDPStrategy``, ``shard="cp"``), 2 steps each,
-and writes what each rank saw; then both again in ``bf16-mixed``. The tests check that every CP
+(``SkrullStrategy``), with FSDP2 (``SkrullFSDPStrategy``, ``shard="cp"``) and with DeepSpeed
+ZeRO-2 (``SkrullZero2Strategy``, partitions over all 4 processes of both nodes), 2 steps each,
+and writes what each rank saw; then DDP and FSDP2 again in ``bf16-mixed``. The tests check that every CP
 group is the two processes of one node (the CP collectives never leave a node), that the DP
-ranks ran different micro-batch counts, that both strategies' parameters equal plain Hugging
+ranks planned different micro-batch counts (ZeRO-2 runs the largest on every rank, its
+reduce-scatter joining all of them in every backward), that the parameters equal plain Hugging
 Face training on one process in float32, and that in ``bf16-mixed`` they are as close to it as
 single-process training in their dtypes (the rule of tests/test_precision_matrix.py).
 """
@@ -49,7 +51,12 @@ def _run_job(out_dir: Path) -> None:
     from test_fsdp import _full_params
 
     import lightning_skrull  # noqa: F401  (registers the strategy names)
-    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy, SkrullStrategy
+    from lightning_skrull import (
+        SkrullDataModule,
+        SkrullFSDPStrategy,
+        SkrullStrategy,
+        SkrullZero2Strategy,
+    )
 
     results: dict[str, Any] = {
         "node_rank": int(os.environ["GROUP_RANK"]),
@@ -58,6 +65,7 @@ def _run_job(out_dir: Path) -> None:
     strategies = {
         "ddp": lambda: SkrullStrategy(cp_size=CP_SIZE, bucket_size=BUCKET),
         "fsdp": lambda: SkrullFSDPStrategy(cp_size=CP_SIZE, bucket_size=BUCKET),
+        "zero2": lambda: SkrullZero2Strategy(cp_size=CP_SIZE, bucket_size=BUCKET),
     }
     for name in BF16_RUNS:
         strategies[name] = strategies[name.removesuffix("_bf16")]
@@ -148,7 +156,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp", *BF16_RUNS])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2", *BF16_RUNS])
 def test_cp_groups_stay_inside_a_node(job: list[dict[str, Any]], strategy: str) -> None:
     for rank, out in enumerate(job):
         node = out["node_rank"]
@@ -158,7 +166,7 @@ def test_cp_groups_stay_inside_a_node(job: list[dict[str, Any]], strategy: str) 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp", "zero2"])
 def test_two_nodes_equal_single_process(job: list[dict[str, Any]], strategy: str) -> None:
     from helpers import max_diff, reference_training
 
@@ -172,7 +180,12 @@ def test_two_nodes_equal_single_process(job: list[dict[str, Any]], strategy: str
         out[strategy]["steps"][0]["dp_rank"]: [s["run"] for s in out[strategy]["steps"]]
         for out in job
     }
-    assert runs[0] != runs[1]
+    if strategy == "zero2":
+        # ZeRO-2 reduce-scatters over the world in every backward: every rank ran the
+        # plan's largest count
+        assert runs[0] == runs[1] == [s["max"] for s in steps]
+    else:
+        assert runs[0] != runs[1]
 
 
 @pytest.mark.multiprocess
