@@ -22,6 +22,15 @@ trainable (LoRA) parameters, on the same global batches (dataset order):
   autocast training of the same model, the dtypes each strategy keeps, and FSDP's shards of the
   frozen base in bf16; ZeRO-2's adapter, written by ``save_pretrained``, is its float32 master
   copy, not the model's bf16 copy.
+- LoRA on Mixture-of-Experts experts (peft's ``target_parameters`` on the fused 3-D
+  ``mlp.experts.gate_up_proj`` / ``down_proj``, with ``target_modules`` on the attention) of a
+  tiny Qwen3-MoE and a tiny gpt-oss, float32 under each of the three strategies (FSDP with
+  activation checkpointing, its adapters written by ``save_pretrained``); Qwen3-MoE's also read
+  on rank 0 only, and under FSDP's ``bf16-mixed`` policy.
+
+On one process, the expert LoRA models through the Skrull path (packed micro-batches, the Skrull
+attention, the chunked loss) against the same ``PeftModel`` run one sequence at a time: loss and
+every adapter's gradient, float32 and ``bf16-mixed``.
 
 The reference is independent of the package: the same ``PeftModel`` on one process with eager
 attention, one sequence at a time, summed token cross-entropy divided by the global batch's
@@ -30,6 +39,7 @@ supervised tokens, then ``torch.optim.SGD`` over the trainable parameters.
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import os
@@ -52,6 +62,8 @@ from helpers import (
     cpu_trainer,
     make_data,
     mean_token_loss,
+    reference_loss_and_grads,
+    tiny_model,
     tiny_qwen2,
     token_loss_sum,
 )
@@ -104,7 +116,25 @@ BF16_BASE = {
     "bf16_base_fsdp_32": ("fsdp", "32-true"),
 }
 """The cases that train the bf16-base LoRA model: ``(strategy, precision)``."""
-CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero", "generate", *BF16_BASE)
+EXPERT_ARCHS = ("qwen3_moe", "gpt_oss")
+EXPERT_LORA: dict[str, Any] = {
+    "target_modules": ["q_proj", "v_proj"],
+    "target_parameters": ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+}
+"""Overrides of :data:`LORA` for the Mixture-of-Experts models: LoRA on the attention's linears
+and on every sparse layer's fused experts (peft's ``ParamWrapper``, one low-rank pair per
+expert)."""
+EXPERTS = {
+    **{
+        f"experts_{arch}_{name}": (arch, name, "32-true")
+        for arch in EXPERT_ARCHS
+        for name in ("ddp", "zero2", "fsdp")
+    },
+    "experts_qwen3_moe_rank_zero": ("qwen3_moe", "fsdp", "32-true"),
+    "experts_qwen3_moe_fsdp_bf16": ("qwen3_moe", "fsdp", "bf16-mixed"),
+}
+"""The cases that train :data:`EXPERT_LORA` models: ``(arch, strategy, precision)``."""
+CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero", "generate", *BF16_BASE, *EXPERTS)
 
 
 def init_lora(model: torch.nn.Module) -> None:
@@ -127,6 +157,11 @@ def lora_model(base: torch.nn.Module | None = None, **overrides: Any) -> Any:
     )
     init_lora(model)
     return model
+
+
+def expert_lora_model(arch: str, base: torch.nn.Module | None = None) -> Any:
+    """:func:`lora_model` of ``tiny_model(arch)`` (or ``base``) with :data:`EXPERT_LORA`."""
+    return lora_model(base if base is not None else tiny_model(arch), **EXPERT_LORA)
 
 
 def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -341,6 +376,22 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out[case]["master"] = zero2_master(module.model)
             trainer.strategy.save_pretrained(os.path.join(tmp, "adapter_zero2"))
 
+    for case, (arch, name, precision) in EXPERTS.items():
+        base = None
+        if case.endswith("rank_zero"):
+            base = from_pretrained_on_rank_zero(os.path.join(tmp, f"base_{arch}"))
+        module = LoraLM(expert_lora_model(arch, base))
+        held = {n: not p.is_meta for n, p in module.model.named_parameters()}
+        checkpointing = case == f"experts_{arch}_fsdp"
+        kwargs = {"activation_checkpointing": True} if checkpointing else {}
+        # ZeRO-2 keeps the gradients in its own partitions (p.grad stays None)
+        grads = name != "zero2"
+        trainer, recorder = _fit(name, module, grads=grads, precision=precision, **kwargs)
+        out[case] = {**_result(module, recorder), "held": held}
+        if checkpointing:
+            out[case]["checkpointing"] = module.model.base_model.model.is_gradient_checkpointing
+            trainer.strategy.save_pretrained(os.path.join(tmp, f"adapter_{arch}"))
+
     # a frozen base loaded in bf16 on ranks 0-1 and in float32 on ranks 2-3
     from lightning_skrull.strategies.fsdp import check_frozen_dtypes_agree
 
@@ -357,6 +408,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 def runs() -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory() as tmp:
         tiny_qwen2().save_pretrained(os.path.join(tmp, "base"))
+        tiny_model("qwen3_moe").save_pretrained(os.path.join(tmp, "base_qwen3_moe"))
         results = spawn(_cases, 4, tmp, timeout=900)
         adapter = Path(tmp, "adapter")
         results[0]["adapter_files"] = sorted(p.name for p in adapter.iterdir())
@@ -370,24 +422,41 @@ def runs() -> list[dict[str, Any]]:
         results[0]["zero2_adapter_dtypes"] = sorted({str(t.dtype) for t in written.values()})
         base = tiny_qwen2(attn_implementation="eager").to(torch.bfloat16)
         results[0]["zero2_adapter"] = full_params(peft.PeftModel.from_pretrained(base, adapter))
+        # the expert adapters FSDP trained, onto a fresh plain model of each architecture
+        for arch in EXPERT_ARCHS:
+            adapter = Path(tmp, f"adapter_{arch}")
+            config = json.loads((adapter / "adapter_config.json").read_text())
+            loaded = peft.PeftModel.from_pretrained(tiny_model(arch), adapter)
+            results[0][f"adapter_{arch}"] = {
+                "config": config,
+                "params": full_params(loaded),
+                "loss": mean_token_loss(loaded, make_data(11, seed=1)),
+            }
     return results
 
 
 # ----------------------------------------------------------------------------- reference
 @functools.cache
 def reference(
-    kind: str = "float32", modules_to_save: bool = False, bf16_base: bool = False
+    kind: str = "float32",
+    modules_to_save: bool = False,
+    bf16_base: bool = False,
+    arch: str | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(parameters before, after, first step's gradients of the trainable ones)`` of
     single-process PEFT training; ``kind`` ``"autocast"`` runs the forward under
     ``torch.autocast("cpu", bfloat16)`` (Lightning's bf16-mixed); ``bf16_base`` casts the base
-    model to bf16 before ``get_peft_model`` (float32 adapters)."""
+    model to bf16 before ``get_peft_model`` (float32 adapters); ``arch`` trains
+    :func:`expert_lora_model` of that architecture (eager attention) instead."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs (tiny ops; see test_precision_matrix)
     try:
         extra = {"modules_to_save": ["lm_head"]} if modules_to_save else {}
         base = tiny_qwen2(attn_implementation="eager")
-        model = lora_model(base.to(torch.bfloat16) if bf16_base else base, **extra)
+        if arch is not None:
+            model = expert_lora_model(arch)
+        else:
+            model = lora_model(base.to(torch.bfloat16) if bf16_base else base, **extra)
         trainable = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.SGD(trainable, lr=LR)
         before = full_params(model)
@@ -668,6 +737,96 @@ def test_rank_zero_weights_fill_the_lora_layers_of_meta_ranks(runs: list[dict[st
         assert lora
 
 
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", [c for c, v in EXPERTS.items() if v[2] == "32-true"])
+def test_expert_lora_equals_single_process_peft(runs: list[dict[str, Any]], case: str) -> None:
+    arch = EXPERTS[case][0]
+    before, after, grads = reference(arch=arch)
+    trainable = sorted(runs[0][case]["trainable"])
+    assert trainable == sorted(k for k in before if "lora_" in k)
+    experts = [k for k in trainable if ".mlp.experts." in k]
+    # 2 layers x 2 fused parameters x (lora_A, lora_B)
+    assert len(experts) == 8, experts
+    frozen = [k for k in before if k not in trainable]
+    # the expert adapters moved by far more than the tolerance (Qwen3-MoE's least: 1.3e-4; their
+    # gradients, checked below relative to their own size, are 1e-4 to 9e-3)
+    assert _max_diff(after, before, experts) > 50 * PARAM_ATOL
+    for out in runs:
+        got = out[case]
+        assert _max_diff(got["before"], before, list(before)) == 0.0
+        assert _max_diff(got["after"], after, trainable) < PARAM_ATOL, case
+        assert _max_diff(got["after"], before, frozen) == 0.0
+        if got["grads"] is None:  # ZeRO-2
+            continue
+        # the first step's gradient of every adapter, experts included (FSDP: recomputed under
+        # activation checkpointing)
+        assert sorted(got["grads"]) == sorted(grads) == trainable
+        for name, grad in got["grads"].items():
+            assert grad is not None, f"{name} got no gradient"
+            scale = float(np.abs(grads[name]).max())
+            assert scale > 0.0, name
+            assert float(np.abs(grad - grads[name]).max()) <= GRAD_RTOL * scale, name
+        if case.endswith("_fsdp"):
+            assert got["checkpointing"]
+
+
+@pytest.mark.multiprocess
+def test_expert_lora_fsdp_bf16_mixed_as_close_to_float32_as_single_process_peft(
+    runs: list[dict[str, Any]],
+) -> None:
+    # FSDP's bf16 policy gathers the frozen experts and their adapters in bf16, and peft folds
+    # the low-rank product into the experts in the gathered weight's dtype (one baddbmm, bf16);
+    # under autocast that fold runs in float32 and only the experts' matmuls in bf16. The rule
+    # over all adapters, and over the expert adapters alone.
+    before, fp32_after, _ = reference(arch="qwen3_moe")
+    _, autocast_after, _ = reference("autocast", arch="qwen3_moe")
+    trainable = runs[0]["experts_qwen3_moe_fsdp_bf16"]["trainable"]
+    for keys in (trainable, [k for k in trainable if ".mlp.experts." in k]):
+        delta_fp32 = _update(before, fp32_after, keys)
+        ref_distance = _distance(_update(before, autocast_after, keys), delta_fp32)
+        assert ref_distance > FLOOR
+        for out in runs:
+            got = out["experts_qwen3_moe_fsdp_bf16"]
+            assert _max_diff(got["before"], before, list(before)) == 0.0
+            distance = _distance(_update(got["before"], got["after"], keys), delta_fp32)
+            assert distance <= RATIO * ref_distance + FLOOR, (len(keys), distance, ref_distance)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("arch", EXPERT_ARCHS)
+def test_fsdp_save_pretrained_writes_the_expert_adapter(
+    runs: list[dict[str, Any]], arch: str
+) -> None:
+    written = runs[0][f"adapter_{arch}"]
+    assert sorted(written["config"]["target_parameters"]) == sorted(
+        EXPERT_LORA["target_parameters"]
+    )
+    trained = runs[0][f"experts_{arch}_fsdp"]["after"]
+    # onto a fresh plain model, the adapter is the trained model, weight for weight, experts'
+    # low-rank pairs included
+    assert written["params"].keys() == trained.keys()
+    assert _max_diff(written["params"], trained, list(trained)) == 0.0
+    # and gives its loss (the same float32 numbers through the same operations: measured 0)
+    model = expert_lora_model(arch)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.from_numpy(trained[name]))
+    assert written["loss"] == pytest.approx(mean_token_loss(model, make_data(11, seed=1)), abs=1e-6)
+
+
+@pytest.mark.multiprocess
+def test_rank_zero_weights_fill_the_expert_lora_of_meta_ranks(
+    runs: list[dict[str, Any]],
+) -> None:
+    for rank, out in enumerate(runs):
+        held = out["experts_qwen3_moe_rank_zero"]["held"]
+        experts = [n for n in held if ".mlp.experts." in n]
+        # ranks 1-3 built the base, its fused experts and their adapters on the meta device
+        assert all(held[n] == (rank == 0) for n in held), rank
+        assert len(experts) == 12, experts  # 2 layers x (2 fused weights + 2 x (A, B))
+    # the weights they trained to: test_expert_lora_equals_single_process_peft
+
+
 # ----------------------------------------------------------------------------- one process
 def test_lora_on_lm_head_is_refused_at_setup(world_of_one: None) -> None:
     from lightning_skrull import SkrullDataModule, SkrullStrategy
@@ -707,6 +866,92 @@ def test_modules_to_save_head_resolves_the_active_copy() -> None:
     assert active_lm_head(hf) is wrapper.modules_to_save["default"]
     with model.disable_adapter():
         assert active_lm_head(hf) is wrapper.original_module
+
+
+def _skrull_loss_and_grads(model: Any, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and adapter gradients of ``model`` (a ``PeftModel``, prepared in place) through the
+    Skrull path on one process: :data:`~test_moe.PACKED_PLAN`'s two packed micro-batches, the
+    Skrull attention, the chunked loss; the forward under ``torch.autocast("cpu", bfloat16)``
+    with ``autocast``, as Lightning's bf16-mixed runs it."""
+    from test_moe import PACKED_PLAN, PACKED_SAMPLES
+
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import forward_backward
+
+    hf = prepare_model(model.base_model.model, backend="sdpa", chunked_loss=True)
+    batch = collate_rank(PACKED_SAMPLES, PACKED_PLAN, dp_rank=0, cp_rank=0, world_size=1)
+    assert len(batch.micro_batches) == 2
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss = forward_backward(hf, batch, cp_group=None, backend="sdpa")
+    grads = {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+    missing = [n for n, g in grads.items() if g is None]
+    assert not missing, f"no gradient: {missing}"
+    return float(loss), {n: g for n, g in grads.items() if g is not None}
+
+
+def _peft_loss_and_grads(model: Any, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
+    """The same on plain peft: each of the packed test's sequences alone, eager attention."""
+    from test_moe import PACKED_SAMPLES
+
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        loss, grads = reference_loss_and_grads(model, PACKED_SAMPLES)
+    return loss, {n: grads[n] for n, p in model.named_parameters() if p.requires_grad}
+
+
+# One process, float32: packing changes the rows the matmuls see and the order the token terms
+# are summed in. Measured: the loss 4.8e-8 relative (LOSS_RTOL, tests/test_moe.py: 1e-6), every
+# adapter's gradient within 8.1e-7 of its own largest reference value (GRAD_RTOL above); the
+# expert adapters' gradients range from 1.2e-4 to 8.7e-3.
+LOSS_RTOL = 1e-6
+
+
+@pytest.mark.parametrize("arch", EXPERT_ARCHS)
+def test_expert_lora_packed_equals_peft_per_sequence(arch: str) -> None:
+    model = expert_lora_model(arch, tiny_model(arch, seed=4))
+    ref_loss, ref_grads = _peft_loss_and_grads(copy.deepcopy(model), autocast=False)
+    loss, grads = _skrull_loss_and_grads(model, autocast=False)
+    assert abs(loss - ref_loss) <= LOSS_RTOL * ref_loss, (loss, ref_loss)
+    experts = [n for n in grads if ".mlp.experts." in n]
+    assert len(experts) == 8 and sorted(grads) == sorted(ref_grads)
+    for name, grad in grads.items():
+        scale = float(ref_grads[name].abs().max())
+        assert scale > 0.0, name
+        assert float((grad - ref_grads[name]).abs().max()) <= GRAD_RTOL * scale, name
+
+
+@pytest.mark.parametrize("arch", EXPERT_ARCHS)
+def test_expert_lora_packed_bf16_mixed_as_close_to_float32_as_peft(arch: str) -> None:
+    # docs/precision.md's rule on the loss and on the gradient, over all adapters and over the
+    # expert adapters alone: relative distance to float32 plain peft at most RATIO x that of
+    # plain peft under the same autocast, plus FLOOR. Measured in the docstring of docs/models.md.
+    model = expert_lora_model(arch, tiny_model(arch, seed=4))
+    fp32_loss, fp32 = _peft_loss_and_grads(copy.deepcopy(model), autocast=False)
+    ref_loss, ref = _peft_loss_and_grads(copy.deepcopy(model), autocast=True)
+    loss, got = _skrull_loss_and_grads(model, autocast=True)
+    ref_loss_distance = abs(ref_loss - fp32_loss) / fp32_loss
+    assert abs(loss - fp32_loss) / fp32_loss <= RATIO * ref_loss_distance + FLOOR
+    for keys in (sorted(fp32), sorted(n for n in fp32 if ".mlp.experts." in n)):
+
+        def flat(grads: dict[str, torch.Tensor], keys: list[str] = keys) -> np.ndarray:
+            return torch.cat([grads[k].double().flatten() for k in keys]).numpy()
+
+        ref_distance = _distance(flat(ref), flat(fp32))
+        assert ref_distance > FLOOR  # autocast's rounding shows: the bound is not vacuous
+        distance = _distance(flat(got), flat(fp32))
+        assert distance <= RATIO * ref_distance + FLOOR, (len(keys), distance, ref_distance)
+
+
+def test_expert_lora_on_lm_head_parameter_is_refused() -> None:
+    from lightning_skrull.models.chunked_loss import check_chunked_loss_supported
+
+    model = lora_model(target_modules=["q_proj"], target_parameters=["lm_head.weight"])
+    with pytest.raises(ValueError) as refused:
+        check_chunked_loss_supported(model.base_model.model)
+    message = str(refused.value)
+    assert "peft adapter layer (peft.tuners.lora.layer.ParamWrapper)" in message
+    assert "lm_head.weight out of its target_parameters" in message
+    assert "chunked_loss=False" in message
 
 
 def test_reentrant_checkpointing_without_input_gradients_is_refused(world_of_one: None) -> None:

@@ -536,8 +536,8 @@ def _head_problem(model: nn.Module) -> str | None:
     return (
         f"its lm_head is a peft adapter layer ({cls.__module__}.{cls.__qualname__}), and the "
         "chunked loss computes the head from a plain nn.Linear weight, so it would skip the "
-        "adapter; leave lm_head out of the peft config's target_modules (modules_to_save="
-        "['lm_head'] is supported)"
+        "adapter; leave lm_head out of the peft config's target_modules (and lm_head.weight "
+        "out of its target_parameters; modules_to_save=['lm_head'] is supported)"
     )
 
 
@@ -546,7 +546,7 @@ def check_chunked_loss_supported(model: nn.Module) -> None:
 
     The head must be an ``nn.Linear``, or peft's ``ModulesToSaveWrapper`` around one
     (``modules_to_save=["lm_head"]``: :func:`active_lm_head` picks the copy in use); a peft
-    adapter layer on the head (LoRA in ``target_modules``) is refused.
+    adapter layer on the head (LoRA in ``target_modules`` or ``target_parameters``) is refused.
 
     Raises:
         ValueError: the architecture is not one of :data:`CHUNKED_LOSS_MODEL_TYPES`, or the
