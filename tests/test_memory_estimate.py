@@ -274,14 +274,14 @@ def test_dense_layer_estimate_is_what_autograd_saves(family: str, dtype: torch.d
     # Reference: the tensors autograd saves in a real HF layer (sdpa), to the byte: Llama's two
     # pre-norms, Qwen3's and EXAONE 4's per-head q/k norms, Gemma 3's four norms and OLMo 2 /
     # 3's two post-norms with their weights applied in float32 (and OLMo's q/k norms over all
-    # heads), EXAONE 4's post-norms, GLM-4's four norms and fused gate/up, Phi-3's fused q/k/v.
-    # CPU sdpa also gives Phi-3's o_proj a contiguous copy of the attention output (b x heads x
-    # head_dim), which flash attention on a GPU, whose output is laid out token-major, does not
-    # make: subtracted. float32 and bf16 (the float32 copies and rsqrt stay float32).
+    # heads), EXAONE 4's post-norms, GLM-4's four norms, fused gate/up and per-layer RoPE
+    # tables, Phi-3's fused q/k/v. CPU sdpa also gives Phi-3's and GLM-4's o_proj a contiguous
+    # copy of the attention output (b x heads x head_dim), which flash attention on a GPU,
+    # whose output is laid out token-major, does not make: subtracted. float32 and bf16 (the float32 copies and rsqrt stay float32).
     b = torch.empty((), dtype=dtype).element_size()
     fields = DENSE[family]
     measured = _layer_per_token(family, dtype, None, **fields)
     shape = ModelShape.from_hf_config(_config(family, 1, **fields))
     dense, _ = layer_bytes_per_token(shape, bytes_per_element=b)
-    cpu_only = b * shape.out_dim if family == "phi3" else 0
+    cpu_only = b * shape.out_dim if family in ("phi3", "glm4") else 0
     assert measured - cpu_only == dense

@@ -18,7 +18,8 @@ the hidden size, ``h_kv`` the key/value width and ``f`` the MLP width:
 - attention keeps q (``b h``), k and v (``2 b h_kv``), its output (``b h``, also o_proj's
   input) and its float32 log-sum-exp per head (``4 x heads``); with Phi-3's fused q/k/v
   projection v is a view of it, which keeps the whole projection alive (``b (h + 2 h_kv)``
-  instead of ``b h_kv``);
+  instead of ``b h_kv``); GLM-4's RoPE builds its cos and sin in each layer (``2 b r``, ``r``
+  the rotary width of a head);
 - the SwiGLU MLP keeps the gate and up projections, the SiLU output and their product
   (``4 b f``; Gemma 3's GELU, Phi-3's and GLM-4's fused gate/up the same);
 - the q and k norms (Qwen3, Gemma 3, EXAONE 4, GLM-4-MoE per head; OLMo 2 / 3 over all heads)
@@ -146,7 +147,7 @@ def layer_bytes_per_token(
     norms = shape.layer_norms * _norm_bytes(shape, b, h) + 2 * b * h
     v_width = q_width + kv_width + shape.v_dim if shape.fused_qkv else shape.v_dim
     attention = b * (q_width + kv_width + v_width + shape.out_dim)
-    attention += 4 * shape.num_attention_heads
+    attention += 4 * shape.num_attention_heads + 2 * b * shape.layer_rope_width
     if shape.qk_norm:
         rows = 2 if shape.qk_norm_over_heads else shape.num_attention_heads + shape.num_key_value_heads
         attention += (4 + _norm_b(shape, b)) * (q_width + kv_width) + 4 * rows

@@ -141,6 +141,9 @@ class ModelShape:
             ``q_dim`` and ``kv_dim``) instead of one head (weights of ``head_dim``).
         fused_qkv: q, k and v come out of one projection (Phi-3), whose whole output stays
             alive as long as the attention keeps v (a view of it); activation memory only.
+        layer_rope_width: width of the cos and sin each layer's RoPE builds for itself (GLM-4
+            repeats the rotary half of a head's for its interleaved rotation); 0: the model's
+            are shared by every layer. Activation memory only.
         vision_parameters: parameters outside the text decoder and the LM head (a
             vision-language checkpoint's vision tower and projector), which text-only training
             holds but never runs; parameters only.
@@ -181,6 +184,7 @@ class ModelShape:
     float32_norms: bool = False
     qk_norm_over_heads: bool = False
     fused_qkv: bool = False
+    layer_rope_width: int = 0
     vision_parameters: int = 0
     vision_root_parameters: int = 0
 
@@ -344,6 +348,7 @@ class ModelShape:
             float32_norms=float32_norms,
             qk_norm_over_heads=model_type in ("olmo2", "olmo3"),
             fused_qkv=model_type == "phi3",
+            layer_rope_width=_rotary_width(config, int(head_dim)) if model_type == "glm4" else 0,
             **moe,
             **mla,
         )
@@ -475,6 +480,15 @@ they are not ``(2, False)``."""
 VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "mistral3")
 """Vision-language ``model_type``s whose text decoder and vision parameters
 :meth:`ModelShape.from_hf_config` reads (``lightning_skrull.models.multimodal``)."""
+
+
+def _rotary_width(config: Any, head_dim: int) -> int:
+    """The rotated part of a head: ``head_dim`` x ``partial_rotary_factor`` (in
+    ``rope_parameters`` in transformers 5, on the config before)."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return int(head_dim * float(1.0 if factor is None else factor))
 
 
 def _vision_fields(config: Any) -> dict[str, int]:
