@@ -149,7 +149,9 @@ def layer_bytes_per_token(
     attention = b * (q_width + kv_width + v_width + shape.out_dim)
     attention += 4 * shape.num_attention_heads + 2 * b * shape.layer_rope_width
     if shape.qk_norm:
-        rows = 2 if shape.qk_norm_over_heads else shape.num_attention_heads + shape.num_key_value_heads
+        rows = (
+            2 if shape.qk_norm_over_heads else shape.num_attention_heads + shape.num_key_value_heads
+        )
         attention += (4 + _norm_b(shape, b)) * (q_width + kv_width) + 4 * rows
     for rank in (shape.q_lora_rank, shape.kv_lora_rank):
         attention += (4 + b) * rank + 4 + b * rank if rank else 0  # and its output, an input

@@ -280,22 +280,17 @@ class ModelShape:
         ``intermediate_size`` on every layer, with biases, sinks and ``attention_bias`` on all
         four attention projections.
 
-        Norms and head, by ``model_type``: :data:`_NORMS` (Gemma 3, GLM-4, OLMo 2 / 3),
-        q/k norms as :data:`_QK_NORM_MODEL_TYPES` lists them, ``tie_word_embeddings``; Phi-3's
-        fused q/k/v projection. A vision-language config (``model_type`` in
-        :data:`VISION_LANGUAGE_MODEL_TYPES`: Gemma 3 4B-27B, Mistral Small 3.1 / 3.2) gives its
+        Norms, fused projections, RoPE tables and the tied head by family (:func:`_layer_fields`).
+        A vision-language config (:data:`VISION_LANGUAGE_MODEL_TYPES`) gives its
         ``text_config``'s decoder, its own ``tie_word_embeddings`` (the one transformers ties
-        by) and the vision tower's and projector's parameters, counted from ``vision_config``
-        (:func:`_vision_fields`).
+        by) and its vision tower and projector (:func:`_vision_parameters`).
 
         Raises:
             ValueError: when the config lacks a needed field, or has experts of a family not
                 listed (its count would silently be a dense one).
         """
         if getattr(config, "model_type", None) in VISION_LANGUAGE_MODEL_TYPES:
-            text = cls.from_hf_config(config.text_config)
-            tied = bool(getattr(config, "tie_word_embeddings", False))
-            return replace(text, tied_embeddings=tied, **_vision_fields(config))
+            return _with_vision(cls.from_hf_config(config.text_config), config)
         needed = (
             "hidden_size",
             "num_hidden_layers",
@@ -311,7 +306,6 @@ class ModelShape:
             )
         model_type = getattr(config, "model_type", None)
         layers = int(config.num_hidden_layers)
-        norms, float32_norms = _NORMS.get(model_type, (2, False))
         heads = int(config.num_attention_heads)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         head_dim = getattr(config, "head_dim", None) or int(config.hidden_size) // heads
@@ -322,12 +316,8 @@ class ModelShape:
             head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
         window, sliding = _sliding_window(config, layers)
         gpt_oss = model_type == "gpt_oss"
-        if model_type == "qwen2":
-            qkv_bias = True  # Qwen2's q/k/v projections always have biases
-        else:
-            qkv_bias = bool(getattr(config, "qkv_bias", False)) or bool(
-                getattr(config, "attention_bias", False)
-            )
+        biases = (getattr(config, "qkv_bias", False), getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or any(map(bool, biases))  # Qwen2's always
         return cls(
             hidden_size=int(config.hidden_size),
             num_layers=layers,
@@ -343,12 +333,7 @@ class ModelShape:
             sliding_layers=sliding,
             out_bias=gpt_oss and qkv_bias,
             attention_sinks=gpt_oss,
-            tied_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
-            layer_norms=norms,
-            float32_norms=float32_norms,
-            qk_norm_over_heads=model_type in ("olmo2", "olmo3"),
-            fused_qkv=model_type == "phi3",
-            layer_rope_width=_rotary_width(config, int(head_dim)) if model_type == "glm4" else 0,
+            **_layer_fields(config, model_type, int(head_dim)),
             **moe,
             **mla,
         )
@@ -482,6 +467,20 @@ VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "mistral3")
 :meth:`ModelShape.from_hf_config` reads (``lightning_skrull.models.multimodal``)."""
 
 
+def _layer_fields(config: Any, model_type: str | None, head_dim: int) -> dict[str, Any]:
+    """The :class:`ModelShape` fields of a family's norms, fused projections, RoPE tables and
+    tied head."""
+    norms, float32_norms = _NORMS.get(str(model_type), (2, False))
+    return {
+        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "layer_norms": norms,
+        "float32_norms": float32_norms,
+        "qk_norm_over_heads": model_type in ("olmo2", "olmo3"),
+        "fused_qkv": model_type == "phi3",
+        "layer_rope_width": _rotary_width(config, head_dim) if model_type == "glm4" else 0,
+    }
+
+
 def _rotary_width(config: Any, head_dim: int) -> int:
     """The rotated part of a head: ``head_dim`` x ``partial_rotary_factor`` (in
     ``rope_parameters`` in transformers 5, on the config before)."""
@@ -491,7 +490,17 @@ def _rotary_width(config: Any, head_dim: int) -> int:
     return int(head_dim * float(1.0 if factor is None else factor))
 
 
-def _vision_fields(config: Any) -> dict[str, int]:
+def _with_vision(text: ModelShape, config: Any) -> ModelShape:
+    """``text``, the shape of a vision-language ``config``'s decoder, with the config's own
+    ``tie_word_embeddings`` (the one transformers ties by) and its vision parameters."""
+    vision, root = _vision_parameters(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return replace(
+        text, tied_embeddings=tied, vision_parameters=vision, vision_root_parameters=root
+    )
+
+
+def _vision_parameters(config: Any) -> tuple[int, int]:
     """:attr:`ModelShape.vision_parameters` and :attr:`ModelShape.vision_root_parameters` of a
     Gemma 3 or Mistral 3 config, counted from its ``vision_config`` (``h``, MLP ``f``, ``L``
     layers, ``c`` channels, patches of ``p``) and the text width ``t``.
@@ -518,17 +527,14 @@ def _vision_fields(config: Any) -> dict[str, int]:
         layer = 4 * h + 4 * (h * h + h) + mlp
         head = h + 4 * (h * h + h) + 2 * h + mlp if vision.vision_use_head else 0
         root = 2 * h + h * t + h  # the final LayerNorm, the projector
-        return {
-            "vision_parameters": embeddings + layers * layer + head + root,
-            "vision_root_parameters": root,
-        }
+        return embeddings + layers * layer + head + root, root
     merge = int(config.spatial_merge_size)
     feature_layers = config.vision_feature_layer
     n = 1 if isinstance(feature_layers, int) else len(feature_layers)
     bias = bool(config.multimodal_projector_bias)
     layer = 2 * h + 4 * h * h + 3 * h * f
     root = conv + h + h + h * merge * merge * h + h * n * t + t * t + (2 * t if bias else 0)
-    return {"vision_parameters": layers * layer + root, "vision_root_parameters": root}
+    return layers * layer + root, root
 
 
 def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, Any]:
