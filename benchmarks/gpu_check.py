@@ -59,6 +59,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -785,12 +786,12 @@ def check_fsdp(s: Settings, device: torch.device, deadline: float) -> dict[str, 
                                       shuffle=False)  # fmt: skip
         trainer.fit(module, datamodule)
         mesh = tuple(strategy._device_mesh.shape)
-    states = model_state_bytes(shape, "fsdp_cp", cp_size=1, world_size=1)
+    # The strategy table's shapes have untied heads; a tied head is one tensor: 16 B (float32
+    # parameter, gradient, two moments) and 2 B (its gathered bf16 copy) fewer per parameter.
+    untied = dataclasses.replace(shape, tied_embeddings=False)
+    states = model_state_bytes(untied, "fsdp_cp", cp_size=1, world_size=1)
     count = parameter_count(shape, tied_head=tied)
-    # The strategy table counts the head apart from the embedding; a tied head is one tensor:
-    # 16 B (float32 parameter, gradient, two moments) and 2 B (its gathered bf16 copy) fewer
-    # per parameter of it.
-    untied_extra = parameter_count(shape).total - count.total
+    untied_extra = parameter_count(untied).total - count.total
     tokens = max(timer.micro_batch_tokens, default=0)
     per_token = activation_bytes_per_token(shape, chunked_loss=True).total
     out: dict[str, Any] = {

@@ -2,10 +2,9 @@
 memory model's, they fit the GPU they name, and each one trains a tiny model of its family.
 
 The published ``config.json`` values of each checkpoint are written out below (no network
-here). The memory model (:mod:`lightning_skrull.models.memory_estimate`) counts a text decoder
-with an untied head and Qwen-style RMSNorms; for the two vision-language checkpoints this file
-adds what it does not count (the vision tower and projector, Gemma 3's tied head, Gemma 3's
-four float32 RMSNorms per layer) and checks that the recipe still fits. Every figure in a
+here). The memory model (:mod:`lightning_skrull.models.memory_estimate`) reads each whole
+config: the text decoder with its norms and head (Gemma 3's tied), and the vision tower and
+projector of the two vision-language checkpoints. Every figure in a
 recipe's header (GiB, KiB and K-token numbers) must be one computed here: a header that drifts
 from the code fails.
 """
@@ -29,11 +28,9 @@ from lightning_skrull.models.memory_estimate import (
     activation_bytes_per_token,
     activation_bytes_per_token_checkpointed,
     largest_bucket,
-    layer_bytes_per_token,
     model_state_bytes,
     parameter_count,
 )
-from lightning_skrull.models.multimodal import text_config
 from lightning_skrull.scheduling.cost_model import ModelShape
 
 CONFIGS = Path(__file__).parent.parent / "examples" / "configs"
@@ -219,45 +216,22 @@ def kilo_tokens(tokens: int) -> str:
 
 @dataclass(frozen=True)
 class Figures:
-    """A recipe's memory figures: the memory model's, and those counted as the checkpoint holds
-    its parameters (the vision tower, a tied head, Gemma 3's norms)."""
+    """A recipe's memory figures, the memory model's."""
 
     states: float
     per_token: float
     peak: float
     largest: int
-    held_states: float
-    held_per_token: float
-    held_peak: float
     text: tuple[str, ...]
     """Every figure as the header writes it."""
 
 
-def vision_parameters(model: torch.nn.Module) -> tuple[int, int]:
-    """``(all, root)`` parameters outside the text decoder and ``lm_head`` (the vision tower and
-    projector); ``root`` those outside the vision layers, which FSDP2 gathers with the root."""
-    from lightning_skrull.models.multimodal import text_only_unused_parameters
-
-    names = set(text_only_unused_parameters(model))
-    sizes = {n: p.numel() for n, p in model.named_parameters() if n in names}
-    root = sum(v for n, v in sizes.items() if ".layers." not in n)
-    return sum(sizes.values()), root
-
-
-def gemma_norms(text: Any) -> int:
-    """Parameters of Gemma 3's two RMSNorms per layer that the memory model does not count (it
-    counts two per layer; Gemma 3 also normalises the attention and MLP outputs)."""
-    if text.model_type != "gemma3_text":
-        return 0
-    return 2 * int(text.hidden_size) * int(text.num_hidden_layers)
-
-
 def figures(recipe: Recipe) -> Figures:
-    """The recipe's figures from the memory model and the published config."""
+    """The recipe's figures from the memory model and the published config (a vision-language
+    one whole: its text decoder, tied head and vision tower)."""
     values, _ = load(recipe)
     world, cp, bucket = layout(values)
-    config = hf_config(recipe.config)
-    shape = ModelShape.from_hf_config(text_config(config))
+    shape = ModelShape.from_hf_config(hf_config(recipe.config))
     capacity = DEVICES[recipe.device]
     states = model_state_bytes(shape, recipe.strategy, cp_size=cp, world_size=world).total
     per_token = activation_bytes_per_token_checkpointed(shape, chunked_loss=True)
@@ -269,30 +243,8 @@ def figures(recipe: Recipe) -> Figures:
         world_size=world,
         activation_checkpointing=True,
     )
-    shard = {"fsdp_cp": cp, "fsdp_world": world}[recipe.strategy]
-    # What the checkpoint holds beyond the model's count: the vision tower and projector as
-    # float32 master shards, without gradients or AdamW moments (they get no gradient), and the
-    # root's bf16 gather of those outside the vision layers
-    model = meta_model(recipe.config)
-    vision, vision_root = vision_parameters(model)
-    bf16_checkpoint = 2 * sum(p.numel() for p in model.parameters())
-    held_states = states + 4.0 * vision / shard + 2.0 * vision_root
-    held_per_token = per_token
-    text = text_config(config)
-    if getattr(text, "tie_word_embeddings", False):
-        # the model counts an untied head: the tied one is stored, sharded and gathered once
-        untied, tied = parameter_count(shape), parameter_count(shape, tied_head=True)
-        held_states -= (untied.total - tied.total) * (16.0 / shard + 2.0)
-    norms = gemma_norms(text)
-    held_states += norms * 16.0 / shard + 10.0 * norms / shape.num_layers
-    if norms:
-        # Gemma3RMSNorm keeps its float32 input and float32 output (8 B per element, the model
-        # counts 4 + 2), and a layer has four of them (the model counts two): per recomputed
-        # layer 4 x 8h - 2 x 6h = 20h more, and 2 B more per q/k-norm element; the final norm 2h
-        held_per_token += 20 * shape.hidden_size + 2 * (shape.q_dim + shape.kv_dim)
-        held_per_token += 2 * shape.hidden_size
+    count = parameter_count(shape)
     peak = states + bucket * per_token
-    held_peak = held_states + bucket * held_per_token
     text_figures = [
         gib(states),
         f"{round(per_token / KIB)} KiB",
@@ -301,12 +253,11 @@ def figures(recipe: Recipe) -> Figures:
         gib(capacity),
         gib((1 - MARGIN) * capacity),
         kilo_tokens(largest),
-        gib(held_peak),
         recipe.device,
-        f"{round(bf16_checkpoint / 1e9)} GB",
+        f"{round(2 * count.total / 1e9)} GB",
     ]
-    if vision:
-        text_figures.append(f"{vision / 1e9:.2f}B")
+    if count.vision:
+        text_figures.append(f"{count.vision / 1e9:.2f}B")
     if recipe.dense_head:
         dense = activation_bytes_per_token(shape, chunked_loss=False).head
         text_figures.append(f"{dense / 2**20:.1f} MiB")
@@ -327,16 +278,8 @@ def figures(recipe: Recipe) -> Figures:
         text_figures.append(
             gib(model_state_bytes(shape, other, cp_size=cp, world_size=world).total)
         )
-    return Figures(
-        states=states,
-        per_token=per_token,
-        peak=peak,
-        largest=largest,
-        held_states=held_states,
-        held_per_token=held_per_token,
-        held_peak=held_peak,
-        text=tuple(text_figures),
-    )
+    return Figures(states=states, per_token=per_token, peak=peak, largest=largest,
+                   text=tuple(text_figures))  # fmt: skip
 
 
 IDS = [r.file for r in RECIPES]
@@ -349,18 +292,14 @@ def test_the_recipes_ship() -> None:
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
 def test_the_published_config_is_the_checkpoint_the_recipe_names(recipe: Recipe) -> None:
     # the class the CLI loads, and the parameter count of the model card; the memory model's
-    # count of the text decoder equals the Hugging Face model's exactly (untied head)
+    # count equals the Hugging Face model's exactly (vision tower and tied head included)
     values, _ = load(recipe)
     model = meta_model(recipe.config)
     assert type(model).__name__ == recipe.checkpoint_class
     total = sum(p.numel() for p in model.parameters())
     card = {"llama3.1-8b.yaml": 8.03, "gemma3-27b.yaml": 27.4, "mistral-small-3.2-24b.yaml": 24.0}
     assert total / 1e9 == pytest.approx(card[recipe.file], abs=0.05)
-    shape = ModelShape.from_hf_config(text_config(hf_config(recipe.config)))
-    vision, _ = vision_parameters(model)
-    text = text_config(model.config)
-    tied = bool(getattr(text, "tie_word_embeddings", False))
-    assert parameter_count(shape, tied_head=tied).total + gemma_norms(text) == total - vision
+    assert parameter_count(ModelShape.from_hf_config(hf_config(recipe.config))).total == total
     hub = {
         "llama3.1-8b.yaml": "meta-llama/Llama-3.1-8B-Instruct",
         "gemma3-27b.yaml": "google/gemma-3-27b-it",
@@ -389,16 +328,9 @@ def test_the_recipe_fits_the_gpu_its_header_names(recipe: Recipe) -> None:
     fig = figures(recipe)
     limit = (1 - MARGIN) * capacity
     assert fig.peak <= limit, (recipe.file, fig.peak / GIB, limit / GIB)
-    assert fig.held_peak <= limit, (recipe.file, fig.held_peak / GIB, limit / GIB)
     assert bucket <= fig.largest
-    # the check can fail: a bucket 4x larger does not fit, by the model or as held
+    # the check can fail: a bucket 4x larger does not fit
     assert fig.states + 4 * bucket * fig.per_token > limit
-    assert largest_bucket_held(fig, capacity) < 4 * bucket
-
-
-def largest_bucket_held(fig: Figures, capacity: float) -> int:
-    """The largest bucket counted as the checkpoint holds its parameters."""
-    return int(((1 - MARGIN) * capacity - fig.held_states) // fig.held_per_token)
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=IDS)
@@ -410,46 +342,6 @@ def test_the_header_figures_are_the_memory_model_s(recipe: Recipe) -> None:
     written = re.findall(r"\d+(?:\.\d+)? (?:GiB|KiB|MiB|GB)|\d+\.\dK\b", header)
     stray = sorted(set(written) - set(expected))
     assert not stray, (recipe.file, stray)
-
-
-def test_gemma3_layer_keeps_what_the_correction_adds() -> None:
-    # The Gemma 3 correction of figures() against what autograd keeps: one bf16 Gemma 3 text
-    # layer minus one Mistral layer of the same shape (both through sdpa; what sdpa keeps
-    # besides q, k, v and the output, which the model does not count, cancels), each measured
-    # as the bytes saved by a 2-layer model minus a 1-layer one.
-    from transformers import AutoModelForCausalLM
-
-    def saved_per_token(arch: str, layers: int, tokens: int = 256) -> float:
-        extra = {"layer_types": ["full_attention"] * layers} if arch == "gemma3_text" else {}
-        config = tiny_config(
-            arch, num_hidden_layers=layers, head_dim=16, attn_implementation="sdpa", **extra
-        )
-        model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        seen: dict[int, int] = {}
-
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            storage = t.untyped_storage()
-            if storage.data_ptr() not in params:
-                seen[storage.data_ptr()] = storage.nbytes()
-            return t
-
-        x = torch.randn(1, tokens, config.hidden_size, dtype=torch.bfloat16, requires_grad=True)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            model.model(inputs_embeds=x, position_ids=torch.arange(tokens)[None], use_cache=False)
-        return sum(seen.values()) / tokens
-
-    layer = {a: saved_per_token(a, 2) - saved_per_token(a, 1) for a in ("gemma3_text", "mistral")}
-    shapes = {a: ModelShape.from_hf_config(tiny_config(a, head_dim=16)) for a in layer}
-    counted = {a: layer_bytes_per_token(s)[0] for a, s in shapes.items()}
-    gemma = shapes["gemma3_text"]
-    correction = 20 * gemma.hidden_size + 2 * (gemma.q_dim + gemma.kv_dim)
-    excess = (layer["gemma3_text"] - counted["gemma3_text"]) - (
-        layer["mistral"] - counted["mistral"]
-    )
-    # the rest is Gemma3RMSNorm's float32 rsqrt (4 B per token per norm) and the q/k norms'
-    assert excess == pytest.approx(correction, rel=0.05)
-    assert excess > 0.5 * correction  # without the correction the recipe's count is short
 
 
 # ----------------------------------------------------------------------------- end to end

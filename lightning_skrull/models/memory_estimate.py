@@ -8,19 +8,28 @@ much of it the LM head takes with the dense loss and with the chunked one.
 Per decoder layer, with ``b`` bytes per activation element (2 for bf16, 4 for float32), ``h``
 the hidden size, ``h_kv`` the key/value width and ``f`` the MLP width:
 
-- each of the two RMSNorms keeps its float32 copy of the input (``4h``) and its normalised
-  output in the compute dtype (``b h``): ``2 (4 + b) h``;
-- attention keeps q (``b h``), k and v (``2 b h_kv``) and its output (``b h``, also o_proj's
-  input);
+- each RMSNorm keeps the float32 copy of its input (``4h``; in float32 the input itself), its
+  float32 ``rsqrt`` (4 B) and the normalised input its weight multiplies (``b h``, or ``4h``
+  where the weight is applied in float32: Gemma 3, OLMo 2 / 3): ``(4 + b) h + 4`` for each of
+  the layer's norms (two; four in Gemma 3 and GLM-4, whose extra ones follow attention and
+  MLP);
+- the attention's and the MLP's input projections keep their input (``2 b h``: a pre-norm's
+  output, or the residual stream where the norms follow the blocks, OLMo 2 / 3, EXAONE 4);
+- attention keeps q (``b h``), k and v (``2 b h_kv``), its output (``b h``, also o_proj's
+  input) and its float32 log-sum-exp per head (``4 x heads``); with Phi-3's fused q/k/v
+  projection v is a view of it, which keeps the whole projection alive (``b (h + 2 h_kv)``
+  instead of ``b h_kv``); GLM-4's RoPE builds its cos and sin in each layer (``2 b r``, ``r``
+  the rotary width of a head);
 - the SwiGLU MLP keeps the gate and up projections, the SiLU output and their product
-  (``4 b f``);
-- Qwen3's RMSNorm over each head of q and k keeps, like the layer norms, a float32 copy and a
-  normalised output: ``(4 + b)(h_q + h_kv)``.
+  (``4 b f``; Gemma 3's GELU, Phi-3's and GLM-4's fused gate/up the same);
+- the q and k norms (Qwen3, Gemma 3, EXAONE 4, GLM-4-MoE per head; OLMo 2 / 3 over all heads)
+  keep, like the layer norms, a float32 copy and the normalised input: ``(4 + b)(h_q + h_kv)``,
+  and a float32 ``rsqrt`` per head (per token over all heads).
 
 Values narrower than the keys (``h_v``, the attention output ``h_o`` = heads x value head dim)
 count at their own width: ``b (h_q + h_kv + h_v + h_o)``. DeepSeek's Multi-head Latent
-Attention also keeps its two latent RMSNorms' float32 copies and outputs,
-``(4 + b)(r_q + r_kv)`` (``q_lora_rank``, ``kv_lora_rank``); its queries and keys are
+Attention also keeps its two latent RMSNorms' float32 copies and normalised inputs,
+``(4 + b)(r_q + r_kv)`` (``q_lora_rank``, ``kv_lora_rank``), and their ``rsqrt``; its queries and keys are
 ``heads x (nope + rope)`` wide, its keys and values per head.
 
 A Mixture-of-Experts layer (Qwen3-MoE, Qwen2-MoE, Mixtral; ``E`` experts of width ``f_e``,
@@ -46,11 +55,12 @@ spreads the tokens, so none of this depends on the routing. The ``sdpa`` attenti
 q, k and v with the sink column (gpt-oss, :mod:`~lightning_skrull.attention.sdpa`) are not
 counted: like the score matrix, they belong to the kernel, not to the model.
 
-The head, dense (transformers' ``lm_head`` then ``ForCausalLMLoss``): the logits (``b V``), their
+The head, dense (transformers' ``lm_head`` then ``ForCausalLMLoss``): the final norm
+(``(4 + b) h + 4``, as a layer's) and its output, the head's input (``b h``); the logits (``b V``), their
 float32 copy when ``b < 4`` (``4 V``), log-softmax's float32 output (``4 V``), and the float32
 gradient of the logits in backward (``4 V``), all alive at the head's backward, when every layer's
 activations still are. Chunked (:mod:`~lightning_skrull.models.chunked_loss`): the final norm
-(``(4 + b) h``) and the hidden states' gradient made in forward (``b h``); one chunk's logits are
+(``(4 + b) h + 4``) and the hidden states' gradient made in forward (``b h``); one chunk's logits are
 a constant, not a per-token cost. With activation checkpointing each layer keeps only its input
 (``b h``) and one layer's activations are alive again during its recomputation.
 
@@ -68,7 +78,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_skrull.models.multimodal import text_config
 from lightning_skrull.scheduling.cost_model import (
     MIXTRAL_8X7B,
     QWEN2_5_7B,
@@ -103,10 +112,21 @@ class ActivationEstimate:
 
 
 def _shape(config: Any) -> ModelShape:
-    """The decoder shape of a config (a vision-language model's: its ``text_config``'s)."""
+    """The shape of a config (a vision-language model's: its ``text_config``'s decoder and its
+    vision parameters)."""
     if isinstance(config, ModelShape):
         return config
-    return ModelShape.from_hf_config(text_config(config))
+    return ModelShape.from_hf_config(config)
+
+
+def _norm_b(shape: ModelShape, b: int) -> int:
+    """Bytes per element of the normalised input a norm's weight multiplies."""
+    return 4 if shape.float32_norms else b
+
+
+def _norm_bytes(shape: ModelShape, b: int, width: int) -> int:
+    """Bytes per token one RMSNorm of ``width`` keeps (module docstring)."""
+    return (4 + _norm_b(shape, b)) * width + 4
 
 
 def layer_bytes_per_token(
@@ -124,11 +144,17 @@ def layer_bytes_per_token(
         )
     b, h = bytes_per_element, shape.hidden_size
     q_width, kv_width = shape.q_dim, shape.kv_dim
-    norms = 2 * (4 + b) * h
-    attention = b * (q_width + kv_width + shape.v_dim + shape.out_dim)
+    norms = shape.layer_norms * _norm_bytes(shape, b, h) + 2 * b * h
+    v_width = q_width + kv_width + shape.v_dim if shape.fused_qkv else shape.v_dim
+    attention = b * (q_width + kv_width + v_width + shape.out_dim)
+    attention += 4 * shape.num_attention_heads + 2 * b * shape.layer_rope_width
     if shape.qk_norm:
-        attention += (4 + b) * (q_width + kv_width)
-    attention += (4 + b) * (shape.q_lora_rank + shape.kv_lora_rank)
+        rows = (
+            2 if shape.qk_norm_over_heads else shape.num_attention_heads + shape.num_key_value_heads
+        )
+        attention += (4 + _norm_b(shape, b)) * (q_width + kv_width) + 4 * rows
+    for rank in (shape.q_lora_rank, shape.kv_lora_rank):
+        attention += (4 + b) * rank + 4 + b * rank if rank else 0  # and its output, an input
     dense = norms + attention + 4 * b * shape.intermediate_size if shape.dense_layers else 0
     if not shape.sparse_layers:
         return dense, 0
@@ -177,11 +203,12 @@ def activation_bytes_per_token(
     )
     layers = shape.dense_layers * dense + shape.sparse_layers * sparse
     h, vocab = shape.hidden_size, shape.vocab_size
-    final_norm = (4 + b) * h
+    final_norm = _norm_bytes(shape, b, h)
     if chunked_loss:
         head = final_norm + b * h
     else:
-        head = final_norm + b * vocab + (4 * vocab if b < 4 else 0) + 4 * vocab + 4 * vocab
+        logits = b * vocab + (4 * vocab if b < 4 else 0) + 4 * vocab + 4 * vocab
+        head = final_norm + b * h + logits
     return ActivationEstimate(layers=float(layers), head=float(head))
 
 
@@ -224,35 +251,46 @@ DEEPSPEED_BUCKET_ELEMENTS = 2 * 200_000_000
 
 @dataclass(frozen=True)
 class ParameterCount:
-    """Parameters of a Qwen2-style decoder, dense or Mixture-of-Experts.
+    """Parameters of a Qwen2-style decoder, dense or Mixture-of-Experts, and of what a
+    vision-language checkpoint holds beside it.
 
     Attributes:
         per_layer: the largest decoder layer (projections, MLP or every expert and the router,
             norms): what FSDP2 gathers for the layer in flight.
         layers: all decoder layers.
-        outside_layers: the embedding, the final norm and the (untied) LM head.
+        outside_layers: the embedding, the final norm and the LM head (unless tied).
+        vision: the vision tower and projector (:attr:`ModelShape.vision_parameters`).
     """
 
     per_layer: int
     layers: int
     outside_layers: int
+    vision: int = 0
+
+    @property
+    def text(self) -> int:
+        """The parameters text-only training updates: the decoder and its head."""
+        return self.layers + self.outside_layers
 
     @property
     def total(self) -> int:
         """Every parameter."""
-        return self.layers + self.outside_layers
+        return self.text + self.vision
 
 
 def _attention_parameters(shape: ModelShape) -> int:
-    """Parameters of one layer's attention and its two RMSNorms (see :func:`parameter_count`)."""
+    """Parameters of one layer's attention and its RMSNorms (see :func:`parameter_count`)."""
     h, q, kv = shape.hidden_size, shape.q_dim, shape.kv_dim
+    norms = shape.layer_norms * h
     if not shape.kv_lora_rank:
-        attention = h * (q + kv + shape.v_dim) + shape.out_dim * h + 2 * h
+        attention = h * (q + kv + shape.v_dim) + shape.out_dim * h + norms
         attention += (q + kv + shape.v_dim) if shape.qkv_bias else 0
         attention += (h if shape.out_bias else 0) + (
             shape.num_attention_heads if shape.attention_sinks else 0
         )
-        return attention + (2 * shape.head_dim if shape.qk_norm else 0)
+        if not shape.qk_norm:
+            return attention
+        return attention + (q + kv if shape.qk_norm_over_heads else 2 * shape.head_dim)
     r_q, r_kv, rope = shape.q_lora_rank, shape.kv_lora_rank, shape.qk_rope_head_dim
     nope = shape.head_dim - rope
     query = h * r_q + r_q + r_q * q if r_q else h * q
@@ -260,13 +298,15 @@ def _attention_parameters(shape: ModelShape) -> int:
         h * (r_kv + rope) + r_kv + r_kv * shape.num_attention_heads * (nope + shape.value_head_dim)
     )
     bias = r_q + r_kv + rope + h if shape.qkv_bias else 0  # q_a, kv_a and o projections
-    return query + latent + shape.out_dim * h + bias + 2 * h
+    return query + latent + shape.out_dim * h + bias + norms
 
 
-def parameter_count(shape: ModelShape, *, tied_head: bool = False) -> ParameterCount:
-    """Parameters of a decoder of ``shape``: q/k/v biases where ``shape.qkv_bias`` (the
-    attention biases of Multi-head Latent Attention, its ``attention_bias``), Qwen3's q/k head
-    norms where ``shape.qk_norm``, MLA's latent projections and norms, RMSNorm weights; a sparse
+def parameter_count(shape: ModelShape, *, tied_head: bool | None = None) -> ParameterCount:
+    """Parameters of a model of ``shape`` (``tied_head``: whether the LM head is the embedding;
+    ``None``: ``shape.tied_embeddings``): ``shape.layer_norms`` RMSNorms per layer, q/k/v
+    biases where ``shape.qkv_bias`` (the attention biases of Multi-head Latent Attention, its
+    ``attention_bias``), the q/k norms where ``shape.qk_norm`` (of one head, or of all heads
+    where ``shape.qk_norm_over_heads``), MLA's latent projections and norms, RMSNorm weights; a sparse
     layer holds all ``num_experts`` experts, the router and the shared expert with its gate (if
     any), whichever few a token runs; gpt-oss's o_proj bias, sinks and router and expert biases
     where ``shape`` has them."""
@@ -283,8 +323,9 @@ def parameter_count(shape: ModelShape, *, tied_head: bool = False) -> ParameterC
     layers = shape.dense_layers * dense + shape.sparse_layers * sparse
     largest = max(dense if shape.dense_layers else 0, sparse if shape.sparse_layers else 0)
     embedding = shape.vocab_size * h
-    outside = embedding + h + (0 if tied_head else embedding)
-    return ParameterCount(largest, layers, outside)
+    tied = shape.tied_embeddings if tied_head is None else tied_head
+    outside = embedding + h + (0 if tied else embedding)
+    return ParameterCount(largest, layers, outside, shape.vision_parameters)
 
 
 @dataclass(frozen=True)
@@ -329,6 +370,15 @@ def model_state_bytes(
       and, for the layer in flight, its gathered bf16 parameters, the next layer's (prefetch),
       its bf16 gradient and its float32 reduce-scatter input (10 B per layer parameter).
 
+    A tied head (``shape.tied_embeddings``) is one tensor, counted once. A vision-language
+    checkpoint's vision tower and projector (``shape.vision_parameters``), which text-only
+    training never runs, get no gradient: DDP and FSDP2 hold them as float32 parameters
+    (whole, or sharded) and AdamW makes no moments for them, DDP leaves them out of its
+    buckets, and FSDP2 gathers (bf16) those in its root unit
+    (``shape.vision_root_parameters``) with the root; ZeRO-2 flattens every trainable
+    parameter into its partitions, filling a missing gradient with zeros, so it counts them as
+    the decoder's.
+
     Raises:
         ValueError: an unknown strategy, or ``world_size`` not a multiple of ``cp_size``.
     """
@@ -339,16 +389,20 @@ def model_state_bytes(
             f"world_size={world_size} must be a positive multiple of cp_size={cp_size}."
         )
     count = parameter_count(shape)
-    n = count.total
+    n, held = count.text, count.total
     if strategy == "ddp":
-        return ModelStateEstimate(4.0 * n, 4.0 * n, 8.0 * n, (4.0 + 2.0) * n)
+        return ModelStateEstimate(4.0 * held, 4.0 * n, 8.0 * n, (4.0 + 2.0) * n)
     if strategy == "zero2":
         return ModelStateEstimate(
-            2.0 * n, 2.0 * n / world_size, 12.0 * n / world_size, 2.0 * DEEPSPEED_BUCKET_ELEMENTS
+            2.0 * held,
+            2.0 * held / world_size,
+            12.0 * held / world_size,
+            2.0 * DEEPSPEED_BUCKET_ELEMENTS,
         )
     shard = cp_size if strategy == "fsdp_cp" else world_size
-    transient = 2.0 * count.outside_layers + 10.0 * count.per_layer
-    return ModelStateEstimate(4.0 * n / shard, 4.0 * n / shard, 8.0 * n / shard, transient)
+    root = count.outside_layers + shape.vision_root_parameters
+    transient = 2.0 * root + 10.0 * count.per_layer
+    return ModelStateEstimate(4.0 * held / shard, 4.0 * n / shard, 8.0 * n / shard, transient)
 
 
 def largest_bucket(

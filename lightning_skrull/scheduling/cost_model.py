@@ -129,6 +129,27 @@ class ModelShape:
             parameters only.
         clamped_glu: the experts' activation is gpt-oss's clamped GLU, and its router a
             softmax over the top-k logits only; activation memory only.
+        tied_embeddings: the LM head is the input embedding (``tie_word_embeddings``: Gemma 3,
+            small Qwen2.5); parameters only.
+        layer_norms: RMSNorms over the hidden size in each decoder layer: 2 (before attention
+            and MLP), 4 for Gemma 3 and GLM-4 (also after each), 2 for OLMo 2 / 3 and EXAONE 4
+            (after each only).
+        float32_norms: the RMSNorms apply their weight in float32 and keep that float32
+            product (Gemma 3's ``(1 + w) x``, OLMo 2 / 3); the others cast the normalised input
+            to the compute dtype first. Activation memory only.
+        qk_norm_over_heads: the q and k norms span all heads together (OLMo 2 / 3: weights of
+            ``q_dim`` and ``kv_dim``) instead of one head (weights of ``head_dim``).
+        fused_qkv: q, k and v come out of one projection (Phi-3), whose whole output stays
+            alive as long as the attention keeps v (a view of it); activation memory only.
+        layer_rope_width: width of the cos and sin each layer's RoPE builds for itself (GLM-4
+            repeats the rotary half of a head's for its interleaved rotation); 0: the model's
+            are shared by every layer. Activation memory only.
+        vision_parameters: parameters outside the text decoder and the LM head (a
+            vision-language checkpoint's vision tower and projector), which text-only training
+            holds but never runs; parameters only.
+        vision_root_parameters: those of ``vision_parameters`` outside the vision tower's
+            blocks that FSDP2 shards as units of their own (``_no_split_modules``): they sit in
+            the root unit, which FSDP2 gathers at every forward.
     """
 
     hidden_size: int
@@ -158,6 +179,14 @@ class ModelShape:
     attention_sinks: bool = False
     expert_bias: bool = False
     clamped_glu: bool = False
+    tied_embeddings: bool = False
+    layer_norms: int = 2
+    float32_norms: bool = False
+    qk_norm_over_heads: bool = False
+    fused_qkv: bool = False
+    layer_rope_width: int = 0
+    vision_parameters: int = 0
+    vision_root_parameters: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):
@@ -207,6 +236,11 @@ class ModelShape:
                 "window leaves both at 0, one with a window sets both (1 <= sliding_layers <= "
                 "num_layers)."
             )
+        if self.vision_root_parameters > self.vision_parameters:
+            raise ValueError(
+                f"ModelShape has vision_root_parameters={self.vision_root_parameters} > "
+                f"vision_parameters={self.vision_parameters}; the root's are a part of them."
+            )
         mla_ok = (
             self.num_key_value_heads == self.num_attention_heads
             and self.qk_rope_head_dim < self.head_dim
@@ -246,10 +280,17 @@ class ModelShape:
         ``intermediate_size`` on every layer, with biases, sinks and ``attention_bias`` on all
         four attention projections.
 
+        Norms, fused projections, RoPE tables and the tied head by family (:func:`_layer_fields`).
+        A vision-language config (:data:`VISION_LANGUAGE_MODEL_TYPES`) gives its
+        ``text_config``'s decoder, its own ``tie_word_embeddings`` (the one transformers ties
+        by) and its vision tower and projector (:func:`_vision_parameters`).
+
         Raises:
             ValueError: when the config lacks a needed field, or has experts of a family not
                 listed (its count would silently be a dense one).
         """
+        if getattr(config, "model_type", None) in VISION_LANGUAGE_MODEL_TYPES:
+            return _with_vision(cls.from_hf_config(config.text_config), config)
         needed = (
             "hidden_size",
             "num_hidden_layers",
@@ -275,12 +316,8 @@ class ModelShape:
             head_dim = int(config.qk_nope_head_dim) + int(config.qk_rope_head_dim)
         window, sliding = _sliding_window(config, layers)
         gpt_oss = model_type == "gpt_oss"
-        if model_type == "qwen2":
-            qkv_bias = True  # Qwen2's q/k/v projections always have biases
-        else:
-            qkv_bias = bool(getattr(config, "qkv_bias", False)) or bool(
-                getattr(config, "attention_bias", False)
-            )
+        biases = (getattr(config, "qkv_bias", False), getattr(config, "attention_bias", False))
+        qkv_bias = model_type == "qwen2" or any(map(bool, biases))  # Qwen2's always
         return cls(
             hidden_size=int(config.hidden_size),
             num_layers=layers,
@@ -296,6 +333,7 @@ class ModelShape:
             sliding_layers=sliding,
             out_bias=gpt_oss and qkv_bias,
             attention_sinks=gpt_oss,
+            **_layer_fields(config, model_type, int(head_dim)),
             **moe,
             **mla,
         )
@@ -419,6 +457,84 @@ class ModelShape:
 
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4")
 """Architectures that normalise q and k before RoPE (:attr:`ModelShape.qk_norm`)."""
+
+_NORMS = {"gemma3_text": (4, True), "glm4": (4, False), "olmo2": (2, True), "olmo3": (2, True)}
+"""``model_type`` -> (:attr:`ModelShape.layer_norms`, :attr:`ModelShape.float32_norms`) where
+they are not ``(2, False)``."""
+
+VISION_LANGUAGE_MODEL_TYPES = ("gemma3", "mistral3")
+"""Vision-language ``model_type``s whose text decoder and vision parameters
+:meth:`ModelShape.from_hf_config` reads (``lightning_skrull.models.multimodal``)."""
+
+
+def _layer_fields(config: Any, model_type: str | None, head_dim: int) -> dict[str, Any]:
+    """The :class:`ModelShape` fields of a family's norms, fused projections, RoPE tables and
+    tied head."""
+    norms, float32_norms = _NORMS.get(str(model_type), (2, False))
+    return {
+        "tied_embeddings": bool(getattr(config, "tie_word_embeddings", False)),
+        "layer_norms": norms,
+        "float32_norms": float32_norms,
+        "qk_norm_over_heads": model_type in ("olmo2", "olmo3"),
+        "fused_qkv": model_type == "phi3",
+        "layer_rope_width": _rotary_width(config, head_dim) if model_type == "glm4" else 0,
+    }
+
+
+def _rotary_width(config: Any, head_dim: int) -> int:
+    """The rotated part of a head: ``head_dim`` x ``partial_rotary_factor`` (in
+    ``rope_parameters`` in transformers 5, on the config before)."""
+    factor = getattr(config, "partial_rotary_factor", None)
+    if factor is None:
+        factor = (getattr(config, "rope_parameters", None) or {}).get("partial_rotary_factor")
+    return int(head_dim * float(1.0 if factor is None else factor))
+
+
+def _with_vision(text: ModelShape, config: Any) -> ModelShape:
+    """``text``, the shape of a vision-language ``config``'s decoder, with the config's own
+    ``tie_word_embeddings`` (the one transformers ties by) and its vision parameters."""
+    vision, root = _vision_parameters(config)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    return replace(
+        text, tied_embeddings=tied, vision_parameters=vision, vision_root_parameters=root
+    )
+
+
+def _vision_parameters(config: Any) -> tuple[int, int]:
+    """:attr:`ModelShape.vision_parameters` and :attr:`ModelShape.vision_root_parameters` of a
+    Gemma 3 or Mistral 3 config, counted from its ``vision_config`` (``h``, MLP ``f``, ``L``
+    layers, ``c`` channels, patches of ``p``) and the text width ``t``.
+
+    - Gemma 3, a SigLIP tower: the patch convolution with bias and a position embedding per
+      patch (their own FSDP2 unit), ``L`` layers of two LayerNorms, four biased projections and
+      a biased two-layer MLP, the final LayerNorm; the attention-pooling head where
+      ``vision_use_head`` (its own unit); the projector's ``h x t`` weight and RMSNorm.
+    - Mistral 3, a Pixtral tower: the patch convolution without bias and an RMSNorm, ``L``
+      layers of two RMSNorms, four ``h x h`` projections and a SwiGLU MLP, no biases; the
+      projector's RMSNorm, patch merger (``h s^2 x h``, ``s`` the ``spatial_merge_size``) and
+      two linear layers (``h n x t`` for ``n`` feature layers, ``t x t``; biased where
+      ``multimodal_projector_bias``).
+    """
+    vision = config.vision_config
+    h, f = int(vision.hidden_size), int(vision.intermediate_size)
+    layers, patch = int(vision.num_hidden_layers), int(vision.patch_size)
+    conv = int(getattr(vision, "num_channels", 3)) * patch * patch * h
+    t = int(config.text_config.hidden_size)
+    if config.model_type == "gemma3":
+        patches = (int(vision.image_size) // patch) ** 2
+        embeddings = conv + h + patches * h
+        mlp = 2 * h * f + f + h
+        layer = 4 * h + 4 * (h * h + h) + mlp
+        head = h + 4 * (h * h + h) + 2 * h + mlp if vision.vision_use_head else 0
+        root = 2 * h + h * t + h  # the final LayerNorm, the projector
+        return embeddings + layers * layer + head + root, root
+    merge = int(config.spatial_merge_size)
+    feature_layers = config.vision_feature_layer
+    n = 1 if isinstance(feature_layers, int) else len(feature_layers)
+    bias = bool(config.multimodal_projector_bias)
+    layer = 2 * h + 4 * h * h + 3 * h * f
+    root = conv + h + h + h * merge * merge * h + h * n * t + t * t + (2 * t if bias else 0)
+    return layers * layer + root, root
 
 
 def _expert_fields(config: Any, model_type: str | None, layers: int) -> dict[str, Any]:
