@@ -115,10 +115,17 @@ class SkrullCausalLM(pl.LightningModule):
             built; ``self.model`` is then the ``PeftModel``, and only the adapters train. Keep
             ``lm_head`` out of ``target_modules`` under the chunked loss (docs/models.md).
             Needs peft (``pip install "lightning-skrull[peft]"``). ``None``: full fine-tuning.
+        dequantize_mxfp4: load a checkpoint whose experts are stored in MXFP4 (gpt-oss; its
+            ``config.json`` has ``quantization_config.quant_method: mxfp4``) dequantized to
+            ``torch_dtype``, with ``from_pretrained(..., quantization_config=Mxfp4Config(
+            dequantize=True))``: where transformers' MXFP4 kernels are installed (CUDA with the
+            ``kernels`` package) it otherwise loads packed ``uint8`` experts, which cannot be
+            trained and are refused at setup (docs/models.md, "gpt-oss").
 
     Raises:
-        ValueError: a config dict without ``model_type``, a bad number, or ``lora`` arguments
-            that are not a causal-LM ``LoraConfig``.
+        ValueError: a config dict without ``model_type``, a bad number, ``lora`` arguments
+            that are not a causal-LM ``LoraConfig``, or ``dequantize_mxfp4`` for a config dict
+            or a checkpoint that is not MXFP4-quantized.
         TypeError: ``model`` is neither a string nor a dict.
         ImportError: ``lora`` is given and peft is not installed.
     """
@@ -134,6 +141,7 @@ class SkrullCausalLM(pl.LightningModule):
         gradient_checkpointing: bool = False,
         load_on_rank_zero: bool | None = None,
         lora: dict[str, Any] | None = None,
+        dequantize_mxfp4: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, (str, dict)):
@@ -146,7 +154,9 @@ class SkrullCausalLM(pl.LightningModule):
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
         self.save_hyperparameters()
-        hf_model = self._build_model(model, torch_dtype, bool(load_on_rank_zero))
+        hf_model = self._build_model(
+            model, torch_dtype, bool(load_on_rank_zero), dequantize_mxfp4=dequantize_mxfp4
+        )
         if gradient_checkpointing:
             hf_model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -160,18 +170,31 @@ class SkrullCausalLM(pl.LightningModule):
 
     @staticmethod
     def _build_model(
-        model: str | dict[str, Any], torch_dtype: str | None, load_on_rank_zero: bool
+        model: str | dict[str, Any],
+        torch_dtype: str | None,
+        load_on_rank_zero: bool,
+        *,
+        dequantize_mxfp4: bool = False,
     ) -> PreTrainedModel:
         from transformers import AutoConfig
 
         dtype = getattr(torch, torch_dtype) if torch_dtype else None
         if isinstance(model, str):
-            kwargs = {"dtype": dtype} if dtype is not None else {}
+            config = AutoConfig.from_pretrained(model)
+            kwargs: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+            if dequantize_mxfp4:
+                kwargs["quantization_config"] = _mxfp4_dequantization(model, config)
             if load_on_rank_zero:
                 return from_pretrained_on_rank_zero(model, **kwargs)
             # a vision-language checkpoint loads as its ...ForConditionalGeneration class
-            auto_class = auto_model_class(AutoConfig.from_pretrained(model))
+            auto_class = auto_model_class(config)
             return auto_class.from_pretrained(model, **kwargs)  # type: ignore[no-any-return]
+        if dequantize_mxfp4:
+            raise ValueError(
+                "dequantize_mxfp4=True needs a checkpoint (a name or path) whose experts are "
+                "stored in MXFP4; a config dict builds random weights with nothing to dequantize. "
+                "Drop dequantize_mxfp4."
+            )
         fields = dict(model)
         model_type = fields.pop("model_type", None)
         if model_type is None:
@@ -242,6 +265,27 @@ class SkrullCausalLM(pl.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+def _mxfp4_dequantization(name_or_path: str, config: Any) -> Any:
+    """``Mxfp4Config(dequantize=True)`` for a checkpoint whose config says its weights are
+    MXFP4; a ValueError naming what it says otherwise."""
+    from transformers import Mxfp4Config
+
+    quantization = getattr(config, "quantization_config", None)
+    method = (
+        quantization.get("quant_method")
+        if isinstance(quantization, dict)
+        else getattr(quantization, "quant_method", None)
+    )
+    if str(method) != "mxfp4":
+        raise ValueError(
+            f"dequantize_mxfp4=True, but {name_or_path!r} is not an MXFP4-quantized checkpoint: "
+            f"its config.json has quantization_config.quant_method={method!r}, not 'mxfp4' "
+            "(gpt-oss's released checkpoints are). Its weights load as they are stored: drop "
+            "dequantize_mxfp4."
+        )
+    return Mxfp4Config(dequantize=True)
 
 
 class PlanStatsPrinter(pl.Callback):

@@ -359,6 +359,76 @@ def _gpt_oss_config() -> tuple[type, dict[str, Any]]:
     }
 
 
+MXFP4_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
+"""The FP4 (E2M1) value of each 4-bit code (OCP Microscaling spec)."""
+
+
+def save_mxfp4_gpt_oss(directory: Any, **overrides: Any) -> dict[str, torch.Tensor]:
+    """A tiny gpt-oss checkpoint stored as the released ones are: the experts' ``gate_up_proj``
+    and ``down_proj`` as MXFP4 (``<name>_blocks``: two 4-bit codes a byte, low nibble first,
+    16 bytes per block of 32 input units; ``<name>_scales``: the block's power-of-two exponent
+    + 127), everything else bf16, ``quantization_config.quant_method: mxfp4`` in config.json.
+
+    Encoded here from random codes and exponents, so the exact weights are known without
+    transformers' decoder: returns each expert weight as the model holds it (``[experts, in,
+    out]``, bf16, exact). The intermediate size is 32, a whole block.
+    """
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("gpt_oss", intermediate_size=32, **overrides)
+    model = AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    gen = torch.Generator().manual_seed(1)
+    values = torch.tensor(MXFP4_VALUES)
+    weights = {}
+    for name in [n for n in state if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, inputs, outputs = state.pop(name).shape
+        codes = torch.randint(0, 16, (experts, outputs, inputs // 32, 32), generator=gen)
+        exponents = torch.randint(-6, -2, (experts, outputs, inputs // 32), generator=gen)
+        blocks = values[codes] * torch.pow(2.0, exponents).unsqueeze(-1)
+        weights[name] = blocks.reshape(experts, outputs, inputs).transpose(1, 2).to(torch.bfloat16)
+        codes = codes.to(torch.uint8)
+        state[f"{name}_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).contiguous()
+        state[f"{name}_scales"] = (exponents + 127).to(torch.uint8)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
+    fields = model.config.to_dict()
+    fields["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }  # gpt-oss-20b's
+    (directory / "config.json").write_text(json.dumps(fields))
+    return weights
+
+
 def tiny_model(arch: str = "qwen2", *, seed: int = 0, **overrides: Any) -> nn.Module:
     """A tiny random causal LM in float32 (eager attention), deterministic in ``seed``."""
     from transformers import AutoModelForCausalLM

@@ -1,5 +1,6 @@
-"""The Llama 3.1, Gemma 3 and Mistral Small 3.2 recipes: their memory figures are the analytical
-memory model's, they fit the GPU they name, and each one trains a tiny model of its family.
+"""The Llama 3.1, Gemma 3, Mistral Small 3.2 and gpt-oss recipes: their memory figures are the
+analytical memory model's, they fit the GPU they name, and each one trains a tiny model of its
+family (gpt-oss's stored in MXFP4, as the released checkpoint is).
 
 The published ``config.json`` values of each checkpoint are written out below (no network
 here). The memory model (:mod:`lightning_skrull.models.memory_estimate`) reads each whole
@@ -19,7 +20,13 @@ from typing import Any
 import pytest
 import torch
 import yaml
-from helpers import CHAT_VOCAB, PLAIN_TEMPLATE, make_tokenizer, tiny_config
+from helpers import (
+    CHAT_VOCAB,
+    PLAIN_TEMPLATE,
+    make_tokenizer,
+    save_mxfp4_gpt_oss,
+    tiny_config,
+)
 
 from lightning_skrull import SkrullDataModule
 from lightning_skrull.cli import TINY_CPU_TRAINER, PlanStatsPrinter, SkrullCausalLM, SkrullCLI
@@ -141,6 +148,51 @@ MISTRAL_SMALL_3_2_24B: dict[str, Any] = {
 parameters, an untied head; no sliding window)."""
 
 
+GPT_OSS_20B: dict[str, Any] = {
+    "model_type": "gpt_oss",
+    "hidden_size": 2880,
+    "intermediate_size": 2880,
+    "num_hidden_layers": 24,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "num_local_experts": 32,
+    "num_experts_per_tok": 4,
+    "experts_per_token": 4,
+    "vocab_size": 201088,
+    "sliding_window": 128,
+    "layer_types": ["sliding_attention", "full_attention"] * 12,
+    "max_position_embeddings": 131072,
+    "initial_context_length": 4096,
+    "rope_theta": 150000,
+    "rope_scaling": {
+        "rope_type": "yarn",
+        "factor": 32.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "truncate": False,
+        "original_max_position_embeddings": 4096,
+    },
+    "attention_bias": True,
+    "swiglu_limit": 7.0,
+    "rms_norm_eps": 1e-5,
+    "router_aux_loss_coef": 0.9,
+    "output_router_logits": False,
+    "tie_word_embeddings": False,
+    "quantization_config": {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    },
+}
+"""openai/gpt-oss-20b (``GptOssForCausalLM``; 20.91B parameters, an untied head; layers alternate
+a 128-token sliding window and full attention; the experts stored in MXFP4)."""
+
+
 def hf_config(fields: dict[str, Any]) -> Any:
     """The transformers config of ``fields`` (``model_type`` plus the published values)."""
     from transformers import AutoConfig
@@ -185,6 +237,8 @@ RECIPES = [
     Recipe("mistral-small-3.2-24b.yaml", MISTRAL_SMALL_3_2_24B, "fsdp_cp", "80 GB",
            "Mistral3ForConditionalGeneration", compared=("zero2",),
            alternatives=(("fsdp_cp", 16, "141 GB"),)),
+    Recipe("gpt-oss-20b.yaml", GPT_OSS_20B, "fsdp_world", "80 GB", "GptOssForCausalLM",
+           compared=("ddp", "zero2", "fsdp_cp"), dense_head=True),
 ]  # fmt: skip
 
 
@@ -297,13 +351,20 @@ def test_the_published_config_is_the_checkpoint_the_recipe_names(recipe: Recipe)
     model = meta_model(recipe.config)
     assert type(model).__name__ == recipe.checkpoint_class
     total = sum(p.numel() for p in model.parameters())
-    card = {"llama3.1-8b.yaml": 8.03, "gemma3-27b.yaml": 27.4, "mistral-small-3.2-24b.yaml": 24.0}
-    assert total / 1e9 == pytest.approx(card[recipe.file], abs=0.05)
+    card = {
+        "llama3.1-8b.yaml": (8.03, 0.05),
+        "gemma3-27b.yaml": (27.4, 0.05),
+        "mistral-small-3.2-24b.yaml": (24.0, 0.05),
+        "gpt-oss-20b.yaml": (20.91, 0.005),
+    }
+    billions, within = card[recipe.file]
+    assert total / 1e9 == pytest.approx(billions, abs=within)
     assert parameter_count(ModelShape.from_hf_config(hf_config(recipe.config))).total == total
     hub = {
         "llama3.1-8b.yaml": "meta-llama/Llama-3.1-8B-Instruct",
         "gemma3-27b.yaml": "google/gemma-3-27b-it",
         "mistral-small-3.2-24b.yaml": "mistralai/Mistral-Small-3.2-24B-Instruct-2506",
+        "gpt-oss-20b.yaml": "openai/gpt-oss-20b",
     }[recipe.file]
     assert values["model"]["model"] == values["data"]["tokenizer"] == hub
 
@@ -344,6 +405,28 @@ def test_the_header_figures_are_the_memory_model_s(recipe: Recipe) -> None:
     assert not stray, (recipe.file, stray)
 
 
+def test_the_gpt_oss_recipe_dequantizes_its_mxfp4_experts_and_runs_on_sdpa() -> None:
+    # The published config stores the experts in MXFP4: the recipe loads them dequantized (the
+    # CLI refuses dequantize_mxfp4 for any other checkpoint). Its attention sinks run on sdpa:
+    # "auto" picks it, "flash" is refused (tests/test_gpt_oss.py). The harmony template renders
+    # a turn differently once turns follow it, so only the last one is supervised.
+    values, header = load(RECIPES[IDS.index("gpt-oss-20b.yaml")])
+    assert GPT_OSS_20B["quantization_config"]["quant_method"] == "mxfp4"
+    assert values["model"]["dequantize_mxfp4"] is True
+    assert values["trainer"]["strategy"]["init_args"]["attention_backend"] in ("auto", "sdpa")
+    assert values["data"]["chat_turns"] == "last"
+    for said in ("Mxfp4Config(dequantize=True)", "sdpa", "sinks", "chat_turns: last"):
+        assert said in header, said
+    # the layer FSDP2 gathers, as the header writes it; the model built from the published
+    # config has trainable bf16-able experts (from_config applies no quantization)
+    shape = ModelShape.from_hf_config(hf_config(GPT_OSS_20B))
+    assert f"{parameter_count(shape).per_layer / 1e9:.2f}B-parameter layer" in header
+    assert (shape.sliding_layers, shape.sliding_window, shape.num_layers) == (12, 128, 24)
+    experts = meta_model(GPT_OSS_20B).model.layers[0].mlp.experts
+    assert type(experts).__name__ == "GptOssExperts"
+    assert experts.gate_up_proj.shape == (32, 2880, 2 * 2880)
+
+
 # ----------------------------------------------------------------------------- end to end
 TINY_TEXT = {"vocab_size": 68, "max_position_embeddings": 4096}
 IMAGE_TOKEN = 67
@@ -360,6 +443,10 @@ def tiny_checkpoint(recipe: Recipe, directory: Path) -> None:
         Mistral3ForConditionalGeneration,
     )
 
+    if recipe.config["model_type"] == "gpt_oss":  # its experts in MXFP4, as released
+        save_mxfp4_gpt_oss(directory, vocab_size=TINY_TEXT["vocab_size"])
+        make_tokenizer(PLAIN_TEMPLATE).save_pretrained(directory)
+        return
     torch.manual_seed(0)
     model: torch.nn.Module
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1}

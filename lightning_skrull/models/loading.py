@@ -13,6 +13,7 @@ known the model is loaded in full, which costs memory, never correctness.
 
 from __future__ import annotations
 
+import copy
 import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -117,6 +118,10 @@ def _meta_build_arguments(
     model_kwargs = {k: rest.pop(k) for k in MODEL_KWARGS if k in rest}
     for key in WEIGHT_FILE_KWARGS:
         rest.pop(key, None)
+    dequantizing = getattr(rest.get("quantization_config"), "dequantize", False) is True
+    if dequantizing:
+        # Mxfp4Config(dequantize=True): rank 0 gets the plain model, which from_config builds
+        rest.pop("quantization_config")
     for key in ("dtype", "torch_dtype"):
         if model_kwargs.get(key) in ("auto", None):
             model_kwargs.pop(key, None)  # the checkpoint's dtype, the config's
@@ -129,6 +134,9 @@ def _meta_build_arguments(
             **({"trust_remote_code": trust} if trust is not None else {}),
             **rest,
         )
+    if dequantizing and hasattr(config, "quantization_config"):
+        config = copy.deepcopy(config)  # the caller's config stays as it was
+        del config.quantization_config  # as from_pretrained leaves rank 0's once dequantized
     if rest:
         raise ValueError(
             f"from_pretrained_on_rank_zero cannot follow {sorted(rest)} on the ranks that build "
@@ -162,7 +170,9 @@ def from_pretrained_on_rank_zero(
         **kwargs: ``from_pretrained``'s keyword arguments. Those that shape the model
             (:data:`MODEL_KWARGS`), choose the weight files (:data:`WEIGHT_FILE_KWARGS`), reach
             the Hub (``revision``, ``token``, ``cache_dir``, ...) or override config fields
-            (``use_cache=False``) apply on every rank.
+            (``use_cache=False``) apply on every rank. A ``quantization_config`` that
+            dequantizes while loading (``Mxfp4Config(dequantize=True)``) gives rank 0 the
+            plain model, which the other ranks build.
 
     Returns:
         The model: with its weights on global rank 0, on the meta device elsewhere (in
@@ -170,8 +180,8 @@ def from_pretrained_on_rank_zero(
 
     Raises:
         ValueError: a keyword argument that only placing or loading weights understands
-            (``device_map``, ``quantization_config``, ...): on every rank, so no rank is left
-            waiting at setup.
+            (``device_map``, a ``quantization_config`` that keeps the weights quantized, ...):
+            on every rank, so no rank is left waiting at setup.
     """
     config, model_kwargs = _meta_build_arguments(name_or_path, kwargs)
     auto_class = auto_model_class(config)
