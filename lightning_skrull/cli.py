@@ -270,7 +270,7 @@ class SkrullCausalLM(pl.LightningModule):
 def _mxfp4_dequantization(name_or_path: str, config: Any) -> Any:
     """``Mxfp4Config(dequantize=True)`` for a checkpoint whose config says its weights are
     MXFP4; a ValueError naming what it says otherwise."""
-    from transformers import Mxfp4Config
+    from transformers.utils.quantization_config import Mxfp4Config
 
     quantization = getattr(config, "quantization_config", None)
     method = (

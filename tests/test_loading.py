@@ -11,7 +11,16 @@ import pytest
 import torch
 import torch.distributed as dist
 import yaml
-from helpers import BUCKET, GLOBAL_BATCH, PlainLM, built_cli, cpu_trainer, make_data, tiny_qwen2
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    PlainLM,
+    built_cli,
+    cpu_trainer,
+    make_data,
+    save_mxfp4_gpt_oss,
+    tiny_qwen2,
+)
 
 from lightning_skrull import (
     SkrullDataModule,
@@ -190,3 +199,44 @@ def test_replicating_strategies_refuse_a_model_built_on_meta(
     data = SkrullDataModule(train_data=make_data(8), global_batch_size=GLOBAL_BATCH)
     with pytest.raises(ValueError, match=r"keeps a full copy.*Use SkrullFSDPStrategy"):
         trainer.fit(_MetaLM(), data)
+
+
+# ----------------------------------------------------------------------------- MXFP4 checkpoints
+def test_cli_dequantizes_mxfp4_experts_on_rank_zero_and_builds_them_on_meta(
+    tmp_path: Path, as_rank: Any
+) -> None:
+    # A tiny gpt-oss stored as the released checkpoints are (experts in MXFP4, encoded by hand
+    # from known codes and exponents): dequantize_mxfp4 gives rank 0 trainable bf16 experts
+    # equal to the encoded values exactly (every FP4 value times a power of two is a bf16), and
+    # the other ranks the same plain model on the meta device, config included.
+    weights = save_mxfp4_gpt_oss(tmp_path / "oss")
+    as_rank(0)
+    loaded = SkrullCausalLM(
+        model=str(tmp_path / "oss"), torch_dtype="bfloat16", dequantize_mxfp4=True,
+        load_on_rank_zero=True,
+    ).model  # fmt: skip
+    for name, expected in weights.items():
+        got = loaded.get_parameter(name)
+        assert got.dtype == torch.bfloat16 and got.requires_grad
+        assert torch.equal(got, expected), name
+    assert {type(layer.mlp.experts).__name__ for layer in loaded.model.layers} == {"GptOssExperts"}
+    as_rank(1)
+    meta = SkrullCausalLM(
+        model=str(tmp_path / "oss"), torch_dtype="bfloat16", dequantize_mxfp4=True,
+        load_on_rank_zero=True,
+    ).model  # fmt: skip
+    assert all(p.is_meta for p in meta.parameters())
+    shapes = {k: (v.shape, v.dtype) for k, v in loaded.state_dict().items()}
+    assert {k: (v.shape, v.dtype) for k, v in meta.state_dict().items()} == shapes
+    assert meta.config.to_dict() == loaded.config.to_dict()
+    assert not hasattr(loaded.config, "quantization_config")
+    # loaded in full on every rank (load_on_rank_zero=False), the same weights
+    full = SkrullCausalLM(model=str(tmp_path / "oss"), dequantize_mxfp4=True).model
+    assert all(torch.equal(full.get_parameter(n), w) for n, w in weights.items())
+
+
+def test_dequantize_mxfp4_is_refused_without_an_mxfp4_checkpoint(saved: Path) -> None:
+    with pytest.raises(ValueError, match=r"not an MXFP4-quantized checkpoint.*quant_method=None"):
+        SkrullCausalLM(model=str(saved), dequantize_mxfp4=True)
+    with pytest.raises(ValueError, match="a config dict builds random weights"):
+        SkrullCausalLM(model={"model_type": "gpt_oss"}, dequantize_mxfp4=True)
