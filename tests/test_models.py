@@ -63,6 +63,8 @@ def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() 
         # Gemma 3 4B-27B and Mistral Small 3.x on text only: tests/test_gemma3_multimodal.py
         "gemma3",
         "mistral3",
+        # attention sinks: tests/test_gpt_oss.py
+        "gpt_oss",
         *FAMILIES,
     }
 
