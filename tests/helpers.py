@@ -359,6 +359,18 @@ def _gpt_oss_config() -> tuple[type, dict[str, Any]]:
     }
 
 
+GPT_OSS_MXFP4: dict[str, Any] = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+"""gpt-oss-20b's ``quantization_config``: the experts in MXFP4, everything else bf16."""
+
+
 MXFP4_VALUES = (
     0.0,
     0.5,
@@ -416,15 +428,7 @@ def save_mxfp4_gpt_oss(directory: Any, **overrides: Any) -> dict[str, torch.Tens
     directory.mkdir(parents=True, exist_ok=True)
     save_file(state, directory / "model.safetensors", metadata={"format": "pt"})
     fields = model.config.to_dict()
-    fields["quantization_config"] = {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    }  # gpt-oss-20b's
+    fields["quantization_config"] = GPT_OSS_MXFP4
     (directory / "config.json").write_text(json.dumps(fields))
     return weights
 

@@ -22,6 +22,7 @@ import torch
 import yaml
 from helpers import (
     CHAT_VOCAB,
+    GPT_OSS_MXFP4,
     PLAIN_TEMPLATE,
     make_tokenizer,
     save_mxfp4_gpt_oss,
@@ -179,15 +180,7 @@ GPT_OSS_20B: dict[str, Any] = {
     "router_aux_loss_coef": 0.9,
     "output_router_logits": False,
     "tie_word_embeddings": False,
-    "quantization_config": {
-        "quant_method": "mxfp4",
-        "modules_to_not_convert": [
-            "model.layers.*.self_attn",
-            "model.layers.*.mlp.router",
-            "model.embed_tokens",
-            "lm_head",
-        ],
-    },
+    "quantization_config": GPT_OSS_MXFP4,
 }
 """openai/gpt-oss-20b (``GptOssForCausalLM``; 20.91B parameters, an untied head; layers alternate
 a 128-token sliding window and full attention; the experts stored in MXFP4)."""

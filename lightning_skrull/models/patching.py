@@ -166,30 +166,21 @@ def attention_window(model: nn.Module) -> int | None:
     return int(window)
 
 
-def _passes_window(cls: type) -> bool:
-    """Whether ``cls.forward`` passes ``sliding_window=`` to its attention function call."""
+def _passes(cls: type, argument: str) -> bool:
+    """Whether ``cls.forward`` passes ``argument`` (``"sliding_window="``, ``"s_aux="``) to its
+    attention function call."""
     try:
         source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
     except (OSError, TypeError):
         return False
     call = source.find("attention_interface(")
-    return call >= 0 and source.find(_WINDOW_ARGUMENT, call) >= 0
-
-
-def _passes_sinks(cls: type) -> bool:
-    """Whether ``cls.forward`` passes ``s_aux=`` (attention sinks) to its attention call."""
-    try:
-        source = inspect.getsource(cls.forward)  # type: ignore[attr-defined]
-    except (OSError, TypeError):
-        return False
-    call = source.find("attention_interface(")
-    return call >= 0 and source.find(_SINK_ARGUMENT, call) >= 0
+    return call >= 0 and source.find(argument, call) >= 0
 
 
 def has_attention_sinks(model: nn.Module) -> bool:
     """Whether some attention module of the text decoder passes attention sinks (``s_aux``,
     gpt-oss) to the attention function: the ``flash`` backend cannot run it."""
-    return any(_passes_sinks(type(attn)) for attn in _attention_modules(model))
+    return any(_passes(type(attn), _SINK_ARGUMENT) for attn in _attention_modules(model))
 
 
 def quantized_experts(model: nn.Module) -> list[str]:
@@ -220,7 +211,7 @@ def unpassed_window(model: nn.Module) -> int | None:
     window = attention_window(model)
     if window is None:
         return None
-    if all(_passes_window(type(attn)) for attn in _attention_modules(model)):
+    if all(_passes(type(attn), _WINDOW_ARGUMENT) for attn in _attention_modules(model)):
         return None
     return window
 
