@@ -25,12 +25,14 @@ trainable (LoRA) parameters, on the same global batches (dataset order):
 - LoRA on Mixture-of-Experts experts (peft's ``target_parameters`` on the fused 3-D
   ``mlp.experts.gate_up_proj`` / ``down_proj``, with ``target_modules`` on the attention) of a
   tiny Qwen3-MoE and a tiny gpt-oss, float32 under each of the three strategies (FSDP with
-  activation checkpointing, its adapters written by ``save_pretrained``); Qwen3-MoE's also read
-  on rank 0 only, and under FSDP's ``bf16-mixed`` policy.
+  activation checkpointing; FSDP's and ZeRO-2's adapters written by ``save_pretrained``);
+  Qwen3-MoE's also read on rank 0 only, and under ``bf16-mixed`` on each of the three
+  strategies (ZeRO-2 against DeepSpeed's bf16 parameters with float32 master copies).
 
 On one process, the expert LoRA models through the Skrull path (packed micro-batches, the Skrull
 attention, the chunked loss) against the same ``PeftModel`` run one sequence at a time: loss and
-every adapter's gradient, float32 and ``bf16-mixed``.
+every adapter's gradient, float32 (also a tiny Mixtral, and gpt-oss with
+``target_modules="all-linear"``) and ``bf16-mixed``.
 
 The reference is independent of the package: the same ``PeftModel`` on one process with eager
 attention, one sequence at a time, summed token cross-entropy divided by the global batch's
@@ -132,8 +134,21 @@ EXPERTS = {
     },
     "experts_qwen3_moe_rank_zero": ("qwen3_moe", "fsdp", "32-true"),
     "experts_qwen3_moe_fsdp_bf16": ("qwen3_moe", "fsdp", "bf16-mixed"),
+    "experts_qwen3_moe_ddp_bf16": ("qwen3_moe", "ddp", "bf16-mixed"),
+    "experts_qwen3_moe_zero2_bf16": ("qwen3_moe", "zero2", "bf16-mixed"),
 }
 """The cases that train :data:`EXPERT_LORA` models: ``(arch, strategy, precision)``."""
+EXPERTS_SAVED = [c for c, (a, s, p) in EXPERTS.items() if c == f"experts_{a}_{s}" and s != "ddp"]
+"""The expert cases whose adapter ``save_pretrained`` writes (FSDP, ZeRO-2; float32)."""
+EXPERTS_BF16 = {
+    "experts_qwen3_moe_fsdp_bf16": "autocast",
+    "experts_qwen3_moe_ddp_bf16": "autocast",
+    "experts_qwen3_moe_zero2_bf16": "bf16_params_fp32_master",
+}
+"""The ``bf16-mixed`` expert cases and the kind of :func:`reference` each is held to:
+Lightning's autocast (float32 parameters) under FSDP and DDP; under ZeRO-2 DeepSpeed's bf16
+(every parameter cast to bf16, SGD on a float32 master copy of the trainable ones), as in
+tests/test_precision_matrix.py."""
 CASES = ("ddp", "zero2", "fsdp", "reentrant", "rank_zero", "generate", *BF16_BASE, *EXPERTS)
 
 
@@ -159,9 +174,10 @@ def lora_model(base: torch.nn.Module | None = None, **overrides: Any) -> Any:
     return model
 
 
-def expert_lora_model(arch: str, base: torch.nn.Module | None = None) -> Any:
-    """:func:`lora_model` of ``tiny_model(arch)`` (or ``base``) with :data:`EXPERT_LORA`."""
-    return lora_model(base if base is not None else tiny_model(arch), **EXPERT_LORA)
+def expert_lora_model(arch: str, base: torch.nn.Module | None = None, **overrides: Any) -> Any:
+    """:func:`lora_model` of ``tiny_model(arch)`` (or ``base``) with :data:`EXPERT_LORA` and
+    ``overrides``."""
+    return lora_model(base if base is not None else tiny_model(arch), **EXPERT_LORA | overrides)
 
 
 def full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
@@ -387,10 +403,13 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         # ZeRO-2 keeps the gradients in its own partitions (p.grad stays None)
         grads = name != "zero2"
         trainer, recorder = _fit(name, module, grads=grads, precision=precision, **kwargs)
-        out[case] = {**_result(module, recorder), "held": held}
+        out[case] = {**_result(module, recorder), "held": held, "dtypes": dtypes(module.model)}
         if checkpointing:
             out[case]["checkpointing"] = module.model.base_model.model.is_gradient_checkpointing
-            trainer.strategy.save_pretrained(os.path.join(tmp, f"adapter_{arch}"))
+        if case in EXPERTS_SAVED:
+            trainer.strategy.save_pretrained(os.path.join(tmp, f"adapter_{case}"))
+        if name == "zero2" and precision != "32-true":
+            out[case]["master"] = zero2_master(module.model)
 
     # a frozen base loaded in bf16 on ranks 0-1 and in float32 on ranks 2-3
     from lightning_skrull.strategies.fsdp import check_frozen_dtypes_agree
@@ -422,12 +441,14 @@ def runs() -> list[dict[str, Any]]:
         results[0]["zero2_adapter_dtypes"] = sorted({str(t.dtype) for t in written.values()})
         base = tiny_qwen2(attn_implementation="eager").to(torch.bfloat16)
         results[0]["zero2_adapter"] = full_params(peft.PeftModel.from_pretrained(base, adapter))
-        # the expert adapters FSDP trained, onto a fresh plain model of each architecture
-        for arch in EXPERT_ARCHS:
-            adapter = Path(tmp, f"adapter_{arch}")
+        # the expert adapters FSDP and ZeRO-2 trained, onto a fresh plain model of each
+        # architecture
+        for case in EXPERTS_SAVED:
+            arch = EXPERTS[case][0]
+            adapter = Path(tmp, f"adapter_{case}")
             config = json.loads((adapter / "adapter_config.json").read_text())
             loaded = peft.PeftModel.from_pretrained(tiny_model(arch), adapter)
-            results[0][f"adapter_{arch}"] = {
+            results[0][f"adapter_{case}"] = {
                 "config": config,
                 "params": full_params(loaded),
                 "loss": mean_token_loss(loaded, make_data(11, seed=1)),
@@ -445,9 +466,12 @@ def reference(
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(parameters before, after, first step's gradients of the trainable ones)`` of
     single-process PEFT training; ``kind`` ``"autocast"`` runs the forward under
-    ``torch.autocast("cpu", bfloat16)`` (Lightning's bf16-mixed); ``bf16_base`` casts the base
-    model to bf16 before ``get_peft_model`` (float32 adapters); ``arch`` trains
-    :func:`expert_lora_model` of that architecture (eager attention) instead."""
+    ``torch.autocast("cpu", bfloat16)`` (Lightning's bf16-mixed); ``"bf16_params_fp32_master"``
+    casts every parameter to bf16 and steps SGD on a float32 copy of the trainable ones with their
+    bf16 gradients upcast, copying it back after each step (DeepSpeed's bf16; the trainable
+    parameters after are that float32 copy); ``bf16_base`` casts the base model to bf16 before
+    ``get_peft_model`` (float32 adapters); ``arch`` trains :func:`expert_lora_model` of that
+    architecture (eager attention) instead."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each spawned rank runs (tiny ops; see test_precision_matrix)
     try:
@@ -457,8 +481,13 @@ def reference(
             model = expert_lora_model(arch)
         else:
             model = lora_model(base.to(torch.bfloat16) if bf16_base else base, **extra)
+        if kind == "bf16_params_fp32_master":
+            for p in model.parameters():
+                p.data = p.data.to(torch.bfloat16)
         trainable = [p for p in model.parameters() if p.requires_grad]
-        optimizer = torch.optim.SGD(trainable, lr=LR)
+        master = [p.detach().float().clone() for p in trainable]
+        stepped = master if kind == "bf16_params_fp32_master" else trainable
+        optimizer = torch.optim.SGD(stepped, lr=LR)
         before = full_params(model)
         data = make_data(GLOBAL_BATCH * STEPS)
         grads: dict[str, np.ndarray] = {}
@@ -468,7 +497,7 @@ def reference(
                 for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
                     loss, n = token_loss_sum(model, sample)
                     total, tokens = total + loss, tokens + n
-            optimizer.zero_grad()
+            model.zero_grad()
             (total / tokens).backward()
             if step == 0:
                 grads = {
@@ -476,8 +505,19 @@ def reference(
                     for n, p in model.named_parameters()
                     if p.grad is not None
                 }
+            if stepped is master:
+                for m, p in zip(master, trainable, strict=True):
+                    m.grad = p.grad.float()
             optimizer.step()
-        return before, full_params(model), grads
+            if stepped is master:
+                with torch.no_grad():
+                    for m, p in zip(master, trainable, strict=True):
+                        p.copy_(m)
+        after = full_params(model)
+        if stepped is master:
+            names = [n for n, p in model.named_parameters() if p.requires_grad]
+            after.update({n: m.double().numpy().copy() for n, m in zip(names, master)})
+        return before, after, grads
     finally:
         torch.set_num_threads(threads)
 
@@ -506,7 +546,7 @@ def test_dp_ranks_ran_different_micro_batch_counts(runs: list[dict[str, Any]], c
     # the plan gives the two DP ranks different micro-batch counts (ZeRO-2 then pads the
     # fewer with empty ones; DDP and FSDP over the CP group run them as planned)
     assert by_dp[0] != by_dp[1], by_dp
-    if not case.endswith("zero2"):
+    if "zero2" not in case:
         ran = {
             out[case]["steps"][0]["dp_rank"]: [s["run"] for s in out[case]["steps"]] for out in runs
         }
@@ -771,37 +811,57 @@ def test_expert_lora_equals_single_process_peft(runs: list[dict[str, Any]], case
 
 
 @pytest.mark.multiprocess
-def test_expert_lora_fsdp_bf16_mixed_as_close_to_float32_as_single_process_peft(
-    runs: list[dict[str, Any]],
+@pytest.mark.parametrize("case", EXPERTS_BF16)
+def test_expert_lora_bf16_mixed_as_close_to_float32_as_single_process_peft(
+    runs: list[dict[str, Any]], case: str
 ) -> None:
     # FSDP's bf16 policy gathers the frozen experts and their adapters in bf16, and peft folds
     # the low-rank product into the experts in the gathered weight's dtype (one baddbmm, bf16);
-    # under autocast that fold runs in float32 and only the experts' matmuls in bf16. The rule
+    # under autocast (DDP, and the reference) that fold runs in float32 and only the experts'
+    # matmuls in bf16. ZeRO-2 runs the whole model in bf16 and steps a float32 master copy of the
+    # adapters, which is what is compared (the model's adapters are its bf16 rounding). The rule
     # over all adapters, and over the expert adapters alone.
-    before, fp32_after, _ = reference(arch="qwen3_moe")
-    _, autocast_after, _ = reference("autocast", arch="qwen3_moe")
-    trainable = runs[0]["experts_qwen3_moe_fsdp_bf16"]["trainable"]
-    for keys in (trainable, [k for k in trainable if ".mlp.experts." in k]):
-        delta_fp32 = _update(before, fp32_after, keys)
-        ref_distance = _distance(_update(before, autocast_after, keys), delta_fp32)
-        assert ref_distance > FLOOR
+    fp32_before, fp32_after, _ = reference(arch="qwen3_moe")
+    before, ref_after, _ = reference(EXPERTS_BF16[case], arch="qwen3_moe")
+    trainable = sorted(runs[0][case]["trainable"])
+    assert trainable == sorted(k for k in before if "lora_" in k)
+    experts = [k for k in trainable if ".mlp.experts." in k]
+    zero2 = EXPERTS[case][1] == "zero2"
+    for out in runs:
+        got = out[case]
+        # the reference's start: float32, or (ZeRO-2) every parameter's bf16 rounding
+        assert _max_diff(got["before"], before, list(before)) == 0.0
+        held = {"torch.bfloat16"} if zero2 else {"torch.float32"}
+        assert set(got["dtypes"].values()) == held
+        if zero2:
+            rounded = {k: _bf16(got["master"][k]) for k in trainable}
+            assert _max_diff(got["after"], rounded, trainable) == 0.0
+    for keys in (trainable, experts):
+        delta_fp32 = _update(fp32_before, fp32_after, keys)
+        ref_distance = _distance(_update(before, ref_after, keys), delta_fp32)
+        assert ref_distance > FLOOR  # the reference's own bf16 rounding shows
+        bound = RATIO * ref_distance + FLOOR
+        if keys is trainable:
+            # an update 5% off the float32 one fails the rule over all adapters; not over the
+            # expert adapters alone, whose reference is itself 6.5e-2 to 7.3e-2 away (their
+            # updates are tiny, 1.3e-4): the float32 cases' 2e-6 catches 5% of those
+            assert _distance(1.05 * delta_fp32, delta_fp32) > bound, bound
         for out in runs:
-            got = out["experts_qwen3_moe_fsdp_bf16"]
-            assert _max_diff(got["before"], before, list(before)) == 0.0
-            distance = _distance(_update(got["before"], got["after"], keys), delta_fp32)
-            assert distance <= RATIO * ref_distance + FLOOR, (len(keys), distance, ref_distance)
+            got = out[case]
+            trained = got["master"] if zero2 else got["after"]
+            distance = _distance(_update(got["before"], trained, keys), delta_fp32)
+            assert distance <= bound, (len(keys), distance, ref_distance)
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("arch", EXPERT_ARCHS)
-def test_fsdp_save_pretrained_writes_the_expert_adapter(
-    runs: list[dict[str, Any]], arch: str
-) -> None:
-    written = runs[0][f"adapter_{arch}"]
+@pytest.mark.parametrize("case", EXPERTS_SAVED)
+def test_save_pretrained_writes_the_expert_adapter(runs: list[dict[str, Any]], case: str) -> None:
+    arch = EXPERTS[case][0]
+    written = runs[0][f"adapter_{case}"]
     assert sorted(written["config"]["target_parameters"]) == sorted(
         EXPERT_LORA["target_parameters"]
     )
-    trained = runs[0][f"experts_{arch}_fsdp"]["after"]
+    trained = runs[0][case]["after"]
     # onto a fresh plain model, the adapter is the trained model, weight for weight, experts'
     # low-rank pairs included
     assert written["params"].keys() == trained.keys()
@@ -906,14 +966,29 @@ def _peft_loss_and_grads(model: Any, autocast: bool) -> tuple[float, dict[str, t
 LOSS_RTOL = 1e-6
 
 
-@pytest.mark.parametrize("arch", EXPERT_ARCHS)
-def test_expert_lora_packed_equals_peft_per_sequence(arch: str) -> None:
-    model = expert_lora_model(arch, tiny_model(arch, seed=4))
+PACKED = {
+    "qwen3_moe": ("qwen3_moe", {}),
+    "gpt_oss": ("gpt_oss", {}),
+    "mixtral": ("mixtral", {}),
+    "gpt_oss_all_linear": ("gpt_oss", {"target_modules": "all-linear"}),
+}
+"""The one-process float32 cases: ``(arch, overrides of EXPERT_LORA)``; ``"all-linear"`` (as
+docs/models.md's example) adds every ``nn.Linear`` but the head to the expert adapters."""
+
+
+@pytest.mark.parametrize("case", PACKED)
+def test_expert_lora_packed_equals_peft_per_sequence(case: str) -> None:
+    arch, overrides = PACKED[case]
+    model = expert_lora_model(arch, tiny_model(arch, seed=4), **overrides)
     ref_loss, ref_grads = _peft_loss_and_grads(copy.deepcopy(model), autocast=False)
     loss, grads = _skrull_loss_and_grads(model, autocast=False)
     assert abs(loss - ref_loss) <= LOSS_RTOL * ref_loss, (loss, ref_loss)
     experts = [n for n in grads if ".mlp.experts." in n]
     assert len(experts) == 8 and sorted(grads) == sorted(ref_grads)
+    adapted = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in grads if ".self_attn." in n}
+    attention = {"q_proj", "k_proj", "v_proj", "o_proj"} if overrides else {"q_proj", "v_proj"}
+    assert adapted == attention, adapted
+    assert not [n for n in grads if "lm_head" in n]
     for name, grad in grads.items():
         scale = float(ref_grads[name].abs().max())
         assert scale > 0.0, name
