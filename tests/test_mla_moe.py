@@ -485,11 +485,11 @@ MEMORY_FIELDS = {
 }  # fmt: skip
 
 
-def _memory_config(arch: str, layers: int, dense: bool) -> Any:
+def _memory_config(arch: str, layers: int, dense: bool, **overrides: Any) -> Any:
     from transformers import AutoConfig
 
     first_dense = layers if dense else 0
-    fields = {**SMALL, **MEMORY_FIELDS[arch]}
+    fields = {**SMALL, **MEMORY_FIELDS[arch], **overrides}
     return AutoConfig.for_model(
         arch, **fields, num_hidden_layers=layers, first_k_dense_replace=first_dense
     )
@@ -531,6 +531,38 @@ def test_moe_layer_estimate_is_what_autograd_keeps(
         for s in shapes
     ]
     assert moe - dense == counted[0] - counted[1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    ("arch", "q_lora_rank"), [("deepseek_v3", 24), ("deepseek_v2", None), ("deepseek_v2", 24)]
+)
+def test_dense_mla_layer_estimate_is_what_autograd_keeps(
+    arch: str, q_lora_rank: int | None, dtype: torch.dtype
+) -> None:
+    # A whole dense MLA layer (first_k_dense_replace covering every layer) to the byte, float32
+    # and bf16: the input norm, the q latent (or one q projection) and kv latent projections and
+    # their RMSNorms, keys of nope + rope and values narrower than them, o_proj, the SwiGLU MLP.
+    # Reference: the tensors autograd keeps in a forward of the prepared model (the sdpa
+    # backend at CP 1, the attention training runs; HF's own sdpa on CPU falls back to its math
+    # kernel for values narrower than the keys and keeps the score matrix, which no training
+    # run does). CPU-only, subtracted: the backend pads v to the keys' head dim d there (CPU's
+    # fused kernel takes one head dim; on CUDA v goes at its own width), so SDPA saves the
+    # padded v (b x heads x d in place of b x h_v) and a padded output (b x heads x d) beside
+    # the cropped copy o_proj takes; on CUDA the output is v's width, laid out token-major, and
+    # is o_proj's input itself, as in tests/test_memory_estimate.py's dense test.
+    from test_memory_estimate import prepared_layer_per_token
+
+    def config(layers: int) -> Any:
+        return _memory_config(arch, layers, True, q_lora_rank=q_lora_rank)
+
+    b = torch.empty((), dtype=dtype).element_size()
+    shape = ModelShape.from_hf_config(config(1))
+    measured = prepared_layer_per_token(config, dtype)
+    heads = shape.num_attention_heads
+    cpu_only = b * (heads * shape.head_dim - shape.v_dim) + b * heads * shape.head_dim
+    dense, _ = layer_bytes_per_token(shape, bytes_per_element=b)
+    assert measured - cpu_only == dense
 
 
 # ----------------------------------------------------------------------------- 4 ranks

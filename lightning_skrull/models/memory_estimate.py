@@ -10,9 +10,9 @@ the hidden size, ``h_kv`` the key/value width and ``f`` the MLP width:
 
 - each RMSNorm keeps the float32 copy of its input (``4h``; in float32 the input itself), its
   float32 ``rsqrt`` (4 B) and the normalised input its weight multiplies (``b h``, or ``4h``
-  where the weight is applied in float32: Gemma 3, OLMo 2 / 3): ``(4 + b) h + 4`` for each of
-  the layer's norms (two; four in Gemma 3 and GLM-4, whose extra ones follow attention and
-  MLP);
+  where the weight is applied in float32: Gemma 3, OLMo 2 / 3, gpt-oss): ``(4 + b) h + 4``
+  for each of the layer's norms (two; four in Gemma 3 and GLM-4, whose extra ones follow
+  attention and MLP);
 - the attention's and the MLP's input projections keep their input (``2 b h``: a pre-norm's
   output, or the residual stream where the norms follow the blocks, OLMo 2 / 3, EXAONE 4);
 - attention keeps q (``b h``), k and v (``2 b h_kv``), its output (``b h``, also o_proj's
@@ -29,7 +29,10 @@ the hidden size, ``h_kv`` the key/value width and ``f`` the MLP width:
 Values narrower than the keys (``h_v``, the attention output ``h_o`` = heads x value head dim)
 count at their own width: ``b (h_q + h_kv + h_v + h_o)``. DeepSeek's Multi-head Latent
 Attention also keeps its two latent RMSNorms' float32 copies and normalised inputs,
-``(4 + b)(r_q + r_kv)`` (``q_lora_rank``, ``kv_lora_rank``), and their ``rsqrt``; its queries and keys are
+``(4 + b)(r_q + r_kv)`` (``q_lora_rank``, ``kv_lora_rank``), their ``rsqrt`` and their outputs,
+the inputs of ``q_b_proj`` and ``kv_b_proj`` (``b (r_q + r_kv)``); in float32 the kv norm's
+float32 input is a view of ``kv_a_proj``'s whole output, which stays alive with the rotary part
+of the keys beside the latent (``4 (r_kv + rope)``). Its queries and keys are
 ``heads x (nope + rope)`` wide, its keys and values per head.
 
 A Mixture-of-Experts layer (Qwen3-MoE, Qwen2-MoE, Mixtral; ``E`` experts of width ``f_e``,
@@ -53,7 +56,9 @@ with four int64 indices under ``"grouped_mm"`` (the biases are gathered too) and
 ``"eager"``, the weighted output and two. Every routed row is computed, however the router
 spreads the tokens, so none of this depends on the routing. The ``sdpa`` attention's copies of
 q, k and v with the sink column (gpt-oss, :mod:`~lightning_skrull.attention.sdpa`) are not
-counted: like the score matrix, they belong to the kernel, not to the model.
+counted: like the score matrix, they belong to the kernel, not to the model. (They replace q,
+k and v, one column wider per head on CPU; on CUDA the column is padded to a multiple of 8 and
+a GQA call, which takes a causal bias, repeats K/V over the query heads.)
 
 The head, dense (transformers' ``lm_head`` then ``ForCausalLMLoss``): the final norm
 (``(4 + b) h + 4``, as a layer's) and its output, the head's input (``b h``); the logits (``b V``), their
@@ -153,8 +158,10 @@ def layer_bytes_per_token(
             2 if shape.qk_norm_over_heads else shape.num_attention_heads + shape.num_key_value_heads
         )
         attention += (4 + _norm_b(shape, b)) * (q_width + kv_width) + 4 * rows
-    for rank in (shape.q_lora_rank, shape.kv_lora_rank):
-        attention += (4 + b) * rank + 4 + b * rank if rank else 0  # and its output, an input
+    r_q, r_kv = shape.q_lora_rank, shape.kv_lora_rank
+    attention += (4 + 2 * b) * r_q + 4 if r_q else 0  # with its output, q_b_proj's input
+    if r_kv:  # in float32 the norm's input is kv_a_proj's whole output (module docstring)
+        attention += 4 * (r_kv + (shape.qk_rope_head_dim if b == 4 else 0)) + 2 * b * r_kv + 4
     dense = norms + attention + 4 * b * shape.intermediate_size if shape.dense_layers else 0
     if not shape.sparse_layers:
         return dense, 0

@@ -135,8 +135,8 @@ class ModelShape:
             and MLP), 4 for Gemma 3 and GLM-4 (also after each), 2 for OLMo 2 / 3 and EXAONE 4
             (after each only).
         float32_norms: the RMSNorms apply their weight in float32 and keep that float32
-            product (Gemma 3's ``(1 + w) x``, OLMo 2 / 3); the others cast the normalised input
-            to the compute dtype first. Activation memory only.
+            product (Gemma 3's ``(1 + w) x``, OLMo 2 / 3, gpt-oss); the others cast the
+            normalised input to the compute dtype first. Activation memory only.
         qk_norm_over_heads: the q and k norms span all heads together (OLMo 2 / 3: weights of
             ``q_dim`` and ``kv_dim``) instead of one head (weights of ``head_dim``).
         fused_qkv: q, k and v come out of one projection (Phi-3), whose whole output stays
@@ -458,7 +458,13 @@ class ModelShape:
 _QK_NORM_MODEL_TYPES = ("qwen3", "qwen3_moe", "gemma3_text", "olmo2", "olmo3", "exaone4")
 """Architectures that normalise q and k before RoPE (:attr:`ModelShape.qk_norm`)."""
 
-_NORMS = {"gemma3_text": (4, True), "glm4": (4, False), "olmo2": (2, True), "olmo3": (2, True)}
+_NORMS = {
+    "gemma3_text": (4, True),
+    "glm4": (4, False),
+    "olmo2": (2, True),
+    "olmo3": (2, True),
+    "gpt_oss": (2, True),
+}
 """``model_type`` -> (:attr:`ModelShape.layer_norms`, :attr:`ModelShape.float32_norms`) where
 they are not ``(2, False)``."""
 
