@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import random
 import types
+from typing import Any
 
 import pytest
 import torch
@@ -110,15 +111,18 @@ def _emulated_context(
     )
 
 
-def _emulate_ranks(
+def emulate_ranks(
     module: object,
     layouts: list[RankLayout],
     seqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     scale: float | None,
     backend: str = "sdpa",
     window: int | None = None,
+    sink: torch.Tensor | None = None,
 ) -> list[torch.Tensor]:
-    """Each rank's output computed with the backend's local and distributed parts."""
+    """Each rank's output computed with the backend's local and distributed parts (the
+    distributed part attends the whole sequences' K/V, what the all-gather delivers); ``sink``:
+    attention sink logits, passed only when given."""
     dist_ids = layouts[0].distributed_sequence_ids
     k_whole = torch.cat([seqs[s][1] for s in dist_ids]) if dist_ids else None
     v_whole = torch.cat([seqs[s][2] for s in dist_ids]) if dist_ids else None
@@ -129,7 +133,9 @@ def _emulate_ranks(
         q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
         n = layout.num_local_tokens
         parts = []
-        kw = {"scale": scale, "window": window}
+        kw: dict[str, Any] = {"scale": scale, "window": window}
+        if sink is not None:
+            kw["sink"] = sink
         if n:
             parts.append(module.local_attention(q[:n], k[:n], v[:n], ctx, **kw))
         if layout.distributed_chunks:
@@ -177,7 +183,7 @@ def test_emulated_ranks_equal_sdpa_on_whole_sequences(cp_size: int, hq: int, hkv
         seqs = _random_seqs(lengths, ids, hq, hkv, torch.float64)
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.25 if trial % 2 else None
-        got = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, scale))
+        got = unpack(layouts, emulate_ranks(sdpa_backend, layouts, seqs, scale))
         for s in ids:
             err = (got[s] - _reference(*seqs[s], scale=scale)).abs().max().item()
             assert err < 1e-10, (lengths, ids, placement, s, err)
@@ -271,7 +277,7 @@ def test_emulated_ranks_with_a_window_equal_sdpa_with_transformers_mask(
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.25 if trial % 2 else None
-        got = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, scale, window=window))
+        got = unpack(layouts, emulate_ranks(sdpa_backend, layouts, seqs, scale, window=window))
         grads = {s: torch.randn_like(got[s]) for s in ids}
         torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
         for s in ids:
@@ -312,16 +318,24 @@ def test_cp1_through_dispatch_with_gradients() -> None:
             assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (s, name)
 
 
+def dispatch_case(only_local: bool) -> tuple[list[int], list[int], list[int]]:
+    """``(lengths, ids, placement)`` of CP 1 through the attention function: local sequences
+    that group in a masked call, one alone, three of one length (batched), and, unless
+    ``only_local``, four distributed ones."""
+    lengths = [6, 1, 9, 4, 40, 40, 40, 3, 2, 70]
+    ids = list(range(len(lengths)))
+    placement = [0] * len(ids) if only_local else [0, DISTRIBUTED, DISTRIBUTED, 0, 0, 0, 0, 0,
+                                                   DISTRIBUTED, DISTRIBUTED]  # fmt: skip
+    return lengths, ids, placement
+
+
 @pytest.mark.parametrize("only_local", [False, True])
 def test_cp1_through_dispatch_with_a_window(only_local: bool) -> None:
     # The layer's window arrives as transformers passes it (sliding_window=); local sequences
     # grouped in a masked call, alone, and batched by equal length, and distributed chunks,
     # forward and gradients against transformers' mask, float64 1e-10. A window no sequence
     # is longer than leaves the full causal calls.
-    lengths = [6, 1, 9, 4, 40, 40, 40, 3, 2, 70]
-    ids = list(range(len(lengths)))
-    placement = [0] * len(ids) if only_local else [0, DISTRIBUTED, DISTRIBUTED, 0, 0, 0, 0, 0,
-                                                   DISTRIBUTED, DISTRIBUTED]  # fmt: skip
+    lengths, ids, placement = dispatch_case(only_local)
     seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
     layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
     for window in (3, 8, 69, 70):
@@ -517,7 +531,7 @@ def test_flash_equals_sdpa_on_emulated_ranks(cp_size: int, hq: int, hkv: int) ->
         ):
             seqs = {s: tuple(t.to(dtype).requires_grad_() for t in qkv) for s, qkv in base.items()}
             backend = "flash" if name == "flash" else "sdpa"
-            out = unpack(layouts, _emulate_ranks(module, layouts, seqs, None, backend))
+            out = unpack(layouts, emulate_ranks(module, layouts, seqs, None, backend))
             torch.autograd.backward([out[s].float() for s in ids], [out_grad[s] for s in ids])
             results[name] = {
                 s: [out[s].detach().float()] + [t.grad.float() for t in seqs[s]] for s in ids
@@ -554,7 +568,7 @@ def test_flash_with_a_window_equals_whole_sequence_sdpa(cp_size: int, window: in
         base = _random_seqs(lengths, ids, 4, 2, torch.float32, device="cuda", head_dim=64)
         out_grad = {s: torch.randn_like(base[s][0]) for s in ids}
         seqs = {s: tuple(t.bfloat16().requires_grad_() for t in qkv) for s, qkv in base.items()}
-        out = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, None, "flash", window))
+        out = unpack(layouts, emulate_ranks(flash_backend, layouts, seqs, None, "flash", window))
         torch.autograd.backward([out[s].float() for s in ids], [out_grad[s] for s in ids])
         for s in ids:
             results = {}
@@ -612,7 +626,7 @@ def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int, bia
             for s, qkv in _random_seqs(lengths, ids, 4, 2, torch.float64).items()
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
-        got = unpack(layouts, _emulate_ranks(sdpa_backend, layouts, seqs, None))
+        got = unpack(layouts, emulate_ranks(sdpa_backend, layouts, seqs, None))
         for s in ids:
             ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
             want = _reference(*ref_in)
@@ -716,7 +730,7 @@ def _flash_contract(cp_size: int, hq: int, hkv: int, window: int | None = None) 
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.3 if trial % 2 else None
-        got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, scale, "flash", window))
+        got = unpack(layouts, emulate_ranks(flash_backend, layouts, seqs, scale, "flash", window))
         grads = {s: torch.randn_like(got[s]) for s in ids}
         torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
         got_grads = {s: [t.grad.clone() for t in seqs[s]] for s in ids}
@@ -778,7 +792,7 @@ def test_flash_backend_contract_test_notices_top_left_alignment(monkeypatch) -> 
     lengths, ids, placement = [9, 12], [0, 1], [DISTRIBUTED, 0]
     seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
     layouts = build_rank_layouts(ids, placement, lengths, cp_size=2)
-    got = unpack(layouts, _emulate_ranks(flash_backend, layouts, seqs, None, "flash"))
+    got = unpack(layouts, emulate_ranks(flash_backend, layouts, seqs, None, "flash"))
     assert (got[1] - _reference(*seqs[1])).abs().max().item() < 1e-10  # local: square, same
     assert (got[0] - _reference(*seqs[0])).abs().max().item() > 1e-3
 

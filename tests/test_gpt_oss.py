@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 from helpers import make_samples, reference_loss_and_grads, tiny_config, tiny_model
+from test_attention import dispatch_case, emulate_ranks
 from test_moe import EXPERT_RTOL, GRAD_RTOL, LOSS_RTOL, record_routing
 from torch import nn
 
@@ -42,7 +43,6 @@ from lightning_skrull.attention import (
     unpack,
 )
 from lightning_skrull.attention import sdpa as sdpa_backend
-from lightning_skrull.attention.context import _index_tensors
 from lightning_skrull.attention.layout import RankLayout
 from lightning_skrull.data.collate import collate_rank
 from lightning_skrull.models import check_model, prepare_model
@@ -83,16 +83,6 @@ def sink_reference(
     return torch.einsum("hqk,khd->qhd", probs, vr)
 
 
-def _context(layout: RankLayout, device: str = "cpu") -> SkrullAttentionContext:
-    return SkrullAttentionContext(
-        layout=layout,
-        group=None,
-        backend="sdpa",
-        device=torch.device(device),
-        **_index_tensors(layout, "sdpa", torch.device(device)),
-    )
-
-
 def _emulate(
     layouts: list[RankLayout],
     seqs: dict[int, tuple[torch.Tensor, ...]],
@@ -100,24 +90,8 @@ def _emulate(
     window: int | None,
     scale: float | None,
 ) -> list[torch.Tensor]:
-    """Each rank's output from the sdpa backend's local and distributed parts (the distributed
-    part attends the whole sequences' K/V, what the all-gather delivers)."""
-    ids = layouts[0].distributed_sequence_ids
-    k_whole = torch.cat([seqs[s][1] for s in ids]) if ids else None
-    v_whole = torch.cat([seqs[s][2] for s in ids]) if ids else None
-    outs = []
-    for layout in layouts:
-        ctx = _context(layout, str(next(iter(seqs.values()))[0].device))
-        q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
-        n = layout.num_local_tokens
-        kw: dict[str, Any] = {"scale": scale, "window": window, "sink": sink}
-        parts = []
-        if n:
-            parts.append(sdpa_backend.local_attention(q[:n], k[:n], v[:n], ctx, **kw))
-        if layout.distributed_chunks:
-            parts.append(sdpa_backend.distributed_attention(q[n:], k_whole, v_whole, ctx, **kw))
-        outs.append(torch.cat(parts) if parts else q[:0])
-    return outs
+    """Each rank's output from the sdpa backend's local and distributed parts."""
+    return emulate_ranks(sdpa_backend, layouts, seqs, scale, window=window, sink=sink)  # type: ignore[arg-type]
 
 
 def _sinks(hq: int, seed: int) -> torch.Tensor:
@@ -274,10 +248,7 @@ def test_sinks_through_the_attention_function(only_local: bool) -> None:
     # CP 1 through skrull_attention_forward with s_aux as transformers' gpt-oss passes it:
     # local sequences grouped in a masked call, alone, batched by equal length (which with a
     # sink run one by one), and distributed chunks; the sink's gradient too. float64, TOL.
-    lengths = [6, 1, 9, 4, 40, 40, 40, 3, 2, 70]
-    ids = list(range(len(lengths)))
-    placement = [0] * len(ids) if only_local else [0, DISTRIBUTED, DISTRIBUTED, 0, 0, 0, 0, 0,
-                                                   DISTRIBUTED, DISTRIBUTED]  # fmt: skip
+    lengths, ids, placement = dispatch_case(only_local)
     rng = random.Random(5)
     gen = torch.Generator().manual_seed(rng.randint(0, 100))
     seqs = {

@@ -55,10 +55,10 @@ from helpers import (
     tiny_model,
 )
 from test_attention import (
-    _emulate_ranks,
     _random_case,
     _varlen_reference,
     _window_reference,
+    emulate_ranks,
 )
 from test_moe import (
     EXPERT_RTOL,
@@ -151,7 +151,7 @@ def _check_emulated(module: Any, backend: str, cp_size: int, window: int | None)
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.3 if trial % 2 else None
-        got = unpack(layouts, _emulate_ranks(module, layouts, seqs, scale, backend, window))
+        got = unpack(layouts, emulate_ranks(module, layouts, seqs, scale, backend, window))
         grads = {s: torch.randn_like(got[s]) for s in ids}
         torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
         for s in ids:
