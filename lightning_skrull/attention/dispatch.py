@@ -33,7 +33,7 @@ import torch
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.attention.context import current_attention_context
-from lightning_skrull.attention.flash import SINK_FIX, flash_attention, window_supported
+from lightning_skrull.attention.flash import flash_attention, window_supported
 from lightning_skrull.attention.schedule import LocalAttention
 from lightning_skrull.attention.sdpa import local_attention_heads_first, sdpa_attention
 
@@ -141,13 +141,8 @@ def skrull_attention_forward(
         backend = "sdpa"  # "auto": the same context serves sdpa (its tensors are a superset)
     if backend == "flash" and window is not None and ctx.auto and not window_supported():
         backend = "sdpa"  # "auto" with a kernel that takes no window: sdpa runs this layer
-    if backend == "flash" and sink is not None:
-        if not ctx.auto:
-            raise ValueError(
-                f"attention backend 'flash' cannot run {type(module).__name__}'s attention "
-                f"sinks (s_aux): the varlen kernels have no sink term; {SINK_FIX}."
-            )
-        backend = "sdpa"  # "auto": sdpa adds the sink as a key
+    if backend == "flash" and sink is not None and ctx.auto:
+        backend = "sdpa"  # "auto": sdpa adds the sink as a key; explicit flash refuses it
     # One dtype for all three (a no-op when they already have it); the cast's backward returns
     # each gradient in its input's dtype.
     query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
