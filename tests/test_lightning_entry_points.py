@@ -138,6 +138,14 @@ def _continued(
     return recorder.steps, _params(module, strategy)
 
 
+def _groups_made() -> int:
+    """Process groups this process holds (the default group included; Lightning's barrier
+    around ``prepare_data`` makes a gloo group and destroys it, so it is not counted)."""
+    from torch.distributed import distributed_c10d
+
+    return len(distributed_c10d._world.pg_map)
+
+
 def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for precision in PRECISIONS:
@@ -157,11 +165,15 @@ def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 precision=precision,
             )
             baseline = trainer.validate(module, _data())[0]["val_loss"]
+            groups = [_groups_made()]
             trainer.fit(module, _data())
+            groups.append(_groups_made())
             best = os.path.basename(kept[0].best_model_path)
             test_loss = trainer.test(module, _data(), ckpt_path="best")[0]["test_loss"]
+            groups.append(_groups_made())
             tested = _params(module, strategy)
             resumed_steps, resumed = _continued(name, precision, directory)
+            groups.append(_groups_made())
             run = {
                 "baseline": float(baseline),
                 "steps": recorder.steps,
@@ -172,6 +184,7 @@ def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
                 "tested_params": tested,
                 "resumed_steps": resumed_steps,
                 "resumed_params": resumed,
+                "groups": groups,
             }
             if precision != "32-true":  # the uninterrupted run the resumed one must equal
                 whole = os.path.join(directory, "uninterrupted")
@@ -232,6 +245,18 @@ def bf16_baseline(strategy: str) -> float:
     for parameter in model.parameters():
         parameter.data = parameter.data.to(torch.bfloat16)
     return mean_token_loss(model, VAL_DATA)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", CASES)
+def test_later_entry_points_reuse_the_process_groups(
+    ranks: list[dict[str, Any]], case: str
+) -> None:
+    # validate, fit, test on one Trainer and a fit on a new Trainer: each sets the strategy up
+    # anew; under NCCL every new group a rank joins would hold device memory until exit
+    for out in ranks:
+        groups = out[case]["groups"]
+        assert groups == [groups[0]] * len(groups), groups
 
 
 @pytest.mark.multiprocess

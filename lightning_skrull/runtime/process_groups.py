@@ -8,14 +8,49 @@ whenever ``cp_size`` divides the devices per node. ``cp_rank = rank % cp_size`` 
 The groups are made with plain :func:`torch.distributed.new_group` (every rank creates every
 group, in the same order, as ``new_group`` requires). A ``DeviceMesh`` would give the same groups
 but ties the layout to a device type; nothing here needs one.
+
+Groups are made once per default process group (:func:`once_per_world`): every ``trainer.fit``,
+``validate`` and ``test`` sets the strategy up anew, and under NCCL every new group a rank joins
+is a communicator holding device memory until the process ends. A script that fits and then
+tests, or a sweep of Trainers in one job, reuses the groups of the first instead. A new default
+group (after :func:`torch.distributed.destroy_process_group` and a new
+:func:`~torch.distributed.init_process_group`) gets new ones.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
+
+T = TypeVar("T")
+
+_PER_WORLD: dict[Hashable, tuple[Any, Any]] = {}
+"""``key -> (default process group, what was built for it)`` (:func:`once_per_world`)."""
+
+
+def once_per_world(key: Hashable, build: Callable[[], T]) -> T:
+    """``build()``, run once per default process group and ``key``, then reused.
+
+    ``build`` makes process groups (a collective: every rank calls this with the same keys in
+    the same order, as every rank sets the same strategy up). The result is reused while the
+    default group is the one it was built under; after the default group is destroyed and a
+    new one initialised, ``build`` runs again.
+
+    Args:
+        key: what was built (the kind and its sizes), e.g. ``("layout", cp_size)``.
+        build: makes it; called on a miss only.
+    """
+    world = dist.group.WORLD
+    hit = _PER_WORLD.get(key)
+    if hit is not None and hit[0] is world:
+        return hit[1]  # type: ignore[no-any-return]
+    value = build()
+    _PER_WORLD[key] = (world, value)
+    return value
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,7 +128,8 @@ def build_process_groups(cp_size: int) -> ParallelLayout:
     """Create the CP and DP groups of the current world and return this process's layout.
 
     Call it on every rank, after :func:`torch.distributed.init_process_group`, with the same
-    ``cp_size``: group creation is collective.
+    ``cp_size``: group creation is collective. The groups are made once per default process
+    group and ``cp_size`` and reused by later calls (:func:`once_per_world`).
 
     Args:
         cp_size: ranks per CP group; must divide the world size.
@@ -110,6 +146,12 @@ def build_process_groups(cp_size: int) -> ParallelLayout:
             "build_process_groups needs an initialised default process group; call "
             "torch.distributed.init_process_group(...) first."
         )
+    check_world(dist.get_world_size(), cp_size)
+    return once_per_world(("layout", cp_size), lambda: _new_layout(cp_size))
+
+
+def _new_layout(cp_size: int) -> ParallelLayout:
+    """New CP and DP groups of the current world (:func:`build_process_groups`)."""
     world_size = dist.get_world_size()
     rank = dist.get_rank()
     dp_rank, cp_rank = rank_coordinates(rank, world_size, cp_size)

@@ -56,6 +56,7 @@ from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
 from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_rank_zero
+from lightning_skrull.runtime.process_groups import once_per_world
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 
@@ -373,14 +374,20 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             shape: tuple[int, ...] = (layout.dp_size, layout.cp_size)
         else:
             shape = (layout.world_size,)
-        self._device_mesh = init_device_mesh(
-            device_type, shape, mesh_dim_names=MESH_AXES[self._shard]
+        names = MESH_AXES[self._shard]
+        # made once per default group and reused by later fits, validates and tests
+        # (runtime/process_groups.py): each new NCCL group would hold device memory
+        self._device_mesh = once_per_world(
+            ("mesh", device_type, shape, names),
+            lambda: init_device_mesh(device_type, shape, mesh_dim_names=names),
         )
         module = self.lightning_module
         if module is not None:
             module._device_mesh = self._device_mesh
         if layout.world_size > 1:  # a collective: every rank builds it in the same order
-            self._generation_group = dist.new_group(backend="gloo")
+            self._generation_group = once_per_world(
+                ("gloo",), lambda: dist.new_group(backend="gloo")
+            )
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
