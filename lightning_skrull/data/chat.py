@@ -2,9 +2,11 @@
 
 Only assistant turns are supervised: every other token (system and user turns, the template's
 role headers, the generation prompt that opens an assistant turn) gets label ``-100``. An
-assistant turn is supervised from the end of its generation prompt up to where the next message
-would start, so its content and the template's end-of-turn tokens are learned (the model learns to
-stop).
+assistant turn is supervised from the end of its generation prompt through its end-of-turn token
+(a special token; whitespace after it belongs to no turn), so its content and the end-of-turn
+token are learned (the model learns to stop). A template without end-of-turn token (GLM-4.5's)
+has the next message's role tag supervised instead, and ``eos_token`` appended after a last turn
+that nothing follows.
 
 Two ways to find the assistant tokens:
 - a template with ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``;
