@@ -12,6 +12,7 @@ from pathlib import Path
 import datasets
 import pytest
 from helpers import CHAT_VOCAB, CONVERSATION, PLAIN_TEMPLATE, make_tokenizer
+from transformers import PreTrainedTokenizerFast
 
 from lightning_skrull.data import load_sft_data, tokenize_chat
 from lightning_skrull.data.datamodule import SkrullDataModule
@@ -290,3 +291,154 @@ def test_tool_calls_are_supervised_and_tool_results_are_not() -> None:
     assert last == [
         CHAT_VOCAB[w] if sup and i >= 26 else -100 for i, (w, sup) in enumerate(TOOL_EXPECTED)
     ]
+
+
+def _word_tokenizer(
+    template: str, words: list[str], special: list[str], eos: str | None = None
+) -> PreTrainedTokenizerFast:
+    """A word-level tokenizer over ``words`` (split on spaces; a newline is a token of its own,
+    as in byte-level vocabularies) with ``special`` as special tokens."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+
+    vocab = {word: i for i, word in enumerate(["<unk>", "\n", *words, *special])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(" "), behavior="removed"),
+            pre_tokenizers.Split(Regex("\n"), behavior="isolated"),
+        ]
+    )
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": special, **({"eos_token": eos} if eos else {})}
+    )
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def _supervised(tokenizer: PreTrainedTokenizerFast, ids: list[int], labels: list[int]) -> list:
+    """``(token, supervised?)`` for each token of a sample."""
+    tokens = tokenizer.convert_ids_to_tokens(ids)
+    assert [label for label in labels if label != -100] == [
+        i for i, label in zip(ids, labels, strict=True) if label != -100
+    ]
+    return [(token, label != -100) for token, label in zip(tokens, labels, strict=True)]
+
+
+# The end-of-turn token is followed by a newline that belongs to no turn (Qwen's and Gemma's
+# templates render "<|im_end|>\n" / "<end_of_turn>\n"): the model stops at the end-of-turn token
+# and never emits that newline, so it is not supervised.
+NEWLINE_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}"
+)
+
+
+def test_whitespace_after_the_end_of_turn_token_is_not_supervised() -> None:
+    words = ["user", "assistant", "hi", "hello", "fine"]
+    tokenizer = _word_tokenizer(NEWLINE_TEMPLATE, words, ["<|im_start|>", "<|im_end|>"])
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    turn = [("<|im_start|>", False), ("user", False), ("hi", False), ("<|im_end|>", False)]
+    turn += [("\n", False), ("<|im_start|>", False), ("assistant", False)]
+    expected = [
+        *turn, ("hello", True), ("<|im_end|>", True), ("\n", False),
+        *turn, ("fine", True), ("<|im_end|>", True), ("\n", False),
+    ]  # fmt: skip
+    assert _supervised(tokenizer, *tokenize_chat(conversation, tokenizer)) == expected
+    last = [(t, s and i > 10) for i, (t, s) in enumerate(expected)]
+    assert (
+        _supervised(tokenizer, *tokenize_chat(conversation, tokenizer, chat_turns="last")) == last
+    )
+
+
+# No end-of-turn token (GLM-4.5's template): an assistant turn ends where the next message's role
+# tag starts, and the model hands the turn back by emitting that tag, so the tag is supervised; the
+# last turn, which nothing follows, ends with the eos_token. "</tool_call>" is an added token that
+# is not special: part of the text, not an end of turn.
+OPEN_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'user' %}<|user|> {{ m['content'] }} "
+    "{% else %}<|assistant|> {{ m['content'] }} {% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|> {% endif %}"
+)
+
+
+def test_a_template_without_end_of_turn_token_supervises_the_next_role_tag_and_eos() -> None:
+    tokenizer = _word_tokenizer(
+        OPEN_TEMPLATE, ["hi", "hello", "fine"], ["<|user|>", "<|assistant|>"], eos="<|endoftext|>"
+    )
+    tokenizer.add_tokens(["</tool_call>"])
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello </tool_call>"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    expected = [
+        ("<|user|>", False), ("hi", False), ("<|assistant|>", False),
+        ("hello", True), ("</tool_call>", True), ("<|user|>", True), ("hi", False),
+        ("<|assistant|>", False), ("fine", True), ("<|endoftext|>", True),
+    ]  # fmt: skip
+    assert _supervised(tokenizer, *tokenize_chat(conversation, tokenizer)) == expected
+    last = [(t, s and i > 6) for i, (t, s) in enumerate(expected)]
+    assert (
+        _supervised(tokenizer, *tokenize_chat(conversation, tokenizer, chat_turns="last")) == last
+    )
+    tokenizer.eos_token = None
+    with pytest.raises(ValueError, match=r"no end-of-turn token and the tokenizer has no eos_tok"):
+        tokenize_chat(conversation, tokenizer)
+
+
+# The template ends the conversation with eos_token when no generation prompt is asked for
+# (Phi-4-mini's): inside the conversation an earlier turn is the same without it.
+EOS_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant "
+    "{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def test_a_template_that_ends_the_conversation_with_eos_supervises_every_turn() -> None:
+    words = ["user", "assistant", "hi", "hello", "fine"]
+    tokenizer = _word_tokenizer(EOS_TEMPLATE, words, ["<|im_start|>", "<|im_end|>"], eos="</s>")
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    turn = [("<|im_start|>", False), ("user", False), ("hi", False), ("<|im_end|>", False)]
+    turn += [("<|im_start|>", False), ("assistant", False)]
+    expected = [
+        *turn, ("hello", True), ("<|im_end|>", True),
+        *turn, ("fine", True), ("<|im_end|>", True), ("</s>", True),
+    ]  # fmt: skip
+    assert _supervised(tokenizer, *tokenize_chat(conversation, tokenizer)) == expected
+
+
+# The generation prompt opens a reasoning block that finished turns do not show (DeepSeek-R1's
+# "<｜Assistant｜><think>\n" against "<｜Assistant｜>answer"): no turn can be located, the last
+# one neither, so chat_turns="last" is not offered as a fix.
+OPEN_THINK_TEMPLATE = (
+    "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|> "
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant <think> {% endif %}"
+)
+
+
+@pytest.mark.parametrize("turns", ["all", "last"])
+def test_a_generation_prompt_that_does_not_begin_the_turn_is_refused(turns: str) -> None:
+    tokenizer = make_tokenizer(OPEN_THINK_TEMPLATE)
+    with pytest.raises(ValueError) as caught:
+        tokenize_chat(CONVERSATION, tokenizer, where="sample 2", chat_turns=turns)  # type: ignore[arg-type]
+    message = str(caught.value)
+    turn = 2 if turns == "all" else 4
+    assert message.startswith(
+        f"sample 2: the chat template's generation prompt (messages 0..{turn - 1} rendered with "
+        f"add_generation_prompt=True) does not begin assistant turn {turn}"
+    )
+    assert "'<think> '" in message and "{% generation %}" in message and "labels" in message
+    assert "chat_turns='last'" not in message

@@ -2,9 +2,11 @@
 
 Only assistant turns are supervised: every other token (system and user turns, the template's
 role headers, the generation prompt that opens an assistant turn) gets label ``-100``. An
-assistant turn is supervised from the end of its generation prompt up to where the next message
-would start, so its content and the template's end-of-turn tokens are learned (the model learns to
-stop).
+assistant turn is supervised from the end of its generation prompt through its end-of-turn token
+(a special token; whitespace after it belongs to no turn), so its content and the end-of-turn
+token are learned (the model learns to stop). A template without end-of-turn token (GLM-4.5's)
+has the next message's role tag supervised instead, and ``eos_token`` appended after a last turn
+that nothing follows.
 
 Two ways to find the assistant tokens:
 - a template with ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``;
@@ -236,13 +238,17 @@ def _check_messages(
     return list(messages)
 
 
-_UNSTABLE_FIXES = (
-    "Fixes: chat_turns='last' supervises only each conversation's last assistant turn (exact "
-    "with any template); or use a template that renders every turn the same whatever follows, "
-    "with {% generation %} ... {% endgeneration %} around assistant output (for Qwen3, trl's "
+_LAST_FIX = (
+    "chat_turns='last' supervises only each conversation's last assistant turn (exact with any "
+    "template whose generation prompt begins the rendered turn); "
+)
+_TEMPLATE_FIXES = (
+    "use a template that renders every turn the same whatever follows, with {% generation %} ... "
+    "{% endgeneration %} around assistant output (for Qwen3, trl's "
     "get_training_chat_template(tokenizer) returns one); or pre-tokenise the data with your own "
     "labels."
 )
+_UNSTABLE_FIXES = f"Fixes: {_LAST_FIX}or {_TEMPLATE_FIXES}"
 
 
 def _divergence(first: str, second: str) -> str:
@@ -325,26 +331,76 @@ def tokenize_chat(
             conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
 
+    def prompt_begins_turn(turn: int) -> bool:
+        return render(messages[: turn + 1], False).startswith(render(messages[:turn], True))
+
     text = render(messages, False)
+    eos = getattr(tokenizer, "eos_token", None)
+    stops = _special_tokens(tokenizer)
     spans: list[tuple[int, int]] = []
     for turn in assistant_turns:
         before = render(messages[:turn], True)
         through = render(messages[: turn + 1], False)
         if not through.startswith(before):
+            last_helps = turns == "all" and prompt_begins_turn(assistant_turns[-1])
             raise ValueError(
-                f"{where}: the chat template renders messages 0..{turn - 1} differently once "
-                f"assistant turn {turn} follows (prompt {_divergence(before, through)}), so the "
-                f"turn's tokens cannot be located. {_UNSTABLE_FIXES}"
+                f"{where}: the chat template's generation prompt (messages 0..{turn - 1} rendered "
+                f"with add_generation_prompt=True) does not begin assistant turn {turn} as the "
+                f"template renders it ({_divergence(before, through)}), as with templates whose "
+                "generation prompt opens a reasoning block that they strip from finished turns "
+                "(DeepSeek-R1's '<think>\\n'), so the turn's tokens cannot be located. Fixes: "
+                f"{_LAST_FIX if last_helps else ''}{'or ' if last_helps else ''}{_TEMPLATE_FIXES}"
             )
+        end = len(through)
         if not text.startswith(through):
+            if eos and through.endswith(eos) and text.startswith(through[: -len(eos)]):
+                # the template ends the conversation with eos_token (Phi-4-mini's): inside the
+                # conversation the turn is the same without it
+                end -= len(eos)
+            else:
+                raise ValueError(
+                    f"{where}: the chat template renders assistant turn {turn} differently when "
+                    f"later messages follow it (as the last message vs inside the conversation: "
+                    f"{_divergence(through, text)}), as templates do that show reasoning only on "
+                    "the turns after the last user message (Qwen3's), end only the last turn with "
+                    "the end-of-generation token (gpt-oss's <|return|>), or list the tools before "
+                    f"the last user message (Mistral's). {_UNSTABLE_FIXES}"
+                )
+        spans.append((len(before), _turn_end(text, len(before), end, stops)))
+    start, end = spans[-1] if spans else (0, 0)
+    if spans and end == len(text) and not any(text.endswith(stop) for stop in stops):
+        # the template ends assistant turns with no end-of-turn token (GLM-4.5's: the model hands
+        # the turn back by emitting the next role tag), and no message follows the last one
+        if not eos:
             raise ValueError(
-                f"{where}: the chat template renders assistant turn {turn} differently when later "
-                f"messages follow it (as the last message vs inside the conversation: "
-                f"{_divergence(through, text)}), as templates do that show reasoning only on the "
-                f"turns after the last user message (Qwen3's). {_UNSTABLE_FIXES}"
+                f"{where}: the chat template ends assistant turn {assistant_turns[-1]} with no "
+                "end-of-turn token and the tokenizer has no eos_token, so the model would not "
+                "learn to stop. Set tokenizer.eos_token to the token that ends a reply, or "
+                "pre-tokenise the data with your own labels."
             )
-        spans.append((len(before), len(through)))
+        text += eos
+        spans[-1] = (start, len(text))
     return _label_spans(tokenizer, text, spans)
+
+
+def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
+    """The tokenizer's special tokens, where chat templates' end-of-turn tokens and role tags are
+    (added tokens not marked special, such as Qwen's ``</tool_call>``, are part of the text)."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    special = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
+    return tuple(token for token in special if token)
+
+
+def _turn_end(text: str, start: int, end: int, stops: Sequence[str]) -> int:
+    """Where the assistant turn ``text[start:end]`` ends as the model must emit it: after its
+    end-of-turn token (a special token; whitespace the template puts after it belongs to no
+    turn), or, when the template renders no such token, after the token that opens the next
+    message (the model hands the turn back by emitting it)."""
+    body = text[start:end].rstrip()
+    if any(body.endswith(stop) for stop in stops):
+        return start + len(body)
+    following = [stop for stop in stops if text.startswith(stop, end)]
+    return end + max(map(len, following), default=0)
 
 
 def _label_spans(
