@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 AVERAGING_CALLBACKS = (WeightAveraging, StochasticWeightAveraging)
 """Lightning's callbacks that keep an averaged copy of the LightningModule."""
 
+
 def averaging_callbacks(trainer: pl.Trainer) -> list[Callback]:
     """The Trainer's weight-averaging callbacks (:data:`AVERAGING_CALLBACKS`)."""
     return [cb for cb in trainer.callbacks if isinstance(cb, AVERAGING_CALLBACKS)]  # type: ignore[attr-defined]
