@@ -72,6 +72,10 @@ from lightning_skrull.runtime.process_groups import ParallelLayout, build_proces
 from lightning_skrull.scheduling import CostModel
 from lightning_skrull.strategies.calibration import CHECKPOINT_KEY, StepCalibration
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
+from lightning_skrull.strategies.weight_averaging import (
+    check_averaged_pairs,
+    refuse_weight_averaging,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -124,6 +128,11 @@ class SkrullStrategyMixin(ParallelStrategy):
     requires_equal_micro_batches: bool = False
     """Whether every DP rank must run the same number of micro-batches per step (ZeRO-2
     reduces gradients in every backward, so it does; DDP syncs only the last)."""
+
+    weight_averaging_refusal: str | None = None
+    """Why Lightning's weight-averaging callbacks cannot run under this strategy (refused at
+    setup, :func:`~lightning_skrull.strategies.weight_averaging.refuse_weight_averaging`), or
+    ``None`` where they average exactly what one process would."""
 
     def _init_skrull(self, config: SkrullConfig) -> None:
         if config.chunked_loss:
@@ -270,6 +279,8 @@ class SkrullStrategyMixin(ParallelStrategy):
                 f"{device_type}; give bucket_size as a number of tokens per CP rank (or None to "
                 "fit the longest sequence of the data)."
             )
+        if self.weight_averaging_refusal is not None:
+            refuse_weight_averaging(trainer, type(self).__name__, self.weight_averaging_refusal)
         module = trainer.lightning_module
         _refuse_metrics_synced_on_step(module)
         if not module.automatic_optimization:
@@ -772,6 +783,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._train_mode_for_fit(trainer)
         self._refuse_meta_tensors()
         super().setup(trainer)
+        check_averaged_pairs(trainer, self._attached_module, type(self).__name__)
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
         self._setup_calibration(trainer)

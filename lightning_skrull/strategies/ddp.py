@@ -29,6 +29,7 @@ from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.models.multimodal import text_only_unused_parameters
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
+from lightning_skrull.strategies.weight_averaging import match_averaged_dtypes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -186,6 +187,11 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         if precision not in FLOAT32_MASTER_PRECISIONS or self.model is None:
             return
         cast = cast_trainable_parameters(self.model, torch.float32, from_dtypes=HALF_DTYPES)
+        module = self.lightning_module
+        if cast and module is not None and module._trainer is not None:
+            # a weight-averaging callback copied the module before this cast: its copy steps
+            # alike, or it would average in bf16 and round these weights in every swap
+            match_averaged_dtypes(module._trainer, self.model)
         if cast:
             rank_zero_info(
                 f"{type(self).__name__}: cast {cast} trainable bf16/fp16 parameters to float32 "

@@ -160,11 +160,20 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
     Raises:
         ValueError: a bad Skrull option, ``stage`` other than 2, or a config with ZeRO-3; when
             fitting from ``ckpt_path``, a checkpoint written by another number of processes
-            (its optimizer partitions cannot be split anew; ``cp_size`` may change).
+            (its optimizer partitions cannot be split anew; ``cp_size`` may change), or a
+            Lightning weight-averaging callback (see :attr:`weight_averaging_refusal`).
     """
 
     strategy_name = "skrull_zero2"
     requires_equal_micro_batches = True
+    weight_averaging_refusal = (
+        "DeepSpeed keeps the weights the optimizer steps (float32 masters in its partitions) "
+        "and the checkpoint apart from the module, so the average is lost from checkpoints "
+        "(Lightning's DeepSpeedStrategy saves no 'state_dict', and resuming fails with "
+        "KeyError: 'state_dict'), and the average the callback copies into the module when "
+        "training ends never reaches the master weights that save_pretrained writes and a "
+        "further fit steps"
+    )
 
     def __init__(
         self,

@@ -263,10 +263,18 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
 
     Raises:
         ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``; at setup,
-            meta tensors on global rank 0 or outside the Hugging Face model.
+            meta tensors on global rank 0 or outside the Hugging Face model, or a Lightning
+            weight-averaging callback (``EMAWeightAveraging``, ``WeightAveraging``,
+            ``StochasticWeightAveraging``; see :attr:`weight_averaging_refusal`).
     """
 
     strategy_name = "skrull_fsdp"
+    weight_averaging_refusal = (
+        "the callback copies the whole module before this strategy shards it, and then pairs "
+        "the copy's full tensors with this rank's DTensor shards (torch stops at the first "
+        "update: 'mixed torch.Tensor and DTensor'); averaging sharded weights would need a "
+        "sharded copy, which the callback does not make"
+    )
     # FSDP2 sets the sharded parameters' gradients itself after its reduce-scatter (no
     # gradient-accumulation hook fires), so the last micro-batch's backward cannot be told apart
     # from the DP all-reduce and the optimizer step: online calibration times only the earlier

@@ -1,0 +1,365 @@
+"""Lightning's weight-averaging callbacks under the Skrull strategies.
+
+Lightning's ``EMAWeightAveraging`` copies the LightningModule in ``setup("fit")``, before the
+strategy's setup, updates the copy after each optimizer step, swaps it in around validation
+(pairing the copy's tensors with the module's by position), copies it in when training ends and
+keeps it in checkpoints. The module stays plain: ``return self.model(**batch).loss``.
+
+One spawn of 4 processes (DP=2 x CP=2, ``SkrullStrategy``) runs three fits of 3 steps with an
+EMA of decay :data:`DECAY` and a validation after step 2: ``32-true`` with a checkpoint after
+every step, the same fit resumed from the checkpoint of step 1, and ``bf16-mixed`` with the
+model's parameters in bf16 as a released checkpoint holds them (the strategy casts them to float32
+master weights after the callback copied the module, and must cast the copy alike). The DP ranks
+run different numbers of micro-batches (asserted). Each is compared with the EMA of plain Hugging
+Face training on one process over the same global batches (eager attention, one sequence at a
+time, the summed token loss over the global batch's supervised tokens, SGD).
+
+``SkrullFSDPStrategy`` and ``SkrullZero2Strategy`` refuse the callbacks at setup (one process
+each); the pairing check is tested on its own.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import types
+from typing import Any
+
+import lightning.pytorch as L
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    BUCKET,
+    GLOBAL_BATCH,
+    LR,
+    PlainLM,
+    cpu_trainer,
+    float64_params,
+    make_data,
+    max_diff,
+    one_thread,
+    reference_loss,
+    reference_model,
+    token_loss_sum,
+)
+from lightning.pytorch.callbacks import (
+    EMAWeightAveraging,
+    ModelCheckpoint,
+    StochasticWeightAveraging,
+)
+from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+
+from lightning_skrull.runtime.launch import spawn
+
+STEPS = 3  # make_data()'s 24 samples in dataset order: one epoch of 3 global batches
+DECAY = 0.5  # far from 1, so the average differs from both the first and the last weights
+VALIDATE_AFTER = 2  # val_check_interval: one validation, after step 2
+RESUME_FROM = 1  # the resumed fit starts from the checkpoint written after step 1
+VAL_DATA = make_data(GLOBAL_BATCH, seed=1)
+# float32: the packed, sharded run sums the same token terms in another order than the
+# reference and DDP averages gradients over 4 ranks; the EMA is a fixed linear combination of
+# the weights, so it inherits their float32 rounding (measured max difference 8.9e-8).
+PARAM_ATOL = 1e-5
+# a loss from float32 sums in another order (measured relative difference 6.5e-8)
+LOSS_REL = 1e-5
+# a resumed fit plans its global batches with a cost model refitted from its own timings (online
+# calibration), so its micro-batches, and the order the token terms are summed in, may differ
+# from the uninterrupted fit's (measured max differences 3.7e-9 and 7.5e-9, one or two float32
+# ulps of these weights)
+RESUME_ATOL = 1e-7
+# how far apart the reference's EMA and its last weights are (measured 1.35e-2): the average is
+# not the weights, and the tolerances above tell them apart a thousandfold
+EMA_IS_NOT_THE_WEIGHTS = 1e-2
+
+
+# ----------------------------------------------------------------------------- 4 ranks
+class AverageRecorder(L.Callback):
+    """What the average and the module hold: after each step, around the validation (whose
+    hooks run after the EMA callback's swap) and when training ends (after its copy-in)."""
+
+    def __init__(self, ema: EMAWeightAveraging) -> None:
+        self.ema = ema
+        self.steps: list[dict[str, Any]] = []
+        self.validations: list[dict[str, Any]] = []
+        self.copy_dtypes: list[str] = []
+        self.final: dict[str, np.ndarray] = {}
+
+    def _copy(self) -> Any:
+        average = self.ema._average_model
+        assert average is not None
+        return average.module
+
+    def on_train_start(self, trainer: Any, module: Any) -> None:
+        self.copy_dtypes = sorted({str(p.dtype) for p in self._copy().parameters()})
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        self.steps.append(
+            {
+                "average": float64_params(self._copy().model),
+                "live": float64_params(module.model),
+                "run": len(batch.rank_batch.micro_batches),
+                "max": batch.stats.max_micro_batches,
+                "min": batch.stats.min_micro_batches,
+            }
+        )
+
+    def on_validation_epoch_start(self, trainer: Any, module: Any) -> None:
+        self.validations.append({"step": trainer.global_step, "seen": float64_params(module.model)})
+
+    def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.validations[-1]["after"] = float64_params(module.model)
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        self.validations[-1]["val_loss"] = float(trainer.callback_metrics["val_loss"])
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self.final = float64_params(module.model)
+
+
+def _fit(
+    precision: str, *, save_to: str | None = None, ckpt_path: str | None = None
+) -> dict[str, Any]:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    ema = EMAWeightAveraging(decay=DECAY)
+    recorder = AverageRecorder(ema)
+    callbacks: list[Any] = [ema, recorder]  # the recorder's hooks run after the EMA's
+    if save_to is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=save_to, filename="{step}", every_n_train_steps=1, save_top_k=-1
+            )
+        )
+    trainer = cpu_trainer(
+        SkrullStrategy(cp_size=2, bucket_size=BUCKET),
+        max_steps=STEPS,
+        precision=precision,
+        callbacks=callbacks,
+        enable_checkpointing=save_to is not None,
+        limit_val_batches=1,
+        val_check_interval=VALIDATE_AFTER,
+    )
+    module = PlainLM()
+    if precision == "bf16-mixed":
+        # parameters in bf16, buffers float32: what from_pretrained gives for a bf16 checkpoint
+        for p in module.model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    data = SkrullDataModule(
+        train_data=make_data(),
+        val_data=VAL_DATA,
+        global_batch_size=GLOBAL_BATCH,
+        val_global_batch_size=GLOBAL_BATCH,
+        shuffle=False,
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return {
+        "steps": recorder.steps,
+        "validations": recorder.validations,
+        "copy_dtypes": recorder.copy_dtypes,
+        "final": recorder.final,
+    }
+
+
+def _cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
+    out = {"32-true": _fit("32-true", save_to=checkpoint_dir)}
+    resume = os.path.join(checkpoint_dir, f"step={RESUME_FROM}.ckpt")
+    out["resumed"] = _fit("32-true", ckpt_path=resume)
+    out["bf16-mixed"] = _fit("bf16-mixed")
+    return out
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    checkpoint_dir = str(tmp_path_factory.mktemp("ema_checkpoints"))
+    return spawn(_cases, 4, checkpoint_dir, timeout=600)
+
+
+# ----------------------------------------------------------------------------- references
+@functools.cache
+def reference_weights(*, autocast: bool, bf16_start: bool) -> list[dict[str, np.ndarray]]:
+    """The parameters before and after each of :data:`STEPS` steps of plain HF training on one
+    process (float64 arrays); ``bf16_start``: from the initial parameters rounded to bf16 (a
+    bf16 checkpoint's), float32 from there; ``autocast``: the forward under bf16 autocast."""
+    data = make_data()
+    model = reference_model()
+    if bf16_start:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.copy_(p.to(torch.bfloat16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    weights = [float64_params(model)]
+    with one_thread():
+        for step in range(STEPS):
+            total, tokens = torch.zeros(()), 0
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
+                    loss, n = token_loss_sum(model, sample)
+                    total, tokens = total + loss, tokens + n
+            optimizer.zero_grad()
+            (total / tokens).backward()
+            optimizer.step()
+            weights.append(float64_params(model))
+    return weights
+
+
+def exponential_average(weights: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    """``torch.optim.swa_utils.get_ema_avg_fn(DECAY)`` over ``weights``: the first as it is,
+    then ``DECAY * average + (1 - DECAY) * weights``."""
+    average = dict(weights[0])
+    for w in weights[1:]:
+        average = {k: DECAY * average[k] + (1 - DECAY) * w[k] for k in average}
+    return average
+
+
+def reference_ema(step: int, **kind: bool) -> dict[str, np.ndarray]:
+    """The EMA after ``step`` optimizer steps (updated after each, from the first)."""
+    return exponential_average(reference_weights(**kind)[1 : step + 1])
+
+
+FLOAT32 = {"autocast": False, "bf16_start": False}
+
+
+# ----------------------------------------------------------------------------- tests
+@pytest.mark.multiprocess
+def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]]) -> None:
+    for run in ("32-true", "bf16-mixed"):
+        steps = [out[run]["steps"] for out in ranks]
+        assert any(s["max"] != s["min"] for s in steps[0])
+        # DP rank 0 (processes 0, 1) and DP rank 1 (processes 2, 3) ran different counts
+        runs = [[s["run"] for s in rank_steps] for rank_steps in steps]
+        assert runs[0] == runs[1] and runs[2] == runs[3] and runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+def test_ema_equals_single_process_ema_float32(ranks: list[dict[str, Any]]) -> None:
+    final_weights = reference_weights(**FLOAT32)[-1]
+    assert max_diff(reference_ema(STEPS, **FLOAT32), final_weights) > EMA_IS_NOT_THE_WEIGHTS
+    for out in ranks:
+        run = out["32-true"]
+        assert run["copy_dtypes"] == ["torch.float32"]
+        for step, recorded in enumerate(run["steps"], start=1):
+            assert max_diff(recorded["live"], reference_weights(**FLOAT32)[step]) < PARAM_ATOL
+            assert max_diff(recorded["average"], reference_ema(step, **FLOAT32)) < PARAM_ATOL
+        # the module holds the average after training, exactly
+        assert max_diff(run["final"], run["steps"][-1]["average"]) == 0.0
+
+
+@pytest.mark.multiprocess
+def test_validation_sees_the_average_and_training_gets_its_weights_back(
+    ranks: list[dict[str, Any]],
+) -> None:
+    expected = reference_ema(VALIDATE_AFTER, **FLOAT32)
+    val_loss = reference_loss({k: v.astype(np.float32) for k, v in expected.items()}, VAL_DATA)
+    for out in ranks:
+        for run in ("32-true", "bf16-mixed"):
+            (validation,) = out[run]["validations"]
+            assert validation["step"] == VALIDATE_AFTER
+            step = out[run]["steps"][VALIDATE_AFTER - 1]
+            # the swap puts the average in, exactly, and gives the training weights back,
+            # exactly (a bf16 copy of float32 weights would round them here)
+            assert max_diff(validation["seen"], step["average"]) == 0.0
+            assert max_diff(validation["after"], step["live"]) == 0.0
+        (validation,) = out["32-true"]["validations"]
+        assert max_diff(validation["seen"], expected) < PARAM_ATOL
+        # the synced validation loss is the plain model's under the averaged weights
+        assert validation["val_loss"] == pytest.approx(val_loss, rel=LOSS_REL)
+
+
+@pytest.mark.multiprocess
+def test_resumed_fit_continues_the_same_average(ranks: list[dict[str, Any]]) -> None:
+    """The checkpoint of step 1 holds the average (in ``state_dict``) and the training weights
+    (``current_model_state``); the fit resumed from it runs steps 2 and 3 as the uninterrupted
+    fit did: the same average, to float32 rounding (:data:`RESUME_ATOL`)."""
+    for out in ranks:
+        whole, resumed = out["32-true"], out["resumed"]
+        assert len(resumed["steps"]) == STEPS - RESUME_FROM
+        for a, b in zip(whole["steps"][RESUME_FROM:], resumed["steps"], strict=True):
+            assert max_diff(a["live"], b["live"]) < RESUME_ATOL
+            assert max_diff(a["average"], b["average"]) < RESUME_ATOL
+        assert max_diff(whole["final"], resumed["final"]) < RESUME_ATOL
+        assert max_diff(resumed["final"], reference_ema(STEPS, **FLOAT32)) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+def test_ema_bf16_mixed_from_bf16_weights(ranks: list[dict[str, Any]]) -> None:
+    """A bf16-mixed fit of parameters loaded in bf16: the strategy casts them to float32 after
+    the callback copied the module, and casts the copy alike, so the EMA accumulates in float32.
+    Its update from the start is held to the 16-bit rule of tests/test_precision_matrix.py
+    against the EMA of float32 training from the same bf16 start: distance at most
+    ``RATIO`` x the single-process bf16-autocast EMA's distance + ``FLOOR``. Measured: d(cell)
+    3.2e-3, d(ref) 4.3e-3, bound 9.6e-3; an update 5% too large would be at 5.0e-2."""
+    float32 = {"autocast": False, "bf16_start": True}
+    autocast = {"autocast": True, "bf16_start": True}
+    start = reference_weights(**float32)[0]
+    delta_fp32 = update(start, reference_ema(STEPS, **float32))
+    own = relative_distance(update(start, reference_ema(STEPS, **autocast)), delta_fp32)
+    bound = RATIO * own + FLOOR
+    for out in ranks:
+        run = out["bf16-mixed"]
+        assert run["copy_dtypes"] == ["torch.float32"]  # cast with the master weights
+        distance = relative_distance(update(start, run["final"]), delta_fp32)
+        assert distance <= bound, (distance, own, bound)
+
+
+# ----------------------------------------------------------------------------- one process
+def _refused_fit(strategy: Any, callback: L.Callback) -> None:
+    from lightning_skrull import SkrullDataModule
+
+    trainer = cpu_trainer(strategy, max_steps=1, callbacks=[callback])
+    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH)
+    trainer.fit(PlainLM(), data)
+
+
+@pytest.mark.parametrize(
+    "callback",
+    [EMAWeightAveraging(decay=DECAY), StochasticWeightAveraging(swa_lrs=LR)],
+    ids=["ema", "swa"],
+)
+def test_fsdp_refuses_weight_averaging_at_setup(world_of_one: None, callback: Any) -> None:
+    from lightning_skrull import SkrullFSDPStrategy
+
+    name = type(callback).__name__
+    with pytest.raises(ValueError, match=rf"{name} cannot .*SkrullFSDPStrategy.*DTensor shards"):
+        _refused_fit(SkrullFSDPStrategy(bucket_size=80), callback)
+
+
+def test_zero2_refuses_weight_averaging_at_setup(world_of_one: None) -> None:
+    from lightning_skrull import SkrullZero2Strategy
+
+    with pytest.raises(
+        ValueError,
+        match=r"EMAWeightAveraging cannot .*SkrullZero2Strategy.*save_pretrained.*SkrullStrategy",
+    ):
+        _refused_fit(SkrullZero2Strategy(bucket_size=80), EMAWeightAveraging(decay=DECAY))
+
+
+def test_pairing_check_refuses_a_copy_that_no_longer_matches() -> None:
+    """The callbacks zip the copy's tensors with the module's by position: a tensor the module
+    gained after the copy, or a copy narrower than the module's dtype, is refused."""
+    from lightning_skrull.strategies.weight_averaging import (
+        check_averaged_pairs,
+        match_averaged_dtypes,
+    )
+
+    module = PlainLM()
+    ema = EMAWeightAveraging(decay=DECAY)
+    trainer = types.SimpleNamespace(callbacks=[ema])
+    ema.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    check_averaged_pairs(trainer, module, "S")  # type: ignore[arg-type]
+    module.model.model.embed_tokens.register_buffer("scale", torch.ones(1))
+    with pytest.raises(
+        RuntimeError, match=r"EMAWeightAveraging pairs .*after S's setup.*embed_tokens.scale"
+    ):
+        check_averaged_pairs(trainer, module, "S")  # type: ignore[arg-type]
+
+    module = PlainLM()
+    module.model.to(torch.bfloat16)
+    ema.setup(trainer, module, "fit")  # type: ignore[arg-type]
+    module.model.lm_head.float()  # as the float32 master cast does, after the copy was made
+    with pytest.raises(RuntimeError, match=r"'model.lm_head.weight' is torch.bfloat16"):
+        check_averaged_pairs(trainer, module, "S")  # type: ignore[arg-type]
+    assert match_averaged_dtypes(trainer, module) == 1  # type: ignore[arg-type]
+    check_averaged_pairs(trainer, module, "S")  # type: ignore[arg-type]
