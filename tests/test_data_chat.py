@@ -442,3 +442,52 @@ def test_a_generation_prompt_that_does_not_begin_the_turn_is_refused(turns: str)
     )
     assert "'<think> '" in message and "{% generation %}" in message and "labels" in message
     assert "chat_turns='last'" not in message
+
+
+# {% generation %} around the whole assistant turn, role header and empty thinking block included,
+# and the newline after the end-of-turn token (as SmolLM3's template marks it with reasoning off):
+# the marked run is trimmed to what the prefix rendering supervises. The generation prompt
+# ("<|im_start|> assistant <think> </think>") is given to the model at inference, so it is not
+# learned, and the newline after "<|im_end|>" is never emitted.
+WHOLE_TURN_GENERATION_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}{% generation %}"
+    "<|im_start|> assistant <think> </think> {{ m['content'] }} <|im_end|>\n{% endgeneration %}"
+    "{% else %}<|im_start|> {{ m['role'] }} {{ m['content'] }} <|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|> assistant <think> </think> {% endif %}"
+)
+
+
+def test_a_generation_run_is_trimmed_to_the_turn_after_the_generation_prompt() -> None:
+    words = ["user", "assistant", "<think>", "</think>", "hi", "hello", "fine"]
+    special = ["<|im_start|>", "<|im_end|>"]
+    tokenizer = _word_tokenizer(WHOLE_TURN_GENERATION_TEMPLATE, words, special)
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    turn = [("<|im_start|>", False), ("user", False), ("hi", False), ("<|im_end|>", False)]
+    turn += [("\n", False), ("<|im_start|>", False), ("assistant", False)]
+    turn += [("<think>", False), ("</think>", False)]
+    expected = [
+        *turn, ("hello", True), ("<|im_end|>", True), ("\n", False),
+        *turn, ("fine", True), ("<|im_end|>", True), ("\n", False),
+    ]  # fmt: skip
+    assert _supervised(tokenizer, *tokenize_chat(conversation, tokenizer)) == expected
+    last = [(t, s and i > 12) for i, (t, s) in enumerate(expected)]
+    assert (
+        _supervised(tokenizer, *tokenize_chat(conversation, tokenizer, chat_turns="last")) == last
+    )
+    # the same labels as the prefix rendering of the template without the markers
+    plain = _word_tokenizer(
+        WHOLE_TURN_GENERATION_TEMPLATE.replace("{% generation %}", "").replace(
+            "{% endgeneration %}", ""
+        ),
+        words,
+        special,
+    )
+    for turns in ("all", "last"):
+        assert tokenize_chat(conversation, plain, chat_turns=turns) == tokenize_chat(
+            conversation, tokenizer, chat_turns=turns
+        )

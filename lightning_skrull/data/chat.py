@@ -9,7 +9,9 @@ has the next message's role tag supervised instead, and ``eos_token`` appended a
 that nothing follows.
 
 Two ways to find the assistant tokens:
-- a template with ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``;
+- a template with ``{% generation %}`` markers: transformers' ``return_assistant_tokens_mask``,
+  each marked run trimmed as below (a template that marks its whole turn, role header and the
+  newline after the end-of-turn token included, as SmolLM3's does, is supervised the same);
 - any other template: the conversation is rendered once whole and once per assistant turn as a
   prefix (``messages[:i]`` with the generation prompt, then ``messages[: i + 1]``); the character
   span between the two prefixes is the turn, and tokens overlapping it (by the fast tokenizer's
@@ -323,8 +325,7 @@ def tokenize_chat(
         mask = list(out["assistant_masks"])
         if turns == "last":
             mask = _last_run(mask)
-        labels = [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
-        return ids, labels
+        return _trim_generation_runs(tokenizer, messages, ids, mask, assistant_turns, kwargs)
 
     def render(conversation: list[Mapping[str, Any]], add_generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(
@@ -380,6 +381,55 @@ def tokenize_chat(
             )
         text += eos
         spans[-1] = (start, len(text))
+    return _label_spans(tokenizer, text, spans)
+
+
+def _trim_generation_runs(
+    tokenizer: Any,
+    messages: list[Mapping[str, Any]],
+    ids: list[int],
+    mask: list[int],
+    assistant_turns: Sequence[int],
+    kwargs: Mapping[str, Any],
+) -> tuple[list[int], list[int]]:
+    """Labels from a ``{% generation %}`` mask, each marked run trimmed to the assistant turn as
+    the prefix rendering supervises it: without the generation prompt at its start (a template
+    may mark its whole turn, role header included, as SmolLM3's does) and without whitespace after
+    its end-of-turn token (see :func:`_turn_end`)."""
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=False, **kwargs
+    )
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    offsets = encoding["offset_mapping"]
+    if list(encoding["input_ids"]) != ids:  # pragma: no cover - same text, same tokenizer
+        return ids, [t if m else IGNORE_INDEX for t, m in zip(ids, mask, strict=True)]
+    prompts = set()
+    for turn in assistant_turns:
+        without = tokenizer.apply_chat_template(
+            messages[:turn], tokenize=False, add_generation_prompt=False, **kwargs
+        )
+        with_prompt = tokenizer.apply_chat_template(
+            messages[:turn], tokenize=False, add_generation_prompt=True, **kwargs
+        )
+        if with_prompt.startswith(without) and len(with_prompt) > len(without):
+            prompts.add(with_prompt[len(without) :])
+    stops = _special_tokens(tokenizer)
+    spans: list[tuple[int, int]] = []
+    position = 0
+    while position < len(mask):
+        if not mask[position]:
+            position += 1
+            continue
+        first = position
+        while position < len(mask) and mask[position]:
+            position += 1
+        start, end = offsets[first][0], offsets[position - 1][1]
+        start += max((len(p) for p in prompts if text.startswith(p, start)), default=0)
+        body = text[start:end].rstrip()
+        if any(body.endswith(stop) for stop in stops):
+            end = start + len(body)
+        if start < end:
+            spans.append((start, end))
     return _label_spans(tokenizer, text, spans)
 
 
