@@ -5,10 +5,19 @@ Used by the multi-process tests and the CPU benchmarks: each process gets ``rank
 destroyed after it, and the function's return values come back in rank order. An exception on
 any rank is re-raised in the caller with that rank's traceback; a rank that hangs is killed
 after ``timeout`` seconds.
+
+The processes start from a fork server that has imported torch, transformers, Lightning and
+this package once (``multiprocessing``'s ``"forkserver"`` start method with those modules
+preloaded), so each process skips the imports that a ``"spawn"`` start repeats: a few seconds per
+process on an idle machine, and most of a multi-process test's set-up on a busy one. Nothing of
+the caller's state reaches the processes but the pickled function and arguments, as with
+``"spawn"`` (the environment is the caller's at the call, not the fork server's); the fork
+server runs no torch operation before it forks, so no thread pool is copied. Where a platform has no fork server (Windows), ``"spawn"`` is used.
 """
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import socket
 import time
@@ -20,6 +29,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+PRELOADED = ("torch", "torch.distributed", "transformers", "lightning.pytorch", "lightning_skrull")
+"""What the fork server imports once, before it forks the processes of :func:`spawn`."""
+
+
+def _context(start_method: str) -> Any:
+    """The multiprocessing context of ``start_method`` (``"forkserver"``: with
+    :data:`PRELOADED` imported in the fork server; ``"spawn"`` where there is no fork server)."""
+    if start_method == "forkserver" and "forkserver" not in multiprocessing.get_all_start_methods():
+        start_method = "spawn"  # pragma: no cover - Windows
+    ctx = mp.get_context(start_method)
+    if start_method == "forkserver":
+        # takes effect when the fork server starts (the first spawn of this process)
+        ctx.set_forkserver_preload(list(PRELOADED))
+    return ctx
 
 
 def free_port() -> int:
@@ -38,7 +62,12 @@ def _worker(
     args: tuple[Any, ...],
     queue: Any,
     pg_timeout_s: float,
+    environ: dict[str, str],
 ) -> None:
+    # the caller's environment now (a fork server's children inherit the server's, from its
+    # start), as a spawned process would
+    os.environ.clear()
+    os.environ.update(environ)
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     os.environ["MASTER_PORT"] = str(port)
     os.environ["RANK"] = str(rank)
@@ -69,10 +98,21 @@ def spawn(
     *args: Any,
     backend: str = "gloo",
     timeout: float = 300.0,
+    start_method: str = "forkserver",
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
     ``fn`` must be importable (a module-level function) and its arguments and result picklable.
+
+    Args:
+        fn: run on every process as ``fn(rank, world_size, *args)``, in an initialised process
+            group.
+        world_size: number of processes.
+        args: further arguments of ``fn``.
+        backend: the process group's backend.
+        timeout: seconds before every process is killed.
+        start_method: ``"forkserver"`` (the modules in :data:`PRELOADED` imported once) or
+            ``"spawn"`` (every process imports everything itself).
 
     Returns:
         The return values, indexed by rank.
@@ -80,16 +120,32 @@ def spawn(
     Raises:
         DistributedRunError: a rank raised (its traceback is in the message) or the run took
             longer than ``timeout`` seconds (every process is then killed).
+        ValueError: ``world_size < 1`` or another ``start_method``.
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}.")
-    ctx = mp.get_context("spawn")
+    if start_method not in ("forkserver", "spawn"):
+        raise ValueError(
+            f"start_method must be 'forkserver' or 'spawn', got {start_method!r} ('fork' would "
+            "copy the caller's torch state, thread pools included, into every process)."
+        )
+    ctx = _context(start_method)
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
         ctx.Process(
             target=_worker,
-            args=(rank, world_size, port, backend, fn, args, queue, max(30.0, timeout / 2)),
+            args=(
+                rank,
+                world_size,
+                port,
+                backend,
+                fn,
+                args,
+                queue,
+                max(30.0, timeout / 2),
+                dict(os.environ),
+            ),
             daemon=False,
         )
         for rank in range(world_size)
