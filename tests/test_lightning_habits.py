@@ -1,8 +1,10 @@
 """Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping (by norm
 and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelCheckpoint`` on
 ``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``),
-Lightning's ``ThroughputMonitor`` with model FLOPs, with DP ranks that run different numbers of
-micro-batches.
+Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learning-rate finder,
+``max_time`` and ``OnExceptionCheckpoint`` (and resuming from what they leave),
+``detect_anomaly``, ``deterministic``, the simple profiler and a ``CSVLogger``, with DP ranks that
+run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed``; the bytes the CP groups exchange are counted in both. The data is built so that
@@ -936,3 +938,30 @@ def test_batch_flops_and_throughput_figures_on_every_rank() -> None:
     bare = SkrullBatch(batches[0].rank_batch, batches[0].stats, 0, 0)
     with pytest.raises(ValueError, match="no cost model or no sequence lengths"):
         bare.flops_per_device()
+
+
+def test_batch_size_finder_is_refused_before_any_step(world_of_one: None, tmp_path: Any) -> None:
+    """The batch of a step is ``SkrullDataModule(global_batch_size=...)``, not a loader's batch
+    size: Lightning refuses its batch-size finder, as a Tuner call and as a callback, under any
+    data-parallel strategy, before a step runs."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy, SkrullStrategy
+
+    def data() -> SkrullDataModule:
+        return SkrullDataModule(train_data=make_data(1, seed=0), global_batch_size=len(LENGTHS))
+
+    module = PlainLM()
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=64), max_steps=1)
+    with pytest.raises(ValueError, match="batch size is currently not supported with distributed"):
+        Tuner(trainer).scale_batch_size(module, datamodule=data())
+    trainer = cpu_trainer(
+        SkrullStrategy(bucket_size=64), max_steps=1, callbacks=[BatchSizeFinder()]
+    )
+    with pytest.raises(MisconfigurationException, match="not supported with distributed"):
+        trainer.fit(module, data())
+    assert trainer.global_step == 0
+    # a folder that is not a Skrull FSDP checkpoint is refused by name
+    with pytest.raises(ValueError, match=r"no meta\.pt.*save_distributed_checkpoint=True"):
+        SkrullFSDPStrategy.consolidate_checkpoint(tmp_path, tmp_path / "full.ckpt")
