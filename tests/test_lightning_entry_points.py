@@ -1,7 +1,9 @@
 """The Trainer's other entry points under every Skrull strategy: ``trainer.validate`` before any
 ``fit`` (the baseline loss of the pretrained model), ``trainer.test(ckpt_path="best")`` after a
 fit that kept its best checkpoint on ``val_loss``, and ``trainer.fit(ckpt_path="last")`` from a
-``ModelCheckpoint(save_last=True)``, the usual way to continue an interrupted run.
+``ModelCheckpoint(save_last=True)``, the usual way to continue an interrupted run; and every
+checkpoint the runs write (by ``ModelCheckpoint`` and by ``trainer.save_checkpoint``) loaded into
+the plain LightningModule with ``load_from_checkpoint`` on one process, without lightning_skrull.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every case for DDP, ZeRO-2 and FSDP2; the shuffle
 seed gives the two DP ranks different micro-batch counts in some steps (asserted). Each value is
@@ -15,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import os
-import tempfile
 from typing import Any
 
 import numpy as np
@@ -168,6 +169,7 @@ def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             groups = [_groups_made()]
             trainer.fit(module, _data())
             groups.append(_groups_made())
+            trainer.save_checkpoint(os.path.join(directory, "manual.ckpt"))  # on every rank
             best = os.path.basename(kept[0].best_model_path)
             test_loss = trainer.test(module, _data(), ckpt_path="best")[0]["test_loss"]
             groups.append(_groups_made())
@@ -194,9 +196,14 @@ def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def ranks() -> list[dict[str, Any]]:
-    with tempfile.TemporaryDirectory() as tmp:
-        return spawn(_entry_points, 4, tmp, timeout=900)
+def written(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The folder the runs write their checkpoints to (kept for the plain loads)."""
+    return str(tmp_path_factory.mktemp("entry_points"))
+
+
+@pytest.fixture(scope="module")
+def ranks(written: str) -> list[dict[str, Any]]:
+    return spawn(_entry_points, 4, written, timeout=900)
 
 
 def _global_batches(runs: list[list[dict[str, Any]]]) -> list[list[int]]:
@@ -331,3 +338,62 @@ def test_fit_from_the_last_checkpoint_continues_the_run(
             # the same steps in the same layout and precision as the run that never stopped;
             # only the restart lies between them (measured equal to float32 rounding)
             assert max_diff(run["resumed_params"], run["whole_params"]) < PARAM_ATOL
+
+
+def _plain_checkpoint(name: str, path: str, out: str) -> str:
+    """A file ``LightningModule.load_from_checkpoint`` reads: DDP writes one; ZeRO-2 and FSDP
+    write folders, turned into one file as docs/lightning.md says."""
+    if name == "zero2":
+        from lightning.pytorch.utilities.deepspeed import (
+            convert_zero_checkpoint_to_fp32_state_dict,
+        )
+
+        convert_zero_checkpoint_to_fp32_state_dict(path, out)
+        return out
+    if name == "fsdp":
+        from lightning_skrull import SkrullFSDPStrategy
+
+        SkrullFSDPStrategy.consolidate_checkpoint(path, out)
+        return out
+    return path
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", CASES)
+def test_checkpoints_load_into_a_plain_module(
+    ranks: list[dict[str, Any]], written: str, case: str, tmp_path: Any
+) -> None:
+    """``PlainLM.load_from_checkpoint`` in this process (no Trainer, no process group) gives
+    exactly the trained weights, from ``trainer.save_checkpoint`` after the fit and from the
+    ``ModelCheckpoint`` of the resumed run's last step (which holds the loader position and the
+    calibration state too); the loaded model runs plain transformers attention."""
+    import torch.distributed as dist
+
+    name, precision = case.split("/")
+    run = ranks[0][case]  # FSDP gathers the full weights on rank 0 only
+    directory = os.path.join(written, precision, name)
+    last = f"step={RESUMED_STEPS}.ckpt"
+    assert last in os.listdir(os.path.join(directory, "every_step"))
+    loads = {
+        "manual.ckpt": run["validated_params"][-1],  # the fit's last step, validated
+        os.path.join("every_step", last): run["resumed_params"],
+    }
+    for relative, trained in loads.items():
+        path = _plain_checkpoint(name, os.path.join(directory, relative), str(tmp_path / "full"))
+        checkpoint = torch.load(path, map_location="cpu", weights_only=False)
+        assert "loops" in checkpoint  # the loader's position rides along
+        module = PlainLM.load_from_checkpoint(path)  # strict: no missing or extra key
+        assert not dist.is_initialized()
+        loaded = {k: v.detach().float().numpy() for k, v in module.model.state_dict().items()}
+        if case == "zero2/bf16-mixed":
+            # the file holds DeepSpeed's float32 master weights; the module trained (and was
+            # recorded) on their bf16 copies
+            loaded = {
+                k: torch.from_numpy(v).to(torch.bfloat16).float().numpy() for k, v in loaded.items()
+            }
+        assert max_diff(loaded, trained) == 0.0, relative
+        assert module.model.config._attn_implementation != "skrull"
+    if precision == "32-true":  # inference on the loaded weights: the run's last validation loss
+        assert mean_token_loss(module.model, VAL_DATA) == pytest.approx(
+            _reference_of(ranks, case)["steps"][-1]["val_loss"], rel=LOSS_REL
+        )

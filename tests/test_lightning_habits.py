@@ -1,8 +1,10 @@
 """Lightning's habits under Skrull: ``self.log(..., sync_dist=True)``, hooks, clipping (by norm
 and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelCheckpoint`` on
 ``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``),
-Lightning's ``ThroughputMonitor`` with model FLOPs, with DP ranks that run different numbers of
-micro-batches.
+Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learning-rate finder,
+``max_time`` and ``OnExceptionCheckpoint`` (and resuming from what they leave),
+``detect_anomaly``, ``deterministic``, the simple profiler and a ``CSVLogger``, with DP ranks that
+run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed``; the bytes the CP groups exchange are counted in both. The data is built so that
@@ -14,6 +16,7 @@ global batch's supervised tokens.
 
 from __future__ import annotations
 
+import csv
 import functools
 import math
 import os
@@ -33,8 +36,16 @@ from helpers import (
     reference_model,
     tiny_qwen2,
 )
-from lightning.pytorch.callbacks import EarlyStopping, ModelCheckpoint, ThroughputMonitor
-from lightning.pytorch.loggers import Logger
+from lightning.pytorch.callbacks import (
+    EarlyStopping,
+    ModelCheckpoint,
+    OnExceptionCheckpoint,
+    ThroughputMonitor,
+    Timer,
+)
+from lightning.pytorch.loggers import CSVLogger, Logger
+from lightning.pytorch.trainer.states import RunningStage
+from lightning.pytorch.tuner import Tuner
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2ForCausalLM
 
@@ -65,6 +76,12 @@ PARAM_ATOL = 2e-6
 VALUE_REL = 1e-5
 # bf16 autocast rounds every matmul to 8 mantissa bits; this loss (~4.2) moves by up to a few 1e-2
 BF16_LOSS_ATOL = 5e-2
+# the runs of the other habits (learning-rate finder, max_time, OnExceptionCheckpoint, anomaly
+# detection, deterministic algorithms, the profiler, a CSVLogger): 4 global batches, SGD of LR,
+# no clipping; max_time runs out after TIMER_STOP steps, the module raises in step RAISE_AT
+# (0-based), and the CSVLogger writes every LOG_EVERY steps
+HABIT_STEPS, TIMER_STOP, RAISE_AT, LOG_EVERY = 4, 1, 2, 2
+LR_FINDER_BETA = 0.98  # the smoothing of Lightning's learning-rate finder (its default)
 
 
 def make_data(num_batches: int, seed: int) -> list[dict[str, list[int]]]:
@@ -110,6 +127,7 @@ class HabitsLM(L.LightningModule):
         self.log("user_loss", out.loss, sync_dist=True, prog_bar=True)
         self.log("token_acc", acc, sync_dist=True)
         self.log("supervised", supervised, reduce_fx="sum", sync_dist=True)
+        self.log_dict({"dict_loss": out.loss, "dict_acc": acc}, sync_dist=True)
         return {"loss": out.loss, "acc": acc.detach()}
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -118,6 +136,7 @@ class HabitsLM(L.LightningModule):
         self.val_acc.update(pred, target)
         self.log("val_loss", out.loss, sync_dist=True)  # the most common Lightning line
         self.log("val_acc", self.val_acc)
+        self.log_dict({"dict_val_loss": out.loss}, sync_dist=True)
         return out.loss
 
     def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
@@ -177,6 +196,8 @@ class Recorder(L.Callback):
                 "train_loss": float(metrics["train_loss"]),
                 "token_acc": float(metrics["token_acc"]),
                 "supervised": float(metrics["supervised"]),
+                "dict_loss": float(metrics["dict_loss"]),
+                "dict_acc": float(metrics["dict_acc"]),
                 "output_loss": float(outputs["loss"]),
                 "output_acc": [float(a) for a in outputs["acc"]],
                 "run": len(batch.rank_batch.micro_batches),
@@ -323,6 +344,7 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
             "throughput": [(step, m) for step, m in logger.rows if any("/samples" in k for k in m)],
             "val_loss": float(trainer.callback_metrics["val_loss"]),
             "val_acc": float(trainer.callback_metrics["val_acc"]),
+            "dict_val_loss": float(trainer.callback_metrics["dict_val_loss"]),
             "before_backward": module.before_backward,
             "after_backward_norms": module.after_backward_norms,
             "before_step_norms": module.before_step_norms,
@@ -342,6 +364,113 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
         out["gather_error"] = None
     except RuntimeError as err:
         out["gather_error"] = str(err)
+    out["other"] = _other_habits(checkpoint_dir)  # last: deterministic=True stays set
+    return out
+
+
+def _habit_data() -> Any:
+    from lightning_skrull import SkrullDataModule
+
+    return SkrullDataModule(
+        train_data=make_data(HABIT_STEPS, seed=0), global_batch_size=len(LENGTHS), shuffle=False
+    )
+
+
+def _state(module: L.LightningModule) -> dict[str, np.ndarray]:
+    return {k: v.detach().float().numpy().copy() for k, v in module.model.state_dict().items()}
+
+
+class RaisingLM(HabitsLM):
+    """Raises in the first micro-batch of step :data:`RAISE_AT`, on every rank."""
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        if self.global_step == RAISE_AT:
+            raise RuntimeError("raised in training_step")
+        return super().training_step(batch, batch_idx)
+
+
+class HourPasses(L.Callback):
+    """Moves the Trainer's ``Timer`` an hour on when :data:`TIMER_STOP` steps have run, so that
+    ``max_time`` runs out there, whatever the machine's speed."""
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == TIMER_STOP:
+            (timer,) = [c for c in trainer.callbacks if isinstance(c, Timer)]
+            timer._start_time[RunningStage.TRAINING] -= 3600.0
+
+
+def _other_habits(checkpoint_dir: str) -> dict[str, Any]:
+    """The learning-rate finder, max_time, OnExceptionCheckpoint and resuming from what they
+    leave, and one run with detect_anomaly, deterministic, the simple profiler and a CSVLogger."""
+    out: dict[str, Any] = {}
+    root = os.path.join(checkpoint_dir, "other")
+    # Tuner.lr_find, then a fit on the same Trainer: it must start from the restored weights
+    # and the first global batch
+    module, recorder = HabitsLM(), Recorder()
+    initial = _state(module)
+    trainer = _trainer(max_steps=STEPS, callbacks=[recorder], default_root_dir=root)
+    found = Tuner(trainer).lr_find(
+        module, datamodule=_habit_data(), min_lr=0.05, max_lr=0.5, num_training=STEPS,
+        early_stop_threshold=None, update_attr=False,
+    )  # fmt: skip
+    assert found is not None
+    out["lr_find"] = {"lr": found.results["lr"], "loss": found.results["loss"]}
+    out["lr_find_restored"] = _state(module)
+    out["lr_find_initial"] = initial
+    trainer.fit(module, _habit_data())
+    out["after_lr_find"] = {"params": _state(module), "train": recorder.train}
+    # max_time runs out mid-epoch; the checkpoint of that step resumes the run (one written at
+    # the end of the stopped epoch records the epoch as finished: resuming starts the next)
+    stopped = os.path.join(root, "max_time")
+    recorder = Recorder()
+    _trainer(
+        max_time={"hours": 1}, max_epochs=1, callbacks=[HourPasses(), recorder,
+        ModelCheckpoint(dirpath=stopped, every_n_train_steps=1)], enable_checkpointing=True,
+    ).fit(HabitsLM(), _habit_data())  # fmt: skip
+    out["max_time"] = {"steps": len(recorder.train), "files": sorted(os.listdir(stopped))}
+    (written,) = os.listdir(stopped)
+    module, recorder = HabitsLM(), Recorder()
+    _trainer(max_steps=HABIT_STEPS, callbacks=[recorder]).fit(
+        module, _habit_data(), ckpt_path=os.path.join(stopped, written)
+    )
+    out["max_time"].update(params=_state(module), resumed=recorder.train)
+    # a run raising mid-fit leaves on_exception.ckpt, which resumes the run
+    raised = os.path.join(root, "exception")
+    recorder = Recorder()
+    try:
+        _trainer(
+            max_steps=HABIT_STEPS,
+            callbacks=[recorder, OnExceptionCheckpoint(raised)],
+            enable_checkpointing=True,
+        ).fit(RaisingLM(), _habit_data())
+        out["exception"] = {"error": None}
+    except RuntimeError as err:
+        out["exception"] = {"error": str(err), "steps": len(recorder.train)}
+    out["exception"]["files"] = sorted(os.listdir(raised))
+    module, recorder = HabitsLM(), Recorder()
+    _trainer(max_steps=HABIT_STEPS, callbacks=[recorder]).fit(
+        module, _habit_data(), ckpt_path=os.path.join(raised, "on_exception.ckpt")
+    )
+    out["exception"].update(params=_state(module), resumed=recorder.train)
+    # detect_anomaly, deterministic algorithms, the simple profiler and a CSVLogger in one run
+    module, recorder = HabitsLM(), Recorder()
+    logged = os.path.join(root, "csv")
+    trainer = _trainer(
+        max_steps=HABIT_STEPS, callbacks=[recorder], detect_anomaly=True, deterministic=True,
+        profiler="simple", logger=CSVLogger(logged, name="", version=""),
+        log_every_n_steps=LOG_EVERY,
+    )  # fmt: skip
+    trainer.fit(module, _habit_data())
+    profiled = trainer.profiler.recorded_durations  # type: ignore[attr-defined]
+    out["flags"] = {
+        "params": _state(module),
+        "train": recorder.train,
+        "training_steps": {k: len(v) for k, v in profiled.items() if k.endswith("training_step")},
+        "deterministic": torch.are_deterministic_algorithms_enabled(),
+    }
+    if trainer.is_global_zero:  # loggers write on rank 0
+        with open(os.path.join(logged, "metrics.csv")) as f:
+            out["flags"]["csv"] = list(csv.DictReader(f))
     return out
 
 
@@ -388,6 +517,29 @@ def reference() -> dict[str, Any]:
         "val_acc": val_correct / val_tokens,
         "test_loss": float(test_total) / test_tokens,
     }
+
+
+@functools.cache
+def habit_reference(lrs: tuple[float, ...]) -> dict[str, Any]:
+    """Plain HF SGD on one process over the first ``len(lrs)`` global batches of the other
+    habits' data, learning rate ``lrs[k]`` in step ``k``, no clipping: the loss of each step and
+    the parameters after each."""
+    data = make_data(HABIT_STEPS, seed=0)
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    size = len(LENGTHS)
+    losses, params = [], []
+    for step, lr in enumerate(lrs):
+        total, tokens, _ = _batch_terms(model, data[step * size : (step + 1) * size])
+        loss = total / tokens
+        optimizer.zero_grad()
+        loss.backward()
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        optimizer.step()
+        losses.append(float(loss))
+        params.append({k: v.detach().numpy().copy() for k, v in model.state_dict().items()})
+    return {"losses": losses, "params": params}
 
 
 @functools.cache
@@ -470,7 +622,11 @@ def test_synced_logs_equal_single_process_on_every_rank(ranks: list[dict[str, An
             assert step["token_acc"] == pytest.approx(expected["acc"], rel=VALUE_REL)
             # reduce_fx="sum": summed over micro-batches and ranks
             assert step["supervised"] == expected["tokens"]
+            # self.log_dict goes through self.log
+            assert step["dict_loss"] == pytest.approx(expected["loss"], rel=VALUE_REL)
+            assert step["dict_acc"] == pytest.approx(expected["acc"], rel=VALUE_REL)
         assert out["32-true"]["val_loss"] == pytest.approx(ref["val_loss"], rel=VALUE_REL)
+        assert out["32-true"]["dict_val_loss"] == pytest.approx(ref["val_loss"], rel=VALUE_REL)
         assert out["32-true"]["val_acc"] == pytest.approx(ref["val_acc"], rel=VALUE_REL)
         assert out["test_loss"] == pytest.approx(ref["test_loss"], rel=VALUE_REL)
     for key in ("user_loss", "token_acc"):  # the very same value on every rank
@@ -638,6 +794,90 @@ def test_monitored_callbacks_clip_by_value_and_short_epochs(ranks: list[dict[str
         assert len({repr(out["monitored"][key]) for out in ranks}) == 1
 
 
+@pytest.mark.multiprocess
+def test_learning_rate_finder_sees_the_global_loss(ranks: list[dict[str, Any]]) -> None:
+    """``Tuner.lr_find``: its curve is the global loss of each step (as on one process), not the
+    share of it that rank 0 holds; the weights come back bit for bit and the fit after it trains
+    the first global batches again."""
+    lrs = ranks[0]["other"]["lr_find"]["lr"]
+    ref = habit_reference(tuple(lrs))
+    smoothed, average = [], 0.0  # the finder's smoothing; it counts steps from global_step 1
+    for step, loss in enumerate(ref["losses"], start=1):
+        average = LR_FINDER_BETA * average + (1 - LR_FINDER_BETA) * loss
+        smoothed.append(average / (1 - LR_FINDER_BETA ** (step + 1)))
+    # the step-0 shares of the plain run (the same weights and batch): rank 0's is far from the
+    # global loss, so a curve of shares would fail below
+    share = ranks[0]["32-true"]["before_backward"][0]
+    assert abs(share - ref["losses"][0]) > 1e-2 * ref["losses"][0]
+    for out in ranks:
+        found = out["other"]
+        assert found["lr_find"]["lr"] == lrs and len(lrs) == STEPS and lrs[0] != lrs[1]
+        assert found["lr_find"]["loss"] == pytest.approx(smoothed, rel=VALUE_REL)
+        assert _max_diff(found["lr_find_restored"], found["lr_find_initial"]) == 0.0
+        # the fit after it: batches 0 and 1 from the initial weights, at the module's LR
+        after = found["after_lr_find"]
+        assert [s["user_loss"] for s in after["train"]] == pytest.approx(
+            habit_reference((LR,) * STEPS)["losses"], rel=VALUE_REL
+        )
+        assert _max_diff(after["params"], habit_reference((LR,) * STEPS)["params"][-1]) < PARAM_ATOL
+
+
+def _assert_resumed(run: dict[str, Any], first: int) -> None:
+    """The resumed part of ``run`` trained global batches ``first ..`` (DP ranks running 2 and 1
+    micro-batches) and ended where the uninterrupted run ends."""
+    ref = habit_reference((LR,) * HABIT_STEPS)
+    assert [(s["max"], s["min"]) for s in run["resumed"]] == [(2, 1)] * (HABIT_STEPS - first)
+    assert [s["user_loss"] for s in run["resumed"]] == pytest.approx(
+        ref["losses"][first:], rel=VALUE_REL
+    )
+    assert _max_diff(run["params"], ref["params"][-1]) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+def test_max_time_stops_mid_epoch_and_its_checkpoint_resumes(ranks: list[dict[str, Any]]) -> None:
+    for out in ranks:
+        run = out["other"]["max_time"]
+        assert run["steps"] == TIMER_STOP  # stopped after TIMER_STOP steps, mid-epoch
+        assert run["files"] == [f"epoch=0-step={TIMER_STOP}.ckpt"]
+        _assert_resumed(run, TIMER_STOP)
+    runs = [[s["run"] for s in out["other"]["max_time"]["resumed"]] for out in ranks]
+    assert runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+def test_on_exception_checkpoint_resumes_the_run(ranks: list[dict[str, Any]]) -> None:
+    for out in ranks:
+        run = out["other"]["exception"]
+        assert run["error"] == "raised in training_step"
+        assert run["steps"] == RAISE_AT  # steps 0 .. RAISE_AT - 1 completed
+        assert run["files"] == ["on_exception.ckpt"]
+        # the step that raised is trained again, from the weights before it
+        _assert_resumed(run, RAISE_AT)
+
+
+@pytest.mark.multiprocess
+def test_anomaly_detection_determinism_profiler_and_csv_logger(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``detect_anomaly=True``, ``deterministic=True`` and ``profiler="simple"`` change nothing
+    in the training; the profiler times the strategy's training step once per step; a CSVLogger
+    gets the global loss on the steps ``log_every_n_steps`` names."""
+    ref = habit_reference((LR,) * HABIT_STEPS)
+    for out in ranks:
+        run = out["other"]["flags"]
+        assert run["deterministic"]
+        assert [(s["max"], s["min"]) for s in run["train"]] == [(2, 1)] * HABIT_STEPS
+        assert [s["user_loss"] for s in run["train"]] == pytest.approx(ref["losses"], rel=VALUE_REL)
+        assert _max_diff(run["params"], ref["params"][-1]) < PARAM_ATOL
+        assert run["training_steps"] == {"[Strategy]SkrullStrategy.training_step": HABIT_STEPS}
+    rows = [row for row in ranks[0]["other"]["flags"]["csv"] if row.get("train_loss")]
+    logged = list(range(LOG_EVERY - 1, HABIT_STEPS, LOG_EVERY))  # steps 1 and 3
+    assert [int(row["step"]) for row in rows] == logged
+    for row, step in zip(rows, logged, strict=True):
+        for key in ("train_loss", "user_loss", "dict_loss"):
+            assert float(row[key]) == pytest.approx(ref["losses"][step], rel=VALUE_REL)
+
+
 # ----------------------------------------------------------------------------- one process
 def test_metric_synced_on_step_is_refused_at_setup(world_of_one: None) -> None:
     from lightning_skrull import SkrullDataModule, SkrullStrategy
@@ -698,3 +938,30 @@ def test_batch_flops_and_throughput_figures_on_every_rank() -> None:
     bare = SkrullBatch(batches[0].rank_batch, batches[0].stats, 0, 0)
     with pytest.raises(ValueError, match="no cost model or no sequence lengths"):
         bare.flops_per_device()
+
+
+def test_batch_size_finder_is_refused_before_any_step(world_of_one: None, tmp_path: Any) -> None:
+    """The batch of a step is ``SkrullDataModule(global_batch_size=...)``, not a loader's batch
+    size: Lightning refuses its batch-size finder, as a Tuner call and as a callback, under any
+    data-parallel strategy, before a step runs."""
+    from lightning.pytorch.callbacks import BatchSizeFinder
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy, SkrullStrategy
+
+    def data() -> SkrullDataModule:
+        return SkrullDataModule(train_data=make_data(1, seed=0), global_batch_size=len(LENGTHS))
+
+    module = PlainLM()
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=64), max_steps=1)
+    with pytest.raises(ValueError, match="batch size is currently not supported with distributed"):
+        Tuner(trainer).scale_batch_size(module, datamodule=data())
+    trainer = cpu_trainer(
+        SkrullStrategy(bucket_size=64), max_steps=1, callbacks=[BatchSizeFinder()]
+    )
+    with pytest.raises(MisconfigurationException, match="not supported with distributed"):
+        trainer.fit(module, data())
+    assert trainer.global_step == 0
+    # a folder that is not a Skrull FSDP checkpoint is refused by name
+    with pytest.raises(ValueError, match=r"no meta\.pt.*save_distributed_checkpoint=True"):
+        SkrullFSDPStrategy.consolidate_checkpoint(tmp_path, tmp_path / "full.ckpt")

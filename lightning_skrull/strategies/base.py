@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.callbacks import GradientAccumulationScheduler, LearningRateFinder
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.memory import recursive_detach
@@ -152,6 +152,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._in_micro_batches = False
         self._calibration: StepCalibration | None = None
         self._calibration_state: dict[str, Any] | None = None
+        self._global_loss_out = False
 
     # ------------------------------------------------------------------ properties
     @property
@@ -255,7 +256,11 @@ class SkrullStrategyMixin(ParallelStrategy):
             )
         if trainer.accumulate_grad_batches != 1:
             raise ValueError(self._accumulation_message(trainer.accumulate_grad_batches))
-        for callback in cast(list[Any], getattr(trainer, "callbacks", [])):
+        callbacks = cast(list[Any], getattr(trainer, "callbacks", []))
+        # Tuner.lr_find fits with this callback, whose curve must be the global loss, not this
+        # rank's share of it
+        self._global_loss_out = any(isinstance(c, LearningRateFinder) for c in callbacks)
+        for callback in callbacks:
             if not isinstance(callback, GradientAccumulationScheduler):
                 continue
             scheduling: dict[int, int] = callback.scheduling
@@ -570,6 +575,10 @@ class SkrullStrategyMixin(ParallelStrategy):
         # gradient flows through the last micro-batch only; the value is the rank's whole share
         share = last + torch.stack(earlier).sum() if earlier else last
         self._log_step(rank_batch, stats, share.detach(), "train", logs.names)
+        if self._global_loss_out and self.world_size > 1:
+            # the same gradient, the value of the global loss: the learning-rate finder reads
+            # the loss of each step from the returned value
+            share = share + (self.reduce(share.detach(), reduce_op="mean") - share.detach())
         if isinstance(output, dict):
             combined = combine_outputs([*outputs, recursive_detach(output)], logs.is_model_loss)
             return {**combined, "loss": share}

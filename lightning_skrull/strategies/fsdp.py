@@ -34,6 +34,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
@@ -45,7 +46,10 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
@@ -71,6 +75,9 @@ ShardAxis = Literal["cp", "world"]
 
 SHARD_AXES: tuple[str, ...] = get_args(ShardAxis)
 
+_CHECKPOINT_META = "meta.pt"
+"""The file of a checkpoint folder in which Lightning's ``ModelParallelStrategy`` keeps
+everything but the weights and optimizer states."""
 FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 """Lightning ``precision`` values the strategy runs (tested on CPU processes)."""
 
@@ -580,6 +587,41 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     @override
     def _trained_state_dict(self) -> dict[str, Tensor]:
         return self.full_state_dict()
+
+    @staticmethod
+    def consolidate_checkpoint(folder: str | Path, file: str | Path) -> None:
+        """Write the checkpoint folder ``folder`` (``save_distributed_checkpoint=True``) as one
+        Lightning checkpoint file ``file``, on one process without a process group.
+
+        The file holds the full weights under ``state_dict`` (the LightningModule's keys) and
+        Lightning's loop, callback and loader state from the folder's ``meta.pt``, so a plain
+        ``LightningModule.load_from_checkpoint(file)`` loads it, on one process with no Skrull
+        strategy. The optimizer states stay under ``optimizer_0``, ... as
+        ``torch.distributed.checkpoint`` keyed them (by parameter name): to continue the run
+        with its optimizer, resume from the folder. ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` alone leaves
+        ``meta.pt`` out (``load_from_checkpoint`` then fails on ``'pytorch-lightning_version'``),
+        and Lightning's ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` expects
+        the weights under ``model``, as its ``FSDPStrategy`` writes them. Everything is read
+        into host memory: the whole model and its optimizer states.
+        """
+        folder, file = Path(folder), Path(file)
+        meta = folder / _CHECKPOINT_META
+        if not meta.is_file():
+            raise ValueError(
+                f"{folder} is not a SkrullFSDPStrategy checkpoint folder: it has no "
+                f"{_CHECKPOINT_META} (Lightning's loop state). Give the folder that "
+                "trainer.save_checkpoint or ModelCheckpoint wrote with "
+                "save_distributed_checkpoint=True."
+            )
+        checkpoint: dict[str, Any] = {}
+        _load_state_dict(
+            checkpoint,
+            storage_reader=FileSystemReader(folder),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
+        checkpoint.update(torch.load(meta, map_location="cpu", weights_only=False))
+        torch.save(checkpoint, file)
 
     @classmethod
     @override
