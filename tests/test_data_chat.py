@@ -181,6 +181,13 @@ def test_chat_errors() -> None:
         load_sft_data([{"messages": CONVERSATION}], tokenizer=make_tokenizer(None))
     with pytest.raises(TypeError, match="must be a Hugging Face tokenizer"):
         load_sft_data([{"messages": CONVERSATION}], tokenizer=object())
+    # a slow tokenizer (as Kimi K2's and Moonlight's tiktoken one, loaded with trust_remote_code,
+    # which has no fast counterpart) has no character offsets: refused, naming what to do
+    slow = make_tokenizer(PLAIN_TEMPLATE)
+    slow.__class__ = type("TikTokenTokenizer", (type(slow),), {"is_fast": False})
+    with pytest.raises(TypeError, match=r"needs a fast tokenizer .* got TikTokenTokenizer") as got:
+        load_sft_data([{"messages": CONVERSATION}], tokenizer=slow)
+    assert "Kimi K2" in str(got.value) and "pre-tokenise its data" in str(got.value)
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)
     with pytest.raises(ValueError, match="sample 1: the conversation starts with an assistant"):
         load_sft_data(

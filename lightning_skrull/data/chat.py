@@ -214,7 +214,9 @@ def check_chat_tokenizer(tokenizer: Any) -> None:
         raise TypeError(
             f"Chat label masking needs a fast tokenizer (character offsets), got "
             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(<model>, "
-            "use_fast=True) or pre-tokenise the data."
+            "use_fast=True) or pre-tokenise the data. A checkpoint that ships only a slow "
+            "tokenizer (Kimi K2's and Moonlight's tiktoken TikTokenTokenizer, loaded with "
+            "trust_remote_code) has no fast one: pre-tokenise its data with your own labels."
         )
 
 
