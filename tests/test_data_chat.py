@@ -181,6 +181,13 @@ def test_chat_errors() -> None:
         load_sft_data([{"messages": CONVERSATION}], tokenizer=make_tokenizer(None))
     with pytest.raises(TypeError, match="must be a Hugging Face tokenizer"):
         load_sft_data([{"messages": CONVERSATION}], tokenizer=object())
+    # a slow tokenizer (as Kimi K2's and Moonlight's tiktoken one, loaded with trust_remote_code,
+    # which has no fast counterpart) has no character offsets: refused, naming what to do
+    slow = make_tokenizer(PLAIN_TEMPLATE)
+    slow.__class__ = type("TikTokenTokenizer", (type(slow),), {"is_fast": False})
+    with pytest.raises(TypeError, match=r"needs a fast tokenizer .* got TikTokenTokenizer") as got:
+        load_sft_data([{"messages": CONVERSATION}], tokenizer=slow)
+    assert "Kimi K2" in str(got.value) and "pre-tokenise its data" in str(got.value)
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)
     with pytest.raises(ValueError, match="sample 1: the conversation starts with an assistant"):
         load_sft_data(
@@ -491,3 +498,57 @@ def test_a_generation_run_is_trimmed_to_the_turn_after_the_generation_prompt() -
         assert tokenize_chat(conversation, plain, chat_turns=turns) == tokenize_chat(
             conversation, tokenizer, chat_turns=turns
         )
+
+
+def test_an_end_of_turn_token_that_is_not_special_is_refused_naming_the_fix() -> None:
+    # "<|im_end|>" is an added token but neither flagged special nor the eos_token: the turn's end
+    # cannot be told from the text, and the "\n" and next "<|im_start|>" after it would be learned
+    # as part of the turn (and "<|endoftext|>" appended after "<|im_end|>\n" at the end)
+    words = ["user", "assistant", "hi", "hello", "fine"]
+    tokenizer = _word_tokenizer(NEWLINE_TEMPLATE, words, ["<|im_start|>"], eos="<|endoftext|>")
+    tokenizer.add_tokens(["<|im_end|>"])
+    conversation = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    for turns, turn in (("all", 1), ("last", 3)):
+        with pytest.raises(ValueError) as caught:
+            tokenize_chat(conversation, tokenizer, where="sample 5", chat_turns=turns)  # type: ignore[arg-type]
+        message = str(caught.value)
+        assert message.startswith(
+            f"sample 5: the chat template ends assistant turn {turn} with '<|im_end|>', which is "
+            "neither a special token of the tokenizer nor its eos_token"
+        )
+        assert "replace_extra_special_tokens=False" in message
+        assert "tokenizer.eos_token = '<|im_end|>'" in message
+    # the fix the message names gives the labels of a tokenizer that flags it special
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|im_end|>"]}, replace_extra_special_tokens=False
+    )
+    flagged = _word_tokenizer(
+        NEWLINE_TEMPLATE, words, ["<|im_start|>", "<|im_end|>"], eos="<|endoftext|>"
+    )
+    expected = tokenize_chat(conversation, flagged)
+    got = tokenize_chat(conversation, tokenizer)
+    assert _supervised(tokenizer, *got) == _supervised(flagged, *expected)
+    assert [t for t, s in _supervised(tokenizer, *got) if s] == [
+        "hello", "<|im_end|>", "fine", "<|im_end|>"
+    ]  # fmt: skip
+    # a tool-call turn whose closing tag is text (Qwen's and GLM's </tool_call>) is not refused
+    tools = _word_tokenizer(
+        "{% for m in messages %}<|im_start|> {{ m['role'] }} {{ m['content'] }}"
+        "{% if m.get('tool_calls') %} <tool_call> call </tool_call>{% endif %} <|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|> assistant {% endif %}",
+        [*words, "call"],
+        ["<|im_start|>", "<|im_end|>"],
+    )
+    tools.add_tokens(["<tool_call>", "</tool_call>"])
+    calls = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "", "tool_calls": [{}]},
+    ]
+    assert [t for t, s in _supervised(tools, *tokenize_chat(calls, tools)) if s] == [
+        "<tool_call>", "call", "</tool_call>", "<|im_end|>"
+    ]  # fmt: skip

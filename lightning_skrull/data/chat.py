@@ -214,7 +214,9 @@ def check_chat_tokenizer(tokenizer: Any) -> None:
         raise TypeError(
             f"Chat label masking needs a fast tokenizer (character offsets), got "
             f"{type(tokenizer).__name__}; load it with AutoTokenizer.from_pretrained(<model>, "
-            "use_fast=True) or pre-tokenise the data."
+            "use_fast=True) or pre-tokenise the data. A checkpoint that ships only a slow "
+            "tokenizer (Kimi K2's and Moonlight's tiktoken TikTokenTokenizer, loaded with "
+            "trust_remote_code) has no fast one: pre-tokenise its data with your own labels."
         )
 
 
@@ -367,6 +369,7 @@ def tokenize_chat(
                     "the end-of-generation token (gpt-oss's <|return|>), or list the tools before "
                     f"the last user message (Mistral's). {_UNSTABLE_FIXES}"
                 )
+        _check_turn_ends_in_a_stop(where, turn, messages[turn], text[len(before) : end], stops)
         spans.append((len(before), _turn_end(text, len(before), end, stops)))
     start, end = spans[-1] if spans else (0, 0)
     if spans and end == len(text) and not any(text.endswith(stop) for stop in stops):
@@ -439,6 +442,40 @@ def _special_tokens(tokenizer: Any) -> tuple[str, ...]:
     added = getattr(tokenizer, "added_tokens_decoder", {}).values()
     special = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
     return tuple(token for token in special if token)
+
+
+def _check_turn_ends_in_a_stop(
+    where: str, turn: int, message: Mapping[str, Any], rendered: str, stops: Sequence[str]
+) -> None:
+    """Raises when the template writes text after a plain assistant reply (``rendered``, the
+    turn as it appears in the conversation) that does not end in a special token.
+
+    Such text is the template's end-of-turn token with the tokenizer not flagging it special and
+    not naming it ``eos_token``: the turn's end cannot be told from its text, so the whitespace
+    after it and the next message's role tag would be supervised, and ``eos_token`` appended
+    after the last turn. A template that writes nothing after the reply (GLM-4.5's, whose model
+    hands the turn back with the next role tag) passes; so do turns with tool calls (their
+    closing tags, such as ``</tool_call>``, are text) and contents the template rewrites.
+    """
+    content = message.get("content")
+    if message.get("tool_calls") or not isinstance(content, str) or not content.strip():
+        return
+    body = rendered.rstrip()
+    if any(body.endswith(stop) for stop in stops):
+        return
+    at = body.rfind(content.strip())
+    tail = body[at + len(content.strip()) :].strip() if at >= 0 else ""
+    if tail:
+        raise ValueError(
+            f"{where}: the chat template ends assistant turn {turn} with {tail[-40:]!r}, which is "
+            "neither a special token of the tokenizer nor its eos_token, so where the turn ends "
+            "cannot be told from the text (the whitespace and the next role tag after it would "
+            "be supervised as part of the turn). If it is the token that ends a reply, flag it "
+            "special (tokenizer.add_special_tokens({'additional_special_tokens': "
+            f"[{tail!r}]}}, replace_extra_special_tokens=False)) "
+            f"or set tokenizer.eos_token = {tail!r}; otherwise pre-tokenise the data with your "
+            "own labels."
+        )
 
 
 def _turn_end(text: str, start: int, end: int, stops: Sequence[str]) -> int:
