@@ -135,9 +135,7 @@ def run(variant: str, steps: int) -> dict[str, Any]:
     counters.clear()
     recorder = _StepRecorder()
     trainer = cpu_trainer(SkrullStrategy(cp_size=1, bucket_size=128), steps, recorder)
-    data = SkrullDataModule(
-        train_data=make_samples(8 * steps), global_batch_size=8, shuffle=False
-    )
+    data = SkrullDataModule(train_data=make_samples(8 * steps), global_batch_size=8, shuffle=False)
     trainer.fit(_LM(variant), data)
     rows = recorder.rows
     # the step of the last compile (its frame count is the final one for the first time)
