@@ -40,6 +40,13 @@ from lightning_skrull.attention.sdpa import local_attention_heads_first, sdpa_at
 _BACKENDS: dict[str, LocalAttention] = {"sdpa": sdpa_attention, "flash": flash_attention}
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 """What FlashAttention kernels compute in."""
+COMPILE_REASON = (
+    "the Skrull attention reads its per-micro-batch layout from a context variable and runs "
+    "the K/V exchange as asynchronous collectives whose backward is started and finished by "
+    "two autograd nodes sharing state; it runs eagerly inside a compiled model"
+)
+"""Why :func:`skrull_attention_forward` is excluded from ``torch.compile`` (the graph breaks
+there: the layers' projections, norms and MLPs around it are compiled)."""
 
 
 def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> torch.dtype:
@@ -75,6 +82,7 @@ def compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -
     return value.dtype
 
 
+@torch.compiler.disable(reason=COMPILE_REASON)
 def skrull_attention_forward(
     module: torch.nn.Module | None,
     query: torch.Tensor,

@@ -314,6 +314,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return out_h, out_w, out_b, None, None, None, None, None
 
 
+@torch.compiler.disable(
+    reason="the chunked loss loops over chunks of the micro-batch's tokens in Python: compiled, "
+    "it would be specialised on each micro-batch's length and compiled again for every new one"
+)
 def linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,

@@ -71,6 +71,7 @@ from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, meta_tenso
 from lightning_skrull.runtime.process_groups import ParallelLayout, build_process_groups
 from lightning_skrull.scheduling import CostModel
 from lightning_skrull.strategies.calibration import CHECKPOINT_KEY, StepCalibration
+from lightning_skrull.strategies.compiled import refuse_compiled
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 from lightning_skrull.strategies.weight_averaging import (
     check_averaged_pairs,
@@ -133,6 +134,12 @@ class SkrullStrategyMixin(ParallelStrategy):
     """Why Lightning's weight-averaging callbacks cannot run under this strategy (refused at
     setup, :func:`~lightning_skrull.strategies.weight_averaging.refuse_weight_averaging`), or
     ``None`` where they average exactly what one process would."""
+
+    compile_refusal: str | None = None
+    """Why a compiled model (``torch.compile`` of the model, ``model.compile()``, or
+    ``trainer.fit(torch.compile(module))``) cannot train under this strategy (refused at setup,
+    :func:`~lightning_skrull.strategies.compiled.refuse_compiled`), or ``None`` where it trains
+    as the eager model does."""
 
     def _init_skrull(self, config: SkrullConfig) -> None:
         if config.chunked_loss:
@@ -287,6 +294,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         if self.weight_averaging_refusal is not None:
             refuse_weight_averaging(trainer, type(self).__name__, self.weight_averaging_refusal)
         module = trainer.lightning_module
+        if self.compile_refusal is not None:
+            refuse_compiled(module, type(self).__name__, self.compile_refusal)
         _refuse_metrics_synced_on_step(module)
         if not module.automatic_optimization:
             raise ValueError(

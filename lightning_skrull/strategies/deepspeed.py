@@ -161,7 +161,8 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         ValueError: a bad Skrull option, ``stage`` other than 2, or a config with ZeRO-3; when
             fitting from ``ckpt_path``, a checkpoint written by another number of processes
             (its optimizer partitions cannot be split anew; ``cp_size`` may change), or a
-            Lightning weight-averaging callback (see :attr:`weight_averaging_refusal`).
+            Lightning weight-averaging callback (see :attr:`weight_averaging_refusal`), or a
+            compiled model (see :attr:`compile_refusal`).
     """
 
     strategy_name = "skrull_zero2"
@@ -173,6 +174,10 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         "KeyError: 'state_dict'), and the average the callback copies into the module when "
         "training ends never reaches the master weights that save_pretrained writes and a "
         "further fit steps"
+    )
+    compile_refusal = (
+        "not tested under DeepSpeed, whose engine wraps the module and hooks every parameter's "
+        "gradient (Lightning refuses trainer.fit(torch.compile(module)) under DeepSpeed too)"
     )
 
     def __init__(

@@ -272,7 +272,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``; at setup,
             meta tensors on global rank 0 or outside the Hugging Face model, or a Lightning
             weight-averaging callback (``EMAWeightAveraging``, ``WeightAveraging``,
-            ``StochasticWeightAveraging``; see :attr:`weight_averaging_refusal`).
+            ``StochasticWeightAveraging``; see :attr:`weight_averaging_refusal`), or a compiled
+            model (see :attr:`compile_refusal`).
     """
 
     strategy_name = "skrull_fsdp"
@@ -281,6 +282,11 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         "the copy's full tensors with this rank's DTensor shards (torch stops at the first "
         "update: 'mixed torch.Tensor and DTensor'); averaging sharded weights would need a "
         "sharded copy, which the callback does not make"
+    )
+    compile_refusal = (
+        "FSDP2's per-layer hooks gather and free the sharded parameters around each decoder "
+        "layer, and compiling them with the layers is not tested here (Lightning refuses "
+        "trainer.fit(torch.compile(module)) under this strategy too)"
     )
     # FSDP2 sets the sharded parameters' gradients itself after its reduce-scatter (no
     # gradient-accumulation hook fires), so the last micro-batch's backward cannot be told apart
