@@ -428,9 +428,9 @@ def _trim_generation_runs(
             position += 1
         start, end = offsets[first][0], offsets[position - 1][1]
         start += max((len(p) for p in prompts if text.startswith(p, start)), default=0)
-        body = text[start:end].rstrip()
-        if any(body.endswith(stop) for stop in stops):
-            end = start + len(body)
+        through = _through_stop(text[start:end], stops)
+        if through is not None:
+            end = start + through
         if start < end:
             spans.append((start, end))
     return _label_spans(tokenizer, text, spans)
@@ -460,9 +460,9 @@ def _check_turn_ends_in_a_stop(
     content = message.get("content")
     if message.get("tool_calls") or not isinstance(content, str) or not content.strip():
         return
-    body = rendered.rstrip()
-    if any(body.endswith(stop) for stop in stops):
+    if _through_stop(rendered, stops) is not None:
         return
+    body = rendered.rstrip()
     at = body.rfind(content.strip())
     tail = body[at + len(content.strip()) :].strip() if at >= 0 else ""
     if tail:
@@ -478,14 +478,21 @@ def _check_turn_ends_in_a_stop(
         )
 
 
+def _through_stop(turn: str, stops: Sequence[str]) -> int | None:
+    """The length of ``turn`` through its end-of-turn token (one of ``stops``; the whitespace a
+    template puts after it belongs to no turn), or ``None`` when it ends in none."""
+    body = turn.rstrip()
+    return len(body) if any(body.endswith(stop) for stop in stops) else None
+
+
 def _turn_end(text: str, start: int, end: int, stops: Sequence[str]) -> int:
     """Where the assistant turn ``text[start:end]`` ends as the model must emit it: after its
     end-of-turn token (a special token; whitespace the template puts after it belongs to no
     turn), or, when the template renders no such token, after the token that opens the next
     message (the model hands the turn back by emitting it)."""
-    body = text[start:end].rstrip()
-    if any(body.endswith(stop) for stop in stops):
-        return start + len(body)
+    through = _through_stop(text[start:end], stops)
+    if through is not None:
+        return start + through
     following = [stop for stop in stops if text.startswith(stop, end)]
     return end + max(map(len, following), default=0)
 
