@@ -19,16 +19,11 @@ layer's attention and compiles the rest. :class:`~lightning_skrull.SkrullFSDPStr
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from torch import nn
 from torch._dynamo.eval_frame import OptimizedModule
 
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
-
-def compiled_forms(module: pl.LightningModule) -> list[str]:
+def compiled_forms(module: nn.Module) -> list[str]:
     """How ``module`` (or something inside it) was compiled, one entry per compiled piece:
     ``"torch.compile(<name>)"`` for an ``OptimizedModule`` submodule,
     ``"<name>.compile()"`` for a submodule compiled in place, ``"torch.compile(module)"`` for a
@@ -53,7 +48,7 @@ def refuse_compiled(module: nn.Module, strategy: str, reason: str) -> None:
         ValueError: ``module`` holds a compiled piece (:func:`compiled_forms`); the message names
             it, the reason and the fix.
     """
-    forms = compiled_forms(module)  # type: ignore[arg-type]
+    forms = compiled_forms(module)
     if not forms:
         return
     shown = ", ".join(forms[:3]) + (f" and {len(forms) - 3} more" if len(forms) > 3 else "")

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.load import _METADATA_FILENAME
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -75,9 +76,6 @@ ShardAxis = Literal["cp", "world"]
 
 SHARD_AXES: tuple[str, ...] = get_args(ShardAxis)
 
-_CHECKPOINT_META = "meta.pt"
-"""The file of a checkpoint folder in which Lightning's ``ModelParallelStrategy`` keeps
-everything but the weights and optimizer states."""
 FSDP_PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 """Lightning ``precision`` values the strategy runs (tested on CPU processes)."""
 
@@ -604,18 +602,19 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         ``LightningModule.load_from_checkpoint(file)`` loads it, on one process with no Skrull
         strategy. The optimizer states stay under ``optimizer_0``, ... as
         ``torch.distributed.checkpoint`` keyed them (by parameter name): to continue the run
-        with its optimizer, resume from the folder. ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` alone leaves
-        ``meta.pt`` out (``load_from_checkpoint`` then fails on ``'pytorch-lightning_version'``),
+        with its optimizer, resume from the folder.
+        ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` alone leaves ``meta.pt``
+        out (``load_from_checkpoint`` then fails on ``'pytorch-lightning_version'``),
         and Lightning's ``python -m lightning.pytorch.utilities.consolidate_checkpoint`` expects
         the weights under ``model``, as its ``FSDPStrategy`` writes them. Everything is read
         into host memory: the whole model and its optimizer states.
         """
         folder, file = Path(folder), Path(file)
-        meta = folder / _CHECKPOINT_META
+        meta = folder / _METADATA_FILENAME
         if not meta.is_file():
             raise ValueError(
                 f"{folder} is not a SkrullFSDPStrategy checkpoint folder: it has no "
-                f"{_CHECKPOINT_META} (Lightning's loop state). Give the folder that "
+                f"{_METADATA_FILENAME} (Lightning's loop state). Give the folder that "
                 "trainer.save_checkpoint or ModelCheckpoint wrote with "
                 "save_distributed_checkpoint=True."
             )
