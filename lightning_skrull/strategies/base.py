@@ -265,7 +265,8 @@ class SkrullStrategyMixin(ParallelStrategy):
             raise ValueError(self._accumulation_message(trainer.accumulate_grad_batches))
         callbacks = cast(list[Any], getattr(trainer, "callbacks", []))
         # Tuner.lr_find fits with this callback, whose curve must be the global loss, not this
-        # rank's share of it
+        # rank's share of it; read here, at setup: while it searches, the finder swaps the
+        # Trainer's callbacks for its own _LRCallback
         self._global_loss_out = any(isinstance(c, LearningRateFinder) for c in callbacks)
         for callback in callbacks:
             if not isinstance(callback, GradientAccumulationScheduler):
