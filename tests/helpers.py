@@ -889,6 +889,30 @@ class StartRecorder(BatchRecorder):
         self.before = float64_params(module.model)
 
 
+def skrull_strategy(name: str, **kwargs: Any) -> Any:
+    """A Skrull strategy by its short name in the tests: ``"ddp"`` (:class:`SkrullStrategy`),
+    ``"zero2"``, ``"fsdp"`` or ``"fsdp_world"`` (``shard="world"``); ``kwargs`` go to its
+    constructor."""
+    from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
+
+    if name == "fsdp_world":
+        return SkrullFSDPStrategy(shard="world", **kwargs)
+    classes = {"ddp": SkrullStrategy, "zero2": SkrullZero2Strategy, "fsdp": SkrullFSDPStrategy}
+    return classes[name](**kwargs)
+
+
+def trained_params(model: nn.Module, strategy: Any) -> dict[str, np.ndarray]:
+    """``model``'s weights after a fit as float32 arrays: under FSDP the full weights, gathered
+    on rank 0 (``{}`` on the other ranks), else the local module's."""
+    from lightning_skrull import SkrullFSDPStrategy
+
+    if isinstance(strategy, SkrullFSDPStrategy):
+        state = strategy.full_state_dict()
+    else:
+        state = model.state_dict()
+    return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
+
+
 def cpu_trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
     """A quiet CPU ``Trainer`` over this process group's ranks (one process without one)."""
     defaults: dict[str, Any] = {

@@ -53,6 +53,7 @@ from helpers import (
     max_grad_diff,
     reference_loss_and_grads,
     sgd_training,
+    skrull_strategy,
     tiny_config,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
@@ -505,26 +506,23 @@ def _four_rank_cases(rank: int, world_size: int, directory: str) -> dict[str, An
     """Every run of the spawn, keyed ``<run>`` for the Gemma 3 and ``mistral3_<run>`` for the
     Mistral 3: ``ddp``, ``zero2``, ``fsdp`` (float32), ``ddp_bf16`` (bf16-mixed) and
     ``rank_zero`` (FSDP from the saved model read with ``from_pretrained_on_rank_zero``)."""
-    from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
-
-    strategies = {"ddp": SkrullStrategy, "zero2": SkrullZero2Strategy, "fsdp": SkrullFSDPStrategy}
     out = {}
     for family in FAMILIES:
         prefix = "" if family == "gemma3" else f"{family}_"
-        for name, strategy in strategies.items():
+        for name in ("ddp", "zero2", "fsdp"):
             out[prefix + name] = _fit(
-                strategy(cp_size=2, bucket_size=BUCKET),
+                skrull_strategy(name, cp_size=2, bucket_size=BUCKET),
                 directory + "/" + prefix + name,
                 family=family,
             )
         out[prefix + "ddp_bf16"] = _fit(
-            SkrullStrategy(cp_size=2, bucket_size=BUCKET),
+            skrull_strategy("ddp", cp_size=2, bucket_size=BUCKET),
             f"{directory}/{prefix}ddp_bf16",
             "bf16-mixed",
             family=family,
         )
         out[prefix + "rank_zero"] = _fit(
-            SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET),
+            skrull_strategy("fsdp", cp_size=2, bucket_size=BUCKET),
             f"{directory}/{prefix}rank_zero",
             family=family,
             path=f"{directory}/saved_{family}",

@@ -32,6 +32,8 @@ from helpers import (
     mean_token_loss,
     momentum_training,
     reference_model,
+    skrull_strategy,
+    trained_params,
 )
 
 from lightning_skrull.runtime.launch import spawn
@@ -53,13 +55,6 @@ PARAM_ATOL = 1e-6
 LOSS_REL = 1e-5
 
 
-def _strategy(name: str) -> Any:
-    from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
-
-    classes = {"ddp": SkrullStrategy, "zero2": SkrullZero2Strategy, "fsdp": SkrullFSDPStrategy}
-    return classes[name](cp_size=2, bucket_size=40)
-
-
 def _data() -> Any:
     from lightning_skrull import SkrullDataModule
 
@@ -70,16 +65,6 @@ def _data() -> Any:
         global_batch_size=GLOBAL_BATCH,
         seed=SEED,
     )
-
-
-def _params(module: PlainLM, strategy: Any) -> dict[str, np.ndarray]:
-    from lightning_skrull import SkrullFSDPStrategy
-
-    if isinstance(strategy, SkrullFSDPStrategy):
-        state = strategy.full_state_dict()  # the full weights on rank 0, {} elsewhere
-    else:
-        state = module.model.state_dict()
-    return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
 
 
 class ValLosses(BatchRecorder):
@@ -95,7 +80,7 @@ class ValLosses(BatchRecorder):
         if trainer.sanity_checking or trainer.state.fn != "fit":
             return
         self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
-        self.params.append(_params(module, trainer.strategy))
+        self.params.append(trained_params(module.model, trainer.strategy))
 
 
 def _checkpoints(directory: str) -> list[Any]:
@@ -127,7 +112,11 @@ def _continued(
 ) -> tuple[Any, ...]:
     """``(recorded steps, parameters)`` of a new run to step :data:`RESUMED_STEPS`, continued
     from ``ckpt_path`` (``None``: from the start)."""
-    recorder, strategy, module = BatchRecorder(), _strategy(name), PlainLM(momentum=MOMENTUM)
+    recorder, strategy, module = (
+        BatchRecorder(),
+        skrull_strategy(name, cp_size=2, bucket_size=40),
+        PlainLM(momentum=MOMENTUM),
+    )
     cpu_trainer(
         strategy,
         max_steps=RESUMED_STEPS,
@@ -136,7 +125,7 @@ def _continued(
         enable_checkpointing=True,
         precision=precision,
     ).fit(module, _data(), ckpt_path=ckpt_path)
-    return recorder.steps, _params(module, strategy)
+    return recorder.steps, trained_params(module.model, strategy)
 
 
 def _groups_made() -> int:
@@ -156,7 +145,7 @@ def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             # every step and keeps the best and the last checkpoint, then the best one tested
             module = PlainLM(momentum=MOMENTUM)
             recorder, kept = ValLosses(), _checkpoints(directory)
-            strategy = _strategy(name)
+            strategy = skrull_strategy(name, cp_size=2, bucket_size=40)
             trainer = cpu_trainer(
                 strategy,
                 max_steps=FIT_STEPS,
@@ -173,7 +162,7 @@ def _entry_points(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             best = os.path.basename(kept[0].best_model_path)
             test_loss = trainer.test(module, _data(), ckpt_path="best")[0]["test_loss"]
             groups.append(_groups_made())
-            tested = _params(module, strategy)
+            tested = trained_params(module.model, strategy)
             resumed_steps, resumed = _continued(name, precision, directory)
             groups.append(_groups_made())
             run = {

@@ -65,6 +65,7 @@ from helpers import (
     make_data,
     mean_token_loss,
     reference_loss_and_grads,
+    skrull_strategy,
     tiny_model,
     tiny_qwen2,
     token_loss_sum,
@@ -307,17 +308,11 @@ def _fit(
     callbacks: tuple[L.Callback, ...] = (),
     **strategy_kwargs: Any,
 ) -> tuple[L.Trainer, Recorder]:
-    from lightning_skrull import (
-        SkrullDataModule,
-        SkrullFSDPStrategy,
-        SkrullStrategy,
-        SkrullZero2Strategy,
-    )
+    from lightning_skrull import SkrullDataModule
 
-    classes = {"ddp": SkrullStrategy, "zero2": SkrullZero2Strategy, "fsdp": SkrullFSDPStrategy}
     recorder = Recorder(grads)
     trainer = cpu_trainer(
-        classes[strategy_name](cp_size=2, bucket_size=BUCKET, **strategy_kwargs),
+        skrull_strategy(strategy_name, cp_size=2, bucket_size=BUCKET, **strategy_kwargs),
         precision=precision,
         max_steps=STEPS,
         callbacks=[recorder, *callbacks],

@@ -46,6 +46,8 @@ from helpers import (
     momentum_training,
     one_thread,
     reference_model,
+    skrull_strategy,
+    trained_params,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 
@@ -60,25 +62,9 @@ BF16_STRATEGIES = ("ddp_bf16", "fsdp_bf16")
 
 
 def _strategy(name: str, cp_size: int) -> Any:
-    from lightning_skrull import SkrullFSDPStrategy, SkrullStrategy, SkrullZero2Strategy
-
-    name = name.removesuffix("_bf16")
     # at cp_size=1 one rank must hold the longest sample (69 tokens) alone
     bucket_size = BUCKET * 2 // cp_size
-    if name == "fsdp_world":
-        return SkrullFSDPStrategy(cp_size=cp_size, bucket_size=bucket_size, shard="world")
-    classes = {"ddp": SkrullStrategy, "fsdp": SkrullFSDPStrategy, "zero2": SkrullZero2Strategy}
-    return classes[name](cp_size=cp_size, bucket_size=bucket_size)
-
-
-def _params(module: PlainLM, strategy: Any) -> dict[str, np.ndarray]:
-    from lightning_skrull import SkrullFSDPStrategy
-
-    if isinstance(strategy, SkrullFSDPStrategy):
-        state = strategy.full_state_dict()
-    else:
-        state = module.model.state_dict()
-    return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
+    return skrull_strategy(name.removesuffix("_bf16"), cp_size=cp_size, bucket_size=bucket_size)
 
 
 def _fit(
@@ -112,7 +98,7 @@ def _fit(
     module = PlainLM(momentum=MOMENTUM)
     data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH, seed=SEED)
     trainer.fit(module, data, ckpt_path=ckpt_path)
-    return _params(module, strategy), recorder.steps
+    return trained_params(module.model, strategy), recorder.steps
 
 
 def _write(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
