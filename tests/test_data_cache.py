@@ -193,6 +193,25 @@ def test_an_interrupted_or_damaged_build_is_rebuilt(tmp_path: Path) -> None:
     assert _entries(root) == [third.path.name]
 
 
+def test_a_cache_of_an_older_format_version_is_rebuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a version bump marks a change of the tokenisation (3: chat turns end at their end-of-turn
+    # token): a cache written by the version before must not be read
+    import lightning_skrull.data.cache as cache
+
+    path = _jsonl(tmp_path / "chat.jsonl", CHATS[:4])
+    tokenizer = make_tokenizer(PLAIN_TEMPLATE)
+    with monkeypatch.context() as patch:
+        patch.setattr(cache, "CACHE_FORMAT_VERSION", cache.CACHE_FORMAT_VERSION - 1)
+        older = _cache(path, tmp_path / "cache", tokenizer=tokenizer)
+    assert older.built
+    current = _cache(path, tmp_path / "cache", tokenizer=tokenizer)
+    assert current.built and current.path != older.path
+    assert _samples(current.dataset) == _samples(load_sft_data(path, tokenizer=tokenizer))
+    assert not _cache(path, tmp_path / "cache", tokenizer=tokenizer).built
+
+
 # ------------------------------------------------------------------ same errors as before
 def _bad_inputs(tmp_path: Path) -> dict[str, tuple[Path, Any]]:
     tokenizer = make_tokenizer(PLAIN_TEMPLATE)

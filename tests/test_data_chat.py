@@ -15,6 +15,7 @@ from helpers import CHAT_VOCAB, CONVERSATION, PLAIN_TEMPLATE, make_tokenizer
 from transformers import PreTrainedTokenizerFast
 
 from lightning_skrull.data import load_sft_data, tokenize_chat
+from lightning_skrull.data.chat import tokenize_chat_completion
 from lightning_skrull.data.datamodule import SkrullDataModule
 
 GENERATION_TEMPLATE = (
@@ -552,3 +553,54 @@ def test_an_end_of_turn_token_that_is_not_special_is_refused_naming_the_fix() ->
     assert [t for t, s in _supervised(tools, *tokenize_chat(calls, tools)) if s] == [
         "<tool_call>", "call", "</tool_call>", "<|im_end|>"
     ]  # fmt: skip
+
+
+def test_a_conversational_completion_ends_as_a_chat_turn_does() -> None:
+    """A conversational prompt-completion sample's completion ends by the rules of chat data: the
+    newline after its last end-of-turn token is not supervised, a template without an end-of-turn
+    token gets the eos_token appended (supervised), and an end-of-turn token that is not special
+    is refused. The completion's other tokens (a second message included) are all supervised."""
+    words = ["user", "assistant", "tool", "hi", "hello", "fine", "sunny"]
+    prompt = [{"role": "user", "content": "hi"}]
+    answer = [{"role": "assistant", "content": "hello"}]
+    newline = _word_tokenizer(NEWLINE_TEMPLATE, words, ["<|im_start|>", "<|im_end|>"])
+    assert _supervised(newline, *tokenize_chat_completion(prompt, answer, newline)) == [
+        ("<|im_start|>", False), ("user", False), ("hi", False), ("<|im_end|>", False),
+        ("\n", False), ("<|im_start|>", False), ("assistant", False),
+        ("hello", True), ("<|im_end|>", True), ("\n", False),
+    ]  # fmt: skip
+    # the same tokens and labels as the chat path gives the conversation's last turn
+    conversation = prompt + answer
+    assert tokenize_chat_completion(prompt, answer, newline) == tokenize_chat(
+        conversation, newline, chat_turns="last"
+    )
+    # several completion messages: the newline between them is part of the completion
+    several = [
+        *answer,
+        {"role": "tool", "content": "sunny"},
+        {"role": "assistant", "content": "fine"},
+    ]
+    labelled = _supervised(newline, *tokenize_chat_completion(prompt, several, newline))
+    assert [t for t, s in labelled if s] == [
+        "hello", "<|im_end|>", "\n", "<|im_start|>", "tool", "sunny", "<|im_end|>", "\n",
+        "<|im_start|>", "assistant", "fine", "<|im_end|>",
+    ]  # fmt: skip
+    assert labelled[-1] == ("\n", False)
+
+    open_template = _word_tokenizer(
+        OPEN_TEMPLATE, ["hi", "hello"], ["<|user|>", "<|assistant|>"], eos="<|endoftext|>"
+    )
+    assert _supervised(
+        open_template, *tokenize_chat_completion(prompt, answer, open_template)
+    ) == [
+        ("<|user|>", False), ("hi", False), ("<|assistant|>", False),
+        ("hello", True), ("<|endoftext|>", True),
+    ]  # fmt: skip
+    open_template.eos_token = None
+    with pytest.raises(ValueError, match=r"sample 2: .*message 1\) with no end-of-turn token"):
+        tokenize_chat_completion(prompt, answer, open_template, where="sample 2")
+
+    plain = _word_tokenizer(NEWLINE_TEMPLATE, words, ["<|im_start|>"], eos="<|endoftext|>")
+    plain.add_tokens(["<|im_end|>"])
+    with pytest.raises(ValueError, match=r"sample 3: the chat template ends assistant turn 1 wi"):
+        tokenize_chat_completion(prompt, answer, plain, where="sample 3")

@@ -77,8 +77,9 @@ except ImportError:  # pragma: no cover - not POSIX: the atomic rename alone kee
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT_VERSION = 2
-"""Bumped whenever the cache layout or the tokenisation changes: older caches are rebuilt."""
+CACHE_FORMAT_VERSION = 3
+"""Bumped whenever the cache layout or the tokenisation changes: older caches are rebuilt
+(3: chat turns and conversational completions end at their end-of-turn token)."""
 
 MANIFEST = "manifest.json"
 _LINES_PER_CHUNK = 512

@@ -529,8 +529,11 @@ def tokenize_chat_completion(
     The prompt is rendered with the generation prompt, and the whole conversation
     (``prompt + completion``) without it; the completion is the rendering's suffix after the
     first, so every token of it (its messages, the template's end-of-turn tokens) is supervised
-    and nothing of the prompt or the generation prompt is. As TRL's SFTTrainer does for this
-    format, no ``eos_token`` is appended: the template ends the turn.
+    and nothing of the prompt or the generation prompt is. Its end follows the rules of
+    :func:`tokenize_chat`: whitespace the template writes after the last end-of-turn token
+    belongs to no turn (masked), and a completion that ends with an assistant message the
+    template closes with no end-of-turn token (GLM-4.5's) gets the ``eos_token`` appended,
+    supervised. Otherwise nothing is appended, as by TRL's SFTTrainer for this format.
 
     Args:
         prompt: ``[{"role": ..., "content": ...}, ...]``, the conversation so far.
@@ -544,8 +547,10 @@ def tokenize_chat_completion(
         elsewhere.
 
     Raises:
-        ValueError: malformed messages, an empty completion, or a template whose rendering of the
-            prompt (with the generation prompt) does not begin the whole conversation's.
+        ValueError: malformed messages, an empty completion, a template whose rendering of the
+            prompt (with the generation prompt) does not begin the whole conversation's, or one
+            whose last assistant message ends in a token that is not special (or in none, with
+            no ``eos_token``).
     """
     prompt = _check_messages(prompt, where, name="prompt")
     if isinstance(completion, list) and not completion:
@@ -568,4 +573,22 @@ def tokenize_chat_completion(
             "completion's tokens cannot be located. Fixes: use a template that renders the "
             "prompt the same whatever follows it, or pre-tokenise the data with your own labels."
         )
-    return _label_spans(tokenizer, text, [(len(before), len(text))])
+    stops = _special_tokens(tokenizer)
+    last = len(prompt) + len(completion) - 1
+    if completion[-1]["role"] == ASSISTANT_ROLE:
+        _check_turn_ends_in_a_stop(where, last, completion[-1], text[len(before) :], stops)
+    through = _through_stop(text[len(before) :], stops)
+    if through is not None:
+        return _label_spans(tokenizer, text, [(len(before), len(before) + through)])
+    eos = getattr(tokenizer, "eos_token", None)
+    if completion[-1]["role"] != ASSISTANT_ROLE:
+        return _label_spans(tokenizer, text, [(len(before), len(text))])
+    # the template ends assistant turns with no end-of-turn token (GLM-4.5's), as in chat data
+    if not eos:
+        raise ValueError(
+            f"{where}: the chat template ends the completion's last message (message {last}) "
+            "with no end-of-turn token and the tokenizer has no eos_token, so the model would "
+            "not learn to stop. Set tokenizer.eos_token to the token that ends a reply, or "
+            "pre-tokenise the data with your own labels."
+        )
+    return _label_spans(tokenizer, text + eos, [(len(before), len(text) + len(eos))])
