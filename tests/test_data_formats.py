@@ -554,6 +554,90 @@ def test_labels_equal_trl_sft_trainer(tmp_path: Path) -> None:
         assert ours == theirs, samples[0]
 
 
+# Tool calls and tool schemas whose keys differ between samples: Arrow stores each nested column
+# as one struct type, the union of every row's keys, so each read back holds None for the keys
+# only the other sample has. The template renders the schemas and the calls with tojson, and tests
+# for the key "tool_calls" (as Llama 3.1's does).
+CALLS_TEMPLATE = (
+    "{% if tools %}<s>tools:{{ tools | tojson }}</s>{% endif %}"
+    "{% for m in messages %}<s>{{ m['role'] }}:{% if 'tool_calls' in m %}"
+    "{% for c in m['tool_calls'] %}{{ c['function'] | tojson }}{% endfor %}"
+    "{% else %}{{ m['content'] }}{% endif %}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+)
+
+
+def _schema(name: str, properties: dict[str, Any]) -> dict[str, Any]:
+    parameters = {"type": "object", "properties": properties}
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+CALLS = [
+    {
+        "messages": [
+            {"role": "user", "content": "weather?"},
+            {"role": "assistant", "tool_calls": [_call("weather", {"city": "Paris"})]},
+            {"role": "tool", "content": "sunny"},
+            {"role": "assistant", "content": "It is sunny."},
+        ],
+        "tools": [_schema("weather", {"city": {"type": "string"}})],
+    },
+    {
+        "messages": [
+            {"role": "user", "content": "time?"},
+            {"role": "assistant", "tool_calls": [_call("time", {"zone": "UTC"})]},
+        ],
+        "tools": [_schema("time", {"zone": {"type": "string", "enum": ["UTC", None]}})],
+    },
+]
+
+
+def _char_tokenizer(template: str) -> Any:
+    """One token per character (printable ASCII), ``<s>`` and ``</s>`` special, ``</s>`` the EOS:
+    any difference in the rendered text is a difference in the ids."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(32, 127)]
+    vocab = {token: i for i, token in enumerate(["<unk>", *chars, "<s>", "</s>"])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<s>"], "eos_token": "</s>"})
+    tokenizer.chat_template = template
+    return tokenizer
+
+
+def test_nested_values_read_from_arrow_render_as_written(tmp_path: Path) -> None:
+    tokenizer = _char_tokenizer(CALLS_TEMPLATE)
+    expected = _samples(load_sft_data(CALLS, tokenizer=tokenizer))  # plain Python: no Arrow
+    first = "".join(tokenizer.convert_ids_to_tokens(expected[0]["input_ids"]))
+    assert '{"name": "weather", "arguments": {"city": "Paris"}}' in first
+    assert "null" not in first and first.count("weather") == 3
+    # what Arrow gives back: the union of the samples' keys, None for each one a sample lacks
+    table = pa.Table.from_pylist(CALLS)
+    read_back = table.to_pylist()[0]
+    assert read_back["messages"][1]["tool_calls"][0]["function"]["arguments"] == {
+        "city": "Paris",
+        "zone": None,
+    }
+    assert read_back["messages"][0]["tool_calls"] is None
+    parquet = tmp_path / "calls.parquet"
+    pq.write_table(table, parquet)
+    hf_files = datasets.Dataset.from_parquet(str(parquet), cache_dir=str(tmp_path / "hf"))
+    for data in (parquet, datasets.Dataset.from_list(CALLS), hf_files):
+        assert _samples(load_sft_data(data, tokenizer=tokenizer)) == expected, data
+    cached = cached_sft_data(parquet, tokenizer=tokenizer, cache_dir=tmp_path / "c", progress=False)
+    assert _samples(cached.dataset) == expected
+    # a None inside a list is kept: only dict entries are dropped
+    second = "".join(tokenizer.convert_ids_to_tokens(expected[1]["input_ids"]))
+    assert second.count('"enum": ["UTC", null]') == 1
+
+
 def test_tools_and_sharegpt_render_as_trl_sft_trainer(tmp_path: Path) -> None:
     """A sample's own tools (a JSON string or a list) render as TRL renders them, and a ShareGPT
     sample with TRL's role names tokenises as TRL's conversion of it. TRL supervises every token

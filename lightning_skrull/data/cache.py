@@ -79,7 +79,8 @@ log = logging.getLogger(__name__)
 
 CACHE_FORMAT_VERSION = 3
 """Bumped whenever the cache layout or the tokenisation changes: older caches are rebuilt
-(3: chat turns and conversational completions end at their end-of-turn token)."""
+(3: chat turns and conversational completions end at their end-of-turn token, and Arrow
+rows lose the null entries of their nested dicts)."""
 
 MANIFEST = "manifest.json"
 _LINES_PER_CHUNK = 512

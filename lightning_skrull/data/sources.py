@@ -353,8 +353,27 @@ def warn_straddling(count: int, first: str) -> None:
 
 def table_rows(table: Any) -> list[dict[str, Any]]:
     """The rows of a table that holds samples to tokenise, as dicts (a null, where a dataset made
-    by mixing sources lacks a column, is read as an absent key by :func:`sample_format`)."""
-    return cast(list[dict[str, Any]], table.to_pylist())
+    by mixing sources lacks a column, is read as an absent key by :func:`sample_format`).
+
+    Inside a row's values, dict entries that are null are dropped (:func:`_without_nulls`): an
+    Arrow struct column has one type for every row, the union of every row's keys, so a message,
+    a tool call's ``arguments`` or a tool schema read back holds ``None`` for each key that
+    another row has and it lacks. The chat template would render those (``"unit": null`` in a
+    supervised tool call, ``'tool_calls' in message`` true on every user message); without them
+    the sample renders as written. An Arrow struct cannot tell such a key from one written as
+    null, so an explicit null inside a nested value is dropped too.
+    """
+    rows = cast(list[dict[str, Any]], table.to_pylist())
+    return [{key: _without_nulls(value) for key, value in row.items()} for row in rows]
+
+
+def _without_nulls(value: Any) -> Any:
+    """``value`` with the null entries of every dict in it dropped (list items are kept)."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(item) for item in value]
+    return value
 
 
 @dataclass(frozen=True)
