@@ -12,9 +12,12 @@ tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
   finish at different forwards and only ``synced_gpus=True`` (passed by the strategy;
   ``synced_gpus=False`` is refused) keeps their all-gathers paired;
 - ``SkrullZero2Strategy``, float32: rank 0 alone;
-- ``SkrullFSDPStrategy`` with rank 0 entering ``generating()`` alone: refused on entry, naming
-  the ranks that did not come and the fix, instead of hanging in ``generate``'s first
-  all-gather; the run then trains on unchanged;
+- ``SkrullFSDPStrategy`` misused (:class:`MisusesGenerating`): ranks calling ``generate``
+  2 and 1 times, refused on every rank at once with the same message naming each rank's point;
+  rank 0, and in another run rank 3, entering ``generating()`` alone, refused on entry after
+  the strategy's short timeout (rank 0's message names the ranks that did not come); rank 3
+  reaching its first ``generate`` after the others' timeout, refused on every rank; a block
+  after a timeout, refused at once. Each run then trains on unchanged (bit for bit);
 - ``SkrullStrategy`` under ``"bf16-mixed"``: rank 0, in the validation step's autocast;
 - a callback that switches the attention by hand (``set_attn_implementation("sdpa")``) and
   forgets to switch back: step 2 raises on every rank.

@@ -444,6 +444,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._sharded_model: nn.Module | None = None
         self._generation_group: dist.ProcessGroup | None = None
+        self._meeting_timeout = self.generation_timeout  # the group's, read at setup
         # ZeRO-2 style padding: a reduce-scatter over the world in every backward
         self.requires_equal_micro_batches = shard == "world"
 
@@ -504,7 +505,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         if layout.world_size > 1:  # a collective: every rank builds it in the same order
             # the group's own timeout bounds what monitored_barrier leaves to it (the wait of
             # ranks other than 0) and the all-gathers of _GenerateCalls; gloo's default is 30 min
-            timeout = timedelta(seconds=self.generation_timeout)
+            self._meeting_timeout = self.generation_timeout
+            timeout = timedelta(seconds=self._meeting_timeout)
             self._generation_group = once_per_world(
                 ("gloo", timeout), lambda: dist.new_group(backend="gloo", timeout=timeout)
             )
@@ -650,7 +652,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         generates alone (``if trainer.is_global_zero: ...``) or once more than the others would
         wait for them forever. On entry the ranks meet on a gloo group
         (``torch.distributed.monitored_barrier``); inside the block each ``generate`` call and
-        the exit first exchange what they are (``generate`` call *k*, or leaving after *k*
+        the exit first exchange where they are (``generate`` call *k*, or leaving after *k*
         calls) over the same group: one all-gather of two integers per rank. A rank that is
         not there within :attr:`generation_timeout` seconds, or ranks at different points,
         make every rank raise before any forward of that call.
@@ -667,9 +669,9 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             if group is None:
                 yield model
                 return
-            calls = _GenerateCalls(group, self.generation_timeout, self.global_rank)
-            attributes = vars(model)  # plain_attention's synced generate, put back on its exit
-            attributes["generate"] = calls.wrap(attributes["generate"])
+            calls = _GenerateCalls(group, self._meeting_timeout, self.global_rank)
+            # wraps plain_attention's generate (synced_gpus=True), which it takes off on exit
+            vars(model)["generate"] = calls.wrap(cast(Any, model).generate)
             leaving = _LEAVING_BY_EXCEPTION
             try:
                 yield model
@@ -683,12 +685,12 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             return
         try:
             dist.monitored_barrier(
-                group, timeout=timedelta(seconds=self.generation_timeout), wait_all_ranks=True
+                group, timeout=timedelta(seconds=self._meeting_timeout), wait_all_ranks=True
             )
         except RuntimeError as err:
             raise RuntimeError(
                 f"SkrullFSDPStrategy.generating() on global rank {self.global_rank}: not every "
-                f"rank entered the block within {self.generation_timeout:g} s ({err}). The "
+                f"rank entered the block within {self._meeting_timeout:g} s ({err}). The "
                 "parameters are sharded, so each forward of generate all-gathers them from the "
                 "other ranks, and a rank that generates alone would hang. Enter "
                 "trainer.strategy.generating() and call generate on every rank (drop an `if "
