@@ -12,9 +12,12 @@ tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
   finish at different forwards and only ``synced_gpus=True`` (passed by the strategy;
   ``synced_gpus=False`` is refused) keeps their all-gathers paired;
 - ``SkrullZero2Strategy``, float32: rank 0 alone;
-- ``SkrullFSDPStrategy`` with rank 0 entering ``generating()`` alone: refused on entry, naming
-  the ranks that did not come and the fix, instead of hanging in ``generate``'s first
-  all-gather; the run then trains on unchanged;
+- ``SkrullFSDPStrategy`` misused (:class:`MisusesGenerating`): ranks calling ``generate``
+  2 and 1 times, refused on every rank at once with the same message naming each rank's point;
+  rank 0, and in another run rank 3, entering ``generating()`` alone, refused on entry after
+  the strategy's short timeout (rank 0's message names the ranks that did not come); rank 3
+  reaching its first ``generate`` after the others' timeout, refused on every rank; a block
+  after a timeout, refused at once. Each run then trains on unchanged (bit for bit);
 - ``SkrullStrategy`` under ``"bf16-mixed"``: rank 0, in the validation step's autocast;
 - a callback that switches the attention by hand (``set_attn_implementation("sdpa")``) and
   forgets to switch back: step 2 raises on every rank.
@@ -32,6 +35,7 @@ were never prepared, and the refusal inside a micro-batch.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import lightning.pytorch as L
@@ -61,6 +65,10 @@ from lightning_skrull.runtime.launch import spawn
 STEPS = 2
 PROMPTS = ([5, 9, 2, 7], [3, 1, 4, 1, 5, 9, 2, 6, 11])
 """Rank ``r`` generates from ``PROMPTS[r % 2]``."""
+MISUSE_TIMEOUTS = {"uneven": 2.0, "alone": 1.0, "late": 1.5}
+"""``SkrullFSDPStrategy.generation_timeout`` of each misuse case of :class:`MisusesGenerating`."""
+LATE_SLEEP = 2.5
+"""Seconds rank 3 sleeps in the ``"late"`` case: past that case's timeout."""
 # Float32 logits of the cached sdpa generation against the eager reference differ by summation
 # order only (measured up to 6.0e-8 under DDP, FSDP and ZeRO-2); 1e-5 leaves room.
 LOGITS_ATOL = 1e-5
@@ -126,23 +134,65 @@ class SampleGenerations(L.Callback):
         }
 
 
-class GeneratesAlone(L.Callback):
-    """Rank 0 alone enters ``generating()`` after step 1 and records the error it gets."""
+def _generate_in_block(
+    trainer: Any, calls: int, *, sleep: float = 0.0, again: bool = False
+) -> dict[str, Any]:
+    """Enter ``generating()``, sleep ``sleep`` s, call ``generate`` ``calls`` times; what came
+    of it: the calls that returned, whether the block's body ran to its end, the error and the
+    seconds it took. ``again``: after a refused call, call ``generate`` once more inside."""
+    out: dict[str, Any] = {"returned": 0, "body_done": False}
+    start = time.perf_counter()
+    try:
+        with trainer.strategy.generating() as model:
+            time.sleep(sleep)
+            for _ in range(calls):
+                try:
+                    model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=1, pad_token_id=0)
+                except RuntimeError:
+                    if again:
+                        try:
+                            model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=1)
+                        except RuntimeError as err:
+                            out["again"] = str(err)
+                    raise
+                out["returned"] += 1
+            out["body_done"] = True
+    except RuntimeError as err:
+        out["error"] = str(err)
+    out["seconds"] = time.perf_counter() - start
+    return out
 
-    def __init__(self) -> None:
+
+class MisusesGenerating(L.Callback):
+    """Misuses ``generating()`` under FSDP in the ways that would hang in ``generate``.
+
+    ``"uneven"``: after step 1 every rank enters the block, ranks 0 and 1 call ``generate``
+    twice, ranks 2 and 3 once; then rank 0 enters alone; after step 2 every rank enters again.
+    ``"alone"``: after step 1 rank 3 (not the rank ``monitored_barrier`` collects on) enters
+    alone. ``"late"``: after step 1 every rank enters and rank 3 sleeps :data:`LATE_SLEEP` s
+    before its ``generate``. Every error is caught, so the run trains on.
+    """
+
+    def __init__(self, case: str) -> None:
+        self.case = case
         self.record: dict[str, Any] = {}
 
     def on_train_batch_end(
         self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if batch_idx != 0 or trainer.global_rank != 0:
-            return
-        try:
-            with trainer.strategy.generating() as model:
-                self.record["entered"] = True
-                model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=1)
-        except RuntimeError as err:
-            self.record["refused"] = str(err)
+        rank = trainer.global_rank
+        if self.case == "uneven" and batch_idx == 0:
+            self.record["uneven"] = _generate_in_block(trainer, 2 if rank < 2 else 1, again=True)
+            if rank == 0:
+                self.record["alone"] = _generate_in_block(trainer, 1)
+        elif self.case == "uneven":
+            self.record["after_timeout"] = _generate_in_block(trainer, 1)
+        elif self.case == "alone" and batch_idx == 0 and rank == 3:
+            self.record["alone"] = _generate_in_block(trainer, 1)
+        elif self.case == "late" and batch_idx == 0:
+            self.record["late"] = _generate_in_block(
+                trainer, 1, sleep=LATE_SLEEP if rank == 3 else 0.0
+            )
 
 
 class ForgetsToSwitchBack(L.Callback):
@@ -201,13 +251,15 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
         if baseline:
             plain, _ = _fit(make(), **kwargs)
             out[name]["final_without_callback"] = _full_params(plain.model)
-    # FSDP with rank 0 generating alone: refused on entry, after the strategy's short wait;
-    # rank 0 catches the error and the run goes on (the other ranks wait in step 2 meanwhile)
-    alone = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET)
-    alone.generation_timeout = 2.0
-    callback_alone = GeneratesAlone()
-    module, _ = _fit(alone, (callback_alone,))
-    out["fsdp_alone"] = {**callback_alone.record, "final": _full_params(module.model)}
+    # FSDP misused: every case is refused, on every rank, and the run trains on. A timeout
+    # closes the gloo group's connections, and the group is made once per world and timeout:
+    # each case that times out once has a timeout of its own
+    for case, timeout in MISUSE_TIMEOUTS.items():
+        misused = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET)
+        misused.generation_timeout = timeout
+        callback_misuse = MisusesGenerating(case)
+        module, _ = _fit(misused, (callback_misuse,))
+        out[f"fsdp_{case}"] = {**callback_misuse.record, "final": _full_params(module.model)}
     try:
         _fit(SkrullStrategy(cp_size=2, bucket_size=BUCKET), (ForgetsToSwitchBack(),))
     except RuntimeError as err:
@@ -310,23 +362,89 @@ def test_generation_under_bf16_mixed_runs_in_the_validation_autocast(
         assert runs[rank]["bf16"]["after"]["attention"] == ATTENTION_NAME
 
 
+def _assert_trained_on(runs: list[dict[str, Any]], case: str) -> None:
+    """The refused blocks changed nothing: the run trained on, equal to the one without the
+    callback bit for bit (no rank ran a forward the others did not join)."""
+    without = runs[0]["fsdp"]["final_without_callback"]
+    for rank in range(4):
+        final = runs[rank][f"fsdp_{case}"]["final"]
+        assert final.keys() == without.keys()
+        assert all(np.array_equal(final[k], without[k]) for k in without), (case, rank)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_uneven_generate_calls_are_refused_on_every_rank(
+    runs: list[dict[str, Any]],
+) -> None:
+    # ranks 0 and 1 called generate twice, ranks 2 and 3 once: the second call of ranks 0 and 1
+    # met the exit of ranks 2 and 3, and every rank got the same error, naming both
+    where = "(ranks 0, 1: generate call 2; ranks 2, 3: leaving the block after 1 generate call)"
+    for rank in range(4):
+        run = runs[rank]["fsdp_uneven"]["uneven"]
+        message = run["error"]
+        assert "the ranks called generate different numbers of times " + where in message
+        assert f"on global rank {rank}:" in message
+        assert "Call generate the same number of times on every rank" in message
+        assert "trains on unchanged" in message
+        assert run["returned"] == 1  # the first call ran on every rank
+        # ranks 0 and 1 were refused at their second call, ranks 2 and 3 on leaving
+        assert run["body_done"] == (rank >= 2)
+        # refused at once, not after the 2 s timeout (the message says which, too)
+        assert "not every rank" not in message
+        if rank < 2:  # a block that failed refuses further calls on its own
+            assert "generate was called again after the block failed" in run["again"]
+    _assert_trained_on(runs, "uneven")
+
+
 @pytest.mark.multiprocess
 def test_fsdp_generation_on_one_rank_is_refused_before_any_forward(
     runs: list[dict[str, Any]],
 ) -> None:
-    message = runs[0]["fsdp_alone"]["refused"]
-    assert "entered" not in runs[0]["fsdp_alone"], "rank 0 ran generate alone"
+    # rank 0 (the rank monitored_barrier collects on) alone: its error names the others
+    run = runs[0]["fsdp_uneven"]["alone"]
+    assert run["returned"] == 0 and not run["body_done"], "rank 0 ran generate alone"
+    message = run["error"]
     assert "not every rank entered the block within 2 s" in message
     assert "trainer.is_global_zero" in message and "on every rank" in message
-    # gloo's monitored barrier names the ranks that did not come
     assert "Ranks 1, 2, 3 failed to pass monitoredBarrier" in message
     for rank in range(1, 4):
-        assert runs[rank]["fsdp_alone"] == {"final": runs[rank]["fsdp_alone"]["final"]}
-    # the refused block changed nothing: the run trained on, equal to the one without callback
-    without = runs[0]["fsdp"]["final_without_callback"]
+        assert "alone" not in runs[rank]["fsdp_uneven"]
+    # rank 3 alone waits on rank 0, which the group's own timeout bounds (gloo's default:
+    # 30 min); the generation_timeout there is 1 s, and 10 s leave room for a busy machine
     for rank in range(4):
-        final = runs[rank]["fsdp_alone"]["final"]
-        assert all(np.array_equal(final[k], without[k]) for k in without)
+        assert ("alone" in runs[rank]["fsdp_alone"]) == (rank == 3)
+    run = runs[3]["fsdp_alone"]["alone"]
+    assert run["returned"] == 0 and not run["body_done"]
+    assert "not every rank entered the block within 1 s" in run["error"]
+    assert "from rank 0" in run["error"]
+    assert run["seconds"] < 10.0
+    for case in ("uneven", "alone"):
+        _assert_trained_on(runs, case)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_rank_that_does_not_come_to_generate_is_refused_everywhere(
+    runs: list[dict[str, Any]],
+) -> None:
+    # rank 3 slept past the 1.5 s timeout before its generate: the others gave up waiting at
+    # their first call, and rank 3, arriving, found the group's connections closed
+    for rank in range(4):
+        run = runs[rank]["fsdp_late"]["late"]
+        assert run["returned"] == 0 and not run["body_done"]
+        assert (
+            f"on global rank {rank} (generate call 1): not every rank came within 1.5 s"
+            in (run["error"])
+        )
+        assert "this run cannot generate again" in run["error"]
+        # ranks 0-2 after the timeout, rank 3 after its sleep; 10 s leave room
+        assert run["seconds"] < 10.0
+    # a later block of the run raises at once on every rank, instead of waiting
+    for rank in range(4):
+        run = runs[rank]["fsdp_uneven"]["after_timeout"]
+        assert "not every rank entered the block within 2 s" in run["error"]
+        assert "every later block of the run raises at once" in run["error"]
+        assert run["seconds"] < 2.0
+    _assert_trained_on(runs, "late")
 
 
 @pytest.mark.multiprocess

@@ -648,7 +648,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         or DeepSpeed wrapper). Under DDP and ZeRO-2 any subset of ranks may generate (rank 0
         alone, say); under FSDP every rank must enter the block and call ``generate`` the same
         number of times (``synced_gpus=True`` is passed for you, so the numbers of new tokens
-        and the prompts may differ between ranks; a rank entering alone is refused, see
+        and the prompts may differ between ranks; a rank entering alone and ranks calling
+        ``generate`` different numbers of times are refused, see
         :meth:`SkrullFSDPStrategy.generating`).
 
         Raises:

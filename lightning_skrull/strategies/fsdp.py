@@ -31,7 +31,8 @@ a model built on the meta device on ranks other than 0 gets rank 0's weights
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -237,6 +238,101 @@ class FSDPPrecision(Precision):
         clip_grad_norm_(parameters, float(clip_val))
 
 
+_GENERATE, _LEAVING, _LEAVING_BY_EXCEPTION = 0, 1, 2
+"""Where a rank is when the ranks meet inside :meth:`SkrullFSDPStrategy.generating`."""
+
+
+class _GenerateCalls:
+    """One rank's ``generate`` calls inside :meth:`SkrullFSDPStrategy.generating`, checked
+    against the other ranks' before each call and at the block's exit.
+
+    Each meeting all-gathers ``(where, calls)`` of every rank over the strategy's gloo group,
+    whose timeout is :attr:`SkrullFSDPStrategy.generation_timeout`. Ranks at different points
+    (one at its second ``generate`` call, another leaving after one) all raise the same error
+    there, before any forward of that call, and the block meets no more: the ranks stay paired,
+    so a run that catches the error on every rank trains on as if the block had not run. A
+    meeting that times out raises too; gloo then closes the group's connections, so later
+    blocks of the run raise at once.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float, rank: int) -> None:
+        self._group = group
+        self._timeout = timeout
+        self._rank = rank
+        self.calls = 0
+        """``generate`` calls the ranks agreed on so far."""
+        self._failure: str | None = None
+
+    def wrap(self, generate: Callable[..., Any]) -> Callable[..., Any]:
+        """``generate`` meeting the other ranks before it runs."""
+
+        @functools.wraps(generate)
+        def checked_generate(*args: Any, **kwargs: Any) -> Any:
+            # generate(synced_gpus=False) is refused before any forward, on this rank alone
+            if kwargs.get("synced_gpus", True) is not False:
+                self._meet(_GENERATE, self.calls + 1)
+                self.calls += 1
+            return generate(*args, **kwargs)
+
+        return checked_generate
+
+    def leave(self, where: int) -> None:
+        """Meet the other ranks at the block's exit, unless a meeting of the block failed."""
+        if self._failure is None:
+            self._meet(where, self.calls)
+
+    def _meet(self, where: int, calls: int) -> None:
+        if self._failure is not None:
+            raise RuntimeError(
+                f"SkrullFSDPStrategy.generating() on global rank {self._rank}: generate was "
+                f"called again after the block failed ({self._failure}); leave the block."
+            )
+        mine = torch.tensor([where, calls], dtype=torch.int64)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+        try:
+            dist.all_gather(every, mine, group=self._group)
+        except RuntimeError as err:
+            self._failure = "a rank did not come"
+            raise RuntimeError(
+                f"SkrullFSDPStrategy.generating() on global rank {self._rank} "
+                f"({_point(where, calls)}): not every rank came within {self._timeout:g} s "
+                f"({err}). Each "
+                "forward of generate all-gathers the sharded parameters from every rank, so "
+                "the ranks must reach each generate call and the end of the block together; a "
+                "rank is stuck or slow inside the block, or has died. A timeout closes the gloo "
+                "group's connections, so this run cannot generate again: stop it, and raise "
+                "SkrullFSDPStrategy.generation_timeout if a rank is merely slow."
+            ) from err
+        points = [(int(w), int(c)) for w, c in (t.tolist() for t in every)]
+        if len({(w == _GENERATE, c) for w, c in points}) == 1:
+            return
+        self._failure = "the ranks called generate different numbers of times"
+        ranks: dict[str, list[str]] = {}
+        for rank, (w, c) in enumerate(points):
+            ranks.setdefault(_point(w, c), []).append(str(rank))
+        where_ranks = "; ".join(
+            f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {p}" for p, r in ranks.items()
+        )
+        raise RuntimeError(
+            f"SkrullFSDPStrategy.generating() on global rank {self._rank}: the ranks called "
+            f"generate different numbers of times ({where_ranks}). Each forward of generate "
+            "all-gathers the sharded parameters from every rank, so a rank calling generate "
+            "more often than the others would wait for them forever. Call generate the same "
+            "number of times on every rank inside the block (the prompts and max_new_tokens "
+            "may differ: give every rank the same number of prompt batches). Every rank "
+            "raises this before any forward of the call, so a run that catches it on every "
+            "rank trains on unchanged."
+        )
+
+
+def _point(where: int, calls: int) -> str:
+    """Where a rank is inside :meth:`SkrullFSDPStrategy.generating`, in words."""
+    if where == _GENERATE:
+        return f"generate call {calls}"
+    how = " by an exception" if where == _LEAVING_BY_EXCEPTION else ""
+    return f"leaving the block{how} after {calls} generate call{'s' * (calls != 1)}"
+
+
 class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     """FSDP2 with Skrull scheduling: parameters sharded over the CP group (or the world).
 
@@ -293,8 +389,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     _time_last_micro_batch = False
 
     generation_timeout: float = 300.0
-    """Seconds :meth:`generating` waits for every rank to enter the block before it raises
-    (instead of hanging in the first all-gather of ``generate``)."""
+    """Seconds :meth:`generating` waits for every rank to enter the block, and inside it to
+    reach each ``generate`` call and the exit, before it raises (instead of hanging in an
+    all-gather of ``generate``). Read when the Trainer sets the strategy up: it is the timeout
+    of the gloo group the ranks meet on."""
 
     def __init__(
         self,
@@ -346,6 +444,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         self._reshard_after_forward = reshard_after_forward
         self._sharded_model: nn.Module | None = None
         self._generation_group: dist.ProcessGroup | None = None
+        self._meeting_timeout = self.generation_timeout  # the group's, read at setup
         # ZeRO-2 style padding: a reduce-scatter over the world in every backward
         self.requires_equal_micro_batches = shard == "world"
 
@@ -404,8 +503,12 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         if module is not None:
             module._device_mesh = self._device_mesh
         if layout.world_size > 1:  # a collective: every rank builds it in the same order
+            # the group's own timeout bounds what monitored_barrier leaves to it (the wait of
+            # ranks other than 0) and the all-gathers of _GenerateCalls; gloo's default is 30 min
+            self._meeting_timeout = self.generation_timeout
+            timeout = timedelta(seconds=self._meeting_timeout)
             self._generation_group = once_per_world(
-                ("gloo",), lambda: dist.new_group(backend="gloo")
+                ("gloo", timeout), lambda: dist.new_group(backend="gloo", timeout=timeout)
             )
 
     @override
@@ -542,21 +645,39 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     @contextmanager
     @override
     def generating(self) -> Iterator[PreTrainedModel]:
-        """As :meth:`SkrullStrategy.generating`; every rank must enter the block.
+        """As :meth:`SkrullStrategy.generating`; every rank must enter the block and call
+        ``generate`` the same number of times.
 
         Each forward of ``generate`` all-gathers the sharded parameters, so a rank that
-        generates alone (``if trainer.is_global_zero: ...``) would wait for the others forever.
-        On entry the ranks meet on a gloo group (``torch.distributed.monitored_barrier``); a
-        rank that is not there within :attr:`generation_timeout` seconds makes it raise, before
-        any forward.
+        generates alone (``if trainer.is_global_zero: ...``) or once more than the others would
+        wait for them forever. On entry the ranks meet on a gloo group
+        (``torch.distributed.monitored_barrier``); inside the block each ``generate`` call and
+        the exit first exchange where they are (``generate`` call *k*, or leaving after *k*
+        calls) over the same group: one all-gather of two integers per rank. A rank that is
+        not there within :attr:`generation_timeout` seconds, or ranks at different points,
+        make every rank raise before any forward of that call.
 
         Raises:
-            RuntimeError: as :meth:`SkrullStrategy.generating`, or a rank did not enter the
-                block within :attr:`generation_timeout` seconds (the message names the fix).
+            RuntimeError: as :meth:`SkrullStrategy.generating`; a rank did not enter the block,
+                or reach a ``generate`` call or the exit, within :attr:`generation_timeout`
+                seconds; or the ranks called ``generate`` different numbers of times (the
+                message names each rank's point and the fix).
         """
         self._meet_to_generate()
         with super().generating() as model:
-            yield model
+            group = self._generation_group
+            if group is None:
+                yield model
+                return
+            calls = _GenerateCalls(group, self._meeting_timeout, self.global_rank)
+            # wraps plain_attention's generate (synced_gpus=True), which it takes off on exit
+            vars(model)["generate"] = calls.wrap(cast(Any, model).generate)
+            leaving = _LEAVING_BY_EXCEPTION
+            try:
+                yield model
+                leaving = _LEAVING
+            finally:
+                calls.leave(leaving)
 
     def _meet_to_generate(self) -> None:
         group = self._generation_group
@@ -564,18 +685,20 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             return
         try:
             dist.monitored_barrier(
-                group, timeout=timedelta(seconds=self.generation_timeout), wait_all_ranks=True
+                group, timeout=timedelta(seconds=self._meeting_timeout), wait_all_ranks=True
             )
         except RuntimeError as err:
             raise RuntimeError(
                 f"SkrullFSDPStrategy.generating() on global rank {self.global_rank}: not every "
-                f"rank entered the block within {self.generation_timeout:g} s ({err}). The "
+                f"rank entered the block within {self._meeting_timeout:g} s ({err}). The "
                 "parameters are sharded, so each forward of generate all-gathers them from the "
                 "other ranks, and a rank that generates alone would hang. Enter "
                 "trainer.strategy.generating() and call generate on every rank (drop an `if "
                 "trainer.is_global_zero:` guard around it; the prompts and max_new_tokens may "
                 "differ) and log the output on rank 0 only; or raise "
-                "SkrullFSDPStrategy.generation_timeout if a rank is merely slow."
+                "SkrullFSDPStrategy.generation_timeout if a rank is merely slow. A timeout "
+                "closes the gloo group's connections: after one, every later block of the run "
+                "raises at once (with 'pair closure' or 'Connection closed by peer' above)."
             ) from err
 
     # ------------------------------------------------------------------ full weights
