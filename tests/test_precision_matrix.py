@@ -90,6 +90,11 @@ FLOOR = 1e-3
 FP16_FLOOR = 1e-4
 
 
+# gradient_clip_val of the clipped 16-mixed cell: below the gradient norm of both steps (the
+# float32 reference's are 0.51 and 0.56; asserted), so clipping scales every update.
+CLIP = 0.3
+
+
 def _floor(precision: str) -> float:
     return FP16_FLOOR if precision == "16-mixed" else FLOOR
 
@@ -115,9 +120,15 @@ def _precision_kwargs(precision: str) -> dict[str, Any]:
     return {"plugins": [MixedPrecision("16-mixed", device="cpu", scaler=scaler)]}
 
 
-def _fit_cell(strategy_name: str, precision: str, checkpoint: str | None = None) -> dict[str, Any]:
+def _fit_cell(
+    strategy_name: str,
+    precision: str,
+    checkpoint: str | None = None,
+    clip: float | None = None,
+) -> dict[str, Any]:
     """One cell's fit of :class:`PlainLM`; ``checkpoint``: its model loaded from that directory
-    with transformers' ``from_pretrained`` defaults (``dtype="auto"``: as stored)."""
+    with transformers' ``from_pretrained`` defaults (``dtype="auto"``: as stored); ``clip``:
+    ``gradient_clip_val`` (the norm)."""
     from transformers import AutoModelForCausalLM
 
     from lightning_skrull import SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
@@ -128,6 +139,7 @@ def _fit_cell(strategy_name: str, precision: str, checkpoint: str | None = None)
         strategy_class(cp_size=2, bucket_size=BUCKET),
         max_steps=STEPS,
         callbacks=[recorder, counter],
+        gradient_clip_val=clip,
         **_precision_kwargs(precision),
     )
     module = PlainLM()
@@ -327,6 +339,7 @@ def _matrix(rank: int, world_size: int, checkpoint: str) -> dict[Any, dict[str, 
     out["overflow"] = _fit_overflow(rank)
     out["bf16_checkpoint"] = _fit_cell("ddp", "bf16-mixed", checkpoint)
     out["chat"] = _fit_chat()
+    out["16-mixed clipped"] = _fit_cell("ddp", "16-mixed", clip=CLIP)
     return out
 
 
@@ -365,6 +378,8 @@ class ReferenceRun:
     before: dict[str, np.ndarray]
     steps: list[dict[str, np.ndarray]]
     scales: list[float]
+    norms: list[float] = dataclasses.field(default_factory=list)
+    """With ``clip``: each step's gradient norm before clipping (unscaled)."""
 
     @property
     def after(self) -> dict[str, np.ndarray]:
@@ -390,25 +405,35 @@ def reference_training(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.n
 
 @functools.cache
 def reference_run(
-    kind: str, steps: int, skipped: frozenset[int] = frozenset(), device: str = "cpu"
+    kind: str,
+    steps: int,
+    skipped: frozenset[int] = frozenset(),
+    device: str = "cpu",
+    clip: float | None = None,
 ) -> ReferenceRun:
     """The reference of ``kind`` over ``steps`` global batches on ``device``; in the steps
     ``skipped`` the loss gets an infinite gradient under ``"fp16_autocast"`` (the scaler then
     skips the step and lowers the scale), and no update under the other kinds (the same skip,
-    by hand)."""
+    by hand); ``clip``: the gradient's norm clipped to it after unscaling, before each step
+    (``"float32"`` and ``"fp16_autocast"`` only)."""
     threads = torch.get_num_threads()
     # one thread, as each spawned rank runs: these tiny ops gain nothing from two, and on a
     # busy machine the second thread's waits made the references 10x slower
     torch.set_num_threads(1)
     try:
-        return _train_reference(kind, steps, skipped, device)
+        return _train_reference(kind, steps, skipped, device, clip)
     finally:
         torch.set_num_threads(threads)
 
 
 def _train_reference(
-    kind: str, steps: int, skipped: frozenset[int], device: str = "cpu"
+    kind: str,
+    steps: int,
+    skipped: frozenset[int],
+    device: str = "cpu",
+    clip: float | None = None,
 ) -> ReferenceRun:
+    assert clip is None or kind in ("float32", "fp16_autocast"), kind
     data = make_data(GLOBAL_BATCH * steps)
     model = reference_model().to(device)
     if kind in ("bf16", "bf16_fp32_master"):
@@ -449,6 +474,8 @@ def _train_reference(
             for m, p in zip(master, params, strict=True):
                 m.grad = p.grad.float()
         scaler.unscale_(optimizer)  # once: the same as Lightning's plugin does before clipping
+        if clip is not None:
+            run.norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
         scaler.step(optimizer)  # a plain optimizer.step() when the scaler is disabled
         scaler.update()
         if master is not None:
@@ -517,6 +544,29 @@ def test_16_bit_cells_as_close_to_float32_as_single_process(
         assert max_diff(cell["before"], ref_before) == 0.0
         cell_distance = relative_distance(update(cell["before"], cell["after"]), delta_fp32)
         assert cell_distance <= RATIO * ref_distance + _floor(precision)
+
+
+@pytest.mark.multiprocess
+def test_16_mixed_clips_the_unscaled_gradient(matrix: list[dict[Any, dict[str, Any]]]) -> None:
+    """``gradient_clip_val`` under ``"16-mixed"``: the step's gradient is unscaled once, then
+    clipped (the rule of docs/precision.md against plain fp16 autocast with ``scaler.unscale_``
+    and ``clip_grad_norm_``). Clipping the scaled gradient (2**16 times the true one) would
+    shrink the update about 10^5-fold, and not clipping would leave it 1.7 to 1.9 times too
+    large: both are far outside the bound, and closer to the unclipped reference."""
+    fp32 = reference_run("float32", STEPS, clip=CLIP)
+    assert min(fp32.norms) > CLIP  # clipping acts in both steps
+    delta_fp32 = update(fp32.before, fp32.after)
+    own = reference_run("fp16_autocast", STEPS, clip=CLIP)
+    own_update = update(own.before, own.after)
+    ref_distance = relative_distance(own_update, delta_fp32)
+    unclipped = update(*reference_training("fp16_autocast"))
+    for out in matrix:
+        cell = out["16-mixed clipped"]
+        assert cell["exchanged_dtypes"] == ["torch.float16"]
+        assert max_diff(cell["before"], own.before) == 0.0
+        delta = update(cell["before"], cell["after"])
+        assert relative_distance(delta, delta_fp32) <= RATIO * ref_distance + FP16_FLOOR
+        assert np.linalg.norm(delta - own_update) < np.linalg.norm(delta - unclipped)
 
 
 # The other update rule a 16-bit cell could be running: float32 master weights against plain
