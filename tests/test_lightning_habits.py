@@ -7,11 +7,16 @@ Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learn
 run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
-``bf16-mixed``; the bytes the CP groups exchange are counted in both. The data is built so that
-the planner gives the two DP ranks 2 and 1 micro-batches in every training and validation step
-(asserted). Every value is compared with an independent single-process reference: a plain
-Hugging Face model, one sequence at a time, token cross-entropy summed and divided by the
-global batch's supervised tokens.
+``bf16-mixed`` (the callbacks, value clipping and short epochs in ``32-true``); the bytes the CP
+groups exchange are counted in both. The data is built so that the planner gives the two DP
+ranks 2 and 1 micro-batches in every training and validation step (asserted). Every value is
+compared with an independent single-process reference: a plain Hugging Face model, one sequence
+at a time, token cross-entropy summed and divided by the global batch's supervised tokens; in
+float32 to float32 rounding, in ``bf16-mixed`` by the 16-bit rule of
+tests/test_precision_matrix.py (at most ``RATIO`` x the distance of the same reference under bf16
+autocast, plus ``FLOOR``), except what must be exact in any precision: a resumed run equals the
+uninterrupted run, and the learning-rate finder gives the weights back bit for bit. The spawn
+also resumes a ``max_time`` stop under ``SkrullFSDPStrategy`` in ``bf16-mixed``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import torch
 import torchmetrics
 from helpers import (
     VOCAB,
+    BatchRecorder,
     PlainLM,
     count_exchanged_bytes,
     cpu_trainer,
@@ -374,6 +380,7 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
         out["gather_error"] = str(err)
     for precision, key in (("32-true", "other"), ("bf16-mixed", "other_bf16")):
         out[key] = _other_habits(os.path.join(checkpoint_dir, key), precision)
+    out["fsdp_max_time"] = _fsdp_max_time(os.path.join(checkpoint_dir, "fsdp"))
     return out
 
 
@@ -483,6 +490,38 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
     if trainer.is_global_zero:  # loggers write on rank 0
         with open(os.path.join(logged, "metrics.csv")) as f:
             out["flags"]["csv"] = list(csv.DictReader(f))
+    return out
+
+
+def _fsdp_max_time(root: str) -> dict[str, Any]:
+    """``max_time`` under ``SkrullFSDPStrategy`` in ``"bf16-mixed"``: the run stopped after
+    :data:`TIMER_STOP` steps, resumed from its sharded checkpoint, and the same fit run without
+    stopping; the full weights on rank 0 (``{}`` elsewhere)."""
+    from lightning_skrull import SkrullFSDPStrategy
+
+    def fsdp_trainer(**kwargs: Any) -> L.Trainer:
+        strategy = SkrullFSDPStrategy(cp_size=CP, bucket_size=BUCKET)
+        return cpu_trainer(strategy, precision="bf16-mixed", **kwargs)  # type: ignore[no-any-return]
+
+    def weights(trainer: L.Trainer) -> dict[str, np.ndarray]:
+        state = trainer.strategy.full_state_dict()  # type: ignore[attr-defined]
+        return {k: v.detach().float().numpy().copy() for k, v in state.items()}
+
+    stopped_dir, recorder = os.path.join(root, "max_time"), BatchRecorder()
+    stopped = fsdp_trainer(
+        max_time={"hours": 1}, max_epochs=1, callbacks=[HourPasses(), recorder,
+        ModelCheckpoint(dirpath=stopped_dir, every_n_train_steps=1)], enable_checkpointing=True,
+    )  # fmt: skip
+    stopped.fit(PlainLM(), _habit_data())
+    out: dict[str, Any] = {"steps": len(recorder.steps), "stopped_params": weights(stopped)}
+    out["files"] = sorted(os.listdir(stopped_dir))
+    runs: dict[str, str | None] = {"resumed": os.path.join(stopped_dir, out["files"][0])}
+    runs["whole"] = None
+    for name, ckpt_path in runs.items():
+        recorder = BatchRecorder()
+        trainer = fsdp_trainer(max_steps=HABIT_STEPS, callbacks=[recorder])
+        trainer.fit(PlainLM(), _habit_data(), ckpt_path=ckpt_path)
+        out[name] = {"steps": recorder.steps, "params": weights(trainer)}
     return out
 
 
@@ -935,6 +974,27 @@ def test_max_time_stops_mid_epoch_and_its_checkpoint_resumes(ranks: list[dict[st
     for key in ("other", "other_bf16"):
         runs = [[s["run"] for s in out[key]["max_time"]["resumed"]] for out in ranks]
         assert runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+def test_max_time_resume_under_fsdp_in_bf16_mixed(ranks: list[dict[str, Any]]) -> None:
+    """``SkrullFSDPStrategy``, ``"bf16-mixed"``: max_time stops mid-epoch, and the run resumed
+    from the sharded checkpoint of that step ends bit for bit where the uninterrupted run ends
+    (the same micro-batches on the same float32 shards; FSDP2 reduces in a fixed order)."""
+    for out in ranks:
+        run = out["fsdp_max_time"]
+        assert run["steps"] == TIMER_STOP
+        assert run["files"] == [f"epoch=0-step={TIMER_STOP}.ckpt"]
+        resumed, whole = run["resumed"]["steps"], run["whole"]["steps"]
+        assert [(s["max"], s["min"]) for s in resumed] == [(2, 1)] * (HABIT_STEPS - TIMER_STOP)
+        assert [s["samples"] for s in resumed] == [s["samples"] for s in whole[TIMER_STOP:]]
+    full = ranks[0]["fsdp_max_time"]
+    assert _max_diff(full["resumed"]["params"], full["whole"]["params"]) == 0.0
+    # the resumed steps moved the weights: a resume that trained nothing could not pass
+    assert _max_diff(full["resumed"]["params"], full["stopped_params"]) > 1e-3
+    assert all(out["fsdp_max_time"]["whole"]["params"] == {} for out in ranks[1:])
+    runs = [[s["run"] for s in out["fsdp_max_time"]["resumed"]["steps"]] for out in ranks]
+    assert runs[0] != runs[2]
 
 
 @pytest.mark.multiprocess

@@ -538,6 +538,44 @@ def test_zero2_refuses_weight_averaging_at_setup(world_of_one: None) -> None:
         _refused_fit(SkrullZero2Strategy(bucket_size=80), EMAWeightAveraging(decay=DECAY))
 
 
+class BatchNormLM(PlainLM):
+    """:class:`PlainLM` with a BatchNorm layer (unused by the step: its presence is the case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+
+
+def test_swa_with_batch_norm_is_refused_at_setup(world_of_one: None) -> None:
+    """``StochasticWeightAveraging`` on a module with BatchNorm layers adds an epoch after
+    training run as one step (``accumulate_grad_batches`` raised to the epoch's batches), which
+    ``SkrullStrategy`` refuses: left alone, the fit trained every epoch and failed at that
+    epoch's first step. Refused before the first step instead; without the layer it trains."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    def trainer() -> L.Trainer:
+        return cpu_trainer(
+            SkrullStrategy(bucket_size=80),
+            max_epochs=2,
+            callbacks=[StochasticWeightAveraging(swa_lrs=LR, swa_epoch_start=1)],
+        )
+
+    def data() -> SkrullDataModule:
+        return SkrullDataModule(train_data=SWA_DATA, global_batch_size=GLOBAL_BATCH)
+
+    refused = trainer()
+    with pytest.raises(
+        ValueError,
+        match=r"StochasticWeightAveraging .*BatchNorm layer 'norm' \(BatchNorm1d\).*under "
+        r"SkrullStrategy one global batch is one step.*update_bn",
+    ):
+        refused.fit(BatchNormLM(), data())
+    assert refused.global_step == 0
+    trained = trainer()
+    trained.fit(PlainLM(), data())
+    assert trained.global_step == 2
+
+
 def test_pairing_check_refuses_a_copy_that_no_longer_matches() -> None:
     """The callbacks zip the copy's tensors with the module's by position: a tensor the module
     gained after the copy, or a copy narrower than the module's dtype, is refused."""
