@@ -14,6 +14,11 @@ run different numbers of micro-batches (asserted). Each is compared with the EMA
 Face training on one process over the same global batches (eager attention, one sequence at a
 time, the summed token loss over the global batch's supervised tokens, SGD).
 
+The same spawn runs ``StochasticWeightAveraging`` (4 epochs of one global batch, the learning
+rate annealed by the callback's ``SWALR``, the weights of 3 epochs averaged), in ``32-true`` and
+in ``bf16-mixed`` from bf16 parameters, against the same callback on plain Lightning and Hugging
+Face on one process.
+
 ``SkrullFSDPStrategy`` and ``SkrullZero2Strategy`` refuse the callbacks at setup (one process
 each); the pairing check is tested on its own.
 """
@@ -49,6 +54,7 @@ from lightning.pytorch.callbacks import (
     StochasticWeightAveraging,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from torch.utils.data import DataLoader
 
 from lightning_skrull.runtime.launch import spawn
 
@@ -71,6 +77,20 @@ RESUME_ATOL = 1e-7
 # how far apart the reference's EMA and its last weights are (measured 1.35e-2): the average is
 # not the weights, and the tolerances above tell them apart a thousandfold
 EMA_IS_NOT_THE_WEIGHTS = 1e-2
+# StochasticWeightAveraging: SWA_EPOCHS epochs of one global batch, the second of make_data()
+# (the first gives both DP ranks 3 micro-batches, this one 2 and 3); swa_epoch_start=SWA_START:
+# the average takes the weights at the start of epochs SWA_START - 1 .. SWA_EPOCHS - 1, i.e.
+# after steps 1, 2 and 3 (the last step's weights are never averaged, as on one process); the
+# learning rate annealed from LR to SWA_LR over SWA_ANNEAL epochs (cosine) from epoch
+# SWA_START - 1 on
+SWA_EPOCHS, SWA_START, SWA_LR, SWA_ANNEAL = 4, 2, 0.25, 2
+SWA_DATA = make_data()[GLOBAL_BATCH : 2 * GLOBAL_BATCH]
+# the callback averages in float32 incrementally (average + (w - average) / (n + 1)); against
+# the float64 mean of the same weights that rounds to a few float32 ulps (measured 7.9e-8)
+SWA_MEAN_ATOL = 1e-6
+# how far the reference's average lies from its last weights and from each averaged one
+# (measured 3.2e-2, and 1.4e-2 to 2.0e-2): the tolerances above tell them apart
+SWA_IS_NOT_THE_WEIGHTS = 1e-3
 
 
 # ----------------------------------------------------------------------------- 4 ranks
@@ -163,11 +183,81 @@ def _fit(
     }
 
 
+def stochastic_weight_averaging() -> StochasticWeightAveraging:
+    """The SWA callback of every SWA run, at one process and at 4."""
+    return StochasticWeightAveraging(
+        swa_lrs=SWA_LR, swa_epoch_start=SWA_START, annealing_epochs=SWA_ANNEAL
+    )
+
+
+class StepRecorder(L.Callback):
+    """The learning rate of each step, this rank's micro-batches, the weights when each epoch
+    starts, after the last step (``live``) and when training ends (after the SWA callback, whose
+    hooks run first, copied the average in)."""
+
+    def __init__(self) -> None:
+        self.steps: list[dict[str, Any]] = []
+        self.epoch_starts: list[dict[str, np.ndarray]] = []
+        self.live: dict[str, np.ndarray] = {}
+        self.final: dict[str, np.ndarray] = {}
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        self.epoch_starts.append(float64_params(module.model))
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        step: dict[str, Any] = {"lr": trainer.optimizers[0].param_groups[0]["lr"]}
+        if hasattr(batch, "rank_batch"):  # a SkrullBatch; the reference's is a list of samples
+            step.update(
+                run=len(batch.rank_batch.micro_batches),
+                max=batch.stats.max_micro_batches,
+                min=batch.stats.min_micro_batches,
+            )
+        self.steps.append(step)
+        self.live = float64_params(module.model)
+
+    def on_train_end(self, trainer: Any, module: Any) -> None:
+        self.final = float64_params(module.model)
+
+
+def _swa_fit(precision: str) -> dict[str, Any]:
+    """``StochasticWeightAveraging`` under ``SkrullStrategy``; in ``bf16-mixed`` from parameters
+    loaded in bf16, as :func:`_fit`."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    swa, recorder = stochastic_weight_averaging(), StepRecorder()
+    trainer = cpu_trainer(
+        SkrullStrategy(cp_size=2, bucket_size=BUCKET),
+        max_epochs=SWA_EPOCHS,
+        precision=precision,
+        callbacks=[swa, recorder],  # the recorder's hooks run after the SWA callback's
+    )
+    module = PlainLM()
+    if precision == "bf16-mixed":
+        for p in module.model.parameters():
+            p.data = p.data.to(torch.bfloat16)
+    data = SkrullDataModule(train_data=SWA_DATA, global_batch_size=GLOBAL_BATCH, shuffle=False)
+    trainer.fit(module, data)
+    average = swa._average_model
+    assert average is not None
+    return {
+        "steps": recorder.steps,
+        "epoch_starts": recorder.epoch_starts,
+        "live": recorder.live,
+        "final": recorder.final,
+        "copy_dtypes": sorted({str(p.dtype) for p in average.parameters()}),
+        "n_averaged": int(swa.n_averaged) if swa.n_averaged is not None else None,
+    }
+
+
 def _cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     out = {"32-true": _fit("32-true", save_to=checkpoint_dir)}
     resume = os.path.join(checkpoint_dir, f"step={RESUME_FROM}.ckpt")
     out["resumed"] = _fit("32-true", ckpt_path=resume)
     out["bf16-mixed"] = _fit("bf16-mixed")
+    out["swa"] = _swa_fit("32-true")
+    out["swa_bf16"] = _swa_fit("bf16-mixed")
     return out
 
 
@@ -222,10 +312,66 @@ def reference_ema(step: int, **kind: bool) -> dict[str, np.ndarray]:
 FLOAT32 = {"autocast": False, "bf16_start": False}
 
 
+class ReferenceLM(L.LightningModule):
+    """Plain Lightning and Hugging Face on one process: a step is a global batch (a list of
+    samples), one sequence at a time, the summed token loss over its supervised tokens; from
+    the initial parameters rounded to bf16 with ``bf16_start``, float32 from there."""
+
+    def __init__(self, bf16_start: bool) -> None:
+        super().__init__()
+        self.model = reference_model()
+        if bf16_start:
+            with torch.no_grad():
+                for p in self.model.parameters():
+                    p.copy_(p.to(torch.bfloat16))
+
+    def training_step(self, batch: list[dict[str, list[int]]], batch_idx: int) -> torch.Tensor:
+        total, tokens = torch.zeros(()), 0
+        for sample in batch:
+            loss, n = token_loss_sum(self.model, sample)
+            total, tokens = total + loss, tokens + n
+        return total / tokens
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=LR)
+
+
+@functools.cache
+def swa_reference(*, autocast: bool, bf16_start: bool) -> dict[str, Any]:
+    """What Lightning's ``StochasticWeightAveraging`` (:func:`stochastic_weight_averaging`) does
+    to plain training on one process (:class:`ReferenceLM`, the default single-device strategy)
+    over the same global batches, in ``"bf16-mixed"`` (autocast) with ``autocast``: the
+    parameters it starts from (``start``), the learning rate of each step, the weights when
+    each epoch starts, after the last step (``live``) and at the end (``final``)."""
+    module, recorder = ReferenceLM(bf16_start), StepRecorder()
+    start = float64_params(module.model)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=SWA_EPOCHS,
+        precision="bf16-mixed" if autocast else "32-true",
+        callbacks=[stochastic_weight_averaging(), recorder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    loader = DataLoader(SWA_DATA, batch_size=GLOBAL_BATCH, collate_fn=list)
+    with one_thread():
+        trainer.fit(module, loader)
+    return {
+        "start": start,
+        "lrs": [s["lr"] for s in recorder.steps],
+        "epoch_starts": recorder.epoch_starts,
+        "live": recorder.live,
+        "final": recorder.final,
+    }
+
+
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.multiprocess
 def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]]) -> None:
-    for run in ("32-true", "bf16-mixed"):
+    for run in ("32-true", "bf16-mixed", "swa", "swa_bf16"):
         steps = [out[run]["steps"] for out in ranks]
         assert any(s["max"] != s["min"] for s in steps[0])
         # DP rank 0 (processes 0, 1) and DP rank 1 (processes 2, 3) ran different counts
@@ -304,6 +450,62 @@ def test_ema_bf16_mixed_from_bf16_weights(ranks: list[dict[str, Any]]) -> None:
         assert distance <= bound, (distance, own, bound)
 
 
+@pytest.mark.multiprocess
+def test_swa_equals_single_process_swa_float32(ranks: list[dict[str, Any]]) -> None:
+    """``StochasticWeightAveraging`` at DP=2 x CP=2 against the same callback on plain
+    Lightning and HF on one process: the same annealed learning rates, the weights at every
+    epoch's start (to :data:`PARAM_ATOL`), and the average copied in at the end; the average is
+    the mean of the weights after steps 1 to 3 (to :data:`SWA_MEAN_ATOL`)."""
+    ref = swa_reference(**FLOAT32)
+    # the annealing moved the learning rate, and the average is neither the last weights nor
+    # any of the averaged ones
+    assert len(set(ref["lrs"])) > 1 and ref["lrs"][0] == LR
+    assert max_diff(ref["final"], ref["live"]) > SWA_IS_NOT_THE_WEIGHTS
+    for averaged in ref["epoch_starts"][SWA_START - 1 :]:
+        assert max_diff(ref["final"], averaged) > SWA_IS_NOT_THE_WEIGHTS
+    for out in ranks:
+        run = out["swa"]
+        assert run["copy_dtypes"] == ["torch.float32"]
+        assert run["n_averaged"] == SWA_EPOCHS - SWA_START + 1
+        assert [s["lr"] for s in run["steps"]] == ref["lrs"]
+        assert len(run["epoch_starts"]) == len(ref["epoch_starts"]) == SWA_EPOCHS
+        for a, b in zip(run["epoch_starts"], ref["epoch_starts"], strict=True):
+            assert max_diff(a, b) < PARAM_ATOL
+        assert max_diff(run["live"], ref["live"]) < PARAM_ATOL
+        assert max_diff(run["final"], ref["final"]) < PARAM_ATOL
+        # a hand-written average of this run's own weights when epochs 1 to 3 started
+        averaged = run["epoch_starts"][SWA_START - 1 :]
+        mean = {k: sum(w[k] for w in averaged) / len(averaged) for k in run["final"]}
+        assert max_diff(run["final"], mean) < SWA_MEAN_ATOL
+
+
+@pytest.mark.multiprocess
+def test_swa_bf16_mixed_from_bf16_weights(ranks: list[dict[str, Any]]) -> None:
+    """``StochasticWeightAveraging`` in ``bf16-mixed`` from parameters loaded in bf16 (its copy
+    cast to float32 with the master weights): the final average's update from the start is held
+    to the 16-bit rule against the same callback on plain Lightning in float32 from the same
+    bf16 start, with plain Lightning's own ``bf16-mixed`` run as d(ref). Measured: d(cell)
+    2.1e-3, d(ref) 2.2e-3, bound 5.4e-3; an update 5% too large would be at
+    5.0e-2, and the last weights in place of the average (the callback not copying it in)
+    at 7.3e-1."""
+    float32 = swa_reference(autocast=False, bf16_start=True)
+    autocast = swa_reference(autocast=True, bf16_start=True)
+    start = float32["start"]
+    delta_fp32 = update(start, float32["final"])
+    own = relative_distance(update(start, autocast["final"]), delta_fp32)
+    bound = RATIO * own + FLOOR
+    for out in ranks:
+        run = out["swa_bf16"]
+        assert run["copy_dtypes"] == ["torch.float32"]  # cast with the master weights
+        assert [s["lr"] for s in run["steps"]] == float32["lrs"]
+        cell = update(start, run["final"])
+        distance = relative_distance(cell, delta_fp32)
+        assert distance <= bound, (distance, own, bound)
+        # the bound catches a gradient 5% off, and the average left out
+        assert relative_distance(1.05 * cell, delta_fp32) > bound
+        assert relative_distance(update(start, run["live"]), delta_fp32) > bound
+
+
 # ----------------------------------------------------------------------------- one process
 def _refused_fit(strategy: Any, callback: L.Callback) -> None:
     from lightning_skrull import SkrullDataModule
@@ -334,6 +536,44 @@ def test_zero2_refuses_weight_averaging_at_setup(world_of_one: None) -> None:
         match=r"EMAWeightAveraging cannot .*SkrullZero2Strategy.*save_pretrained.*SkrullStrategy",
     ):
         _refused_fit(SkrullZero2Strategy(bucket_size=80), EMAWeightAveraging(decay=DECAY))
+
+
+class BatchNormLM(PlainLM):
+    """:class:`PlainLM` with a BatchNorm layer (unused by the step: its presence is the case)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.BatchNorm1d(4)
+
+
+def test_swa_with_batch_norm_is_refused_at_setup(world_of_one: None) -> None:
+    """``StochasticWeightAveraging`` on a module with BatchNorm layers adds an epoch after
+    training run as one step (``accumulate_grad_batches`` raised to the epoch's batches), which
+    ``SkrullStrategy`` refuses: left alone, the fit trained every epoch and failed at that
+    epoch's first step. Refused before the first step instead; without the layer it trains."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    def trainer() -> L.Trainer:
+        return cpu_trainer(
+            SkrullStrategy(bucket_size=80),
+            max_epochs=2,
+            callbacks=[StochasticWeightAveraging(swa_lrs=LR, swa_epoch_start=1)],
+        )
+
+    def data() -> SkrullDataModule:
+        return SkrullDataModule(train_data=SWA_DATA, global_batch_size=GLOBAL_BATCH)
+
+    refused = trainer()
+    with pytest.raises(
+        ValueError,
+        match=r"StochasticWeightAveraging .*BatchNorm layer 'norm' \(BatchNorm1d\).*under "
+        r"SkrullStrategy one global batch is one step.*update_bn",
+    ):
+        refused.fit(BatchNormLM(), data())
+    assert refused.global_step == 0
+    trained = trainer()
+    trained.fit(PlainLM(), data())
+    assert trained.global_step == 2
 
 
 def test_pairing_check_refuses_a_copy_that_no_longer_matches() -> None:

@@ -19,6 +19,9 @@ back).
   (:func:`refuse_weight_averaging`, with their reasons).
 
 :func:`check_averaged_pairs` checks the pairing once the strategy is set up.
+:func:`refuse_batch_norm_update` refuses ``StochasticWeightAveraging`` on a module with BatchNorm
+layers: the callback recomputes their statistics in an extra epoch run as one optimizer step,
+which a Skrull step (one global batch) cannot be.
 """
 
 from __future__ import annotations
@@ -74,6 +77,39 @@ def refuse_weight_averaging(trainer: pl.Trainer, strategy: str, reason: str) -> 
         f"{name} cannot average the weights under {strategy}: {reason}. Train with "
         f"SkrullStrategy (DDP, a full model on every rank), under which {name} averages exactly "
         "what one process would, or remove the callback."
+    )
+
+
+def refuse_batch_norm_update(trainer: pl.Trainer, module: nn.Module, strategy: str) -> None:
+    """Refuse ``StochasticWeightAveraging`` on a module with BatchNorm layers.
+
+    With BatchNorm layers (and ``max_epochs`` set) the callback adds an epoch after training
+    that recomputes their statistics under the average, run as one optimizer step by setting
+    ``Trainer.accumulate_grad_batches`` to the epoch's batch count. A Skrull step is one global
+    batch whose micro-batches are already accumulated, so the strategy would refuse that setting
+    at the extra epoch's first step, after the whole training.
+
+    Raises:
+        ValueError: such a fit; the message names the layer, the rule and the fix.
+    """
+    callbacks = [cb for cb in trainer.callbacks if isinstance(cb, StochasticWeightAveraging)]  # type: ignore[attr-defined]
+    if not callbacks or trainer.state.fn != "fit" or trainer.max_epochs == -1:
+        return
+    layers = [
+        (name, type(m).__name__)
+        for name, m in module.named_modules()
+        if isinstance(m, nn.modules.batchnorm._BatchNorm)
+    ]
+    if not layers:
+        return
+    name, kind = layers[0]
+    raise ValueError(
+        f"StochasticWeightAveraging recomputes the statistics of the BatchNorm layer {name!r} "
+        f"({kind}) in an extra epoch after training, run as one optimizer step "
+        "(Trainer.accumulate_grad_batches set to the epoch's batch count), but under "
+        f"{strategy} one global batch is one step. Average with lightning.pytorch.callbacks."
+        "WeightAveraging(avg_fn=torch.optim.swa_utils.get_swa_avg_fn()) and recompute the "
+        "statistics after fit with torch.optim.swa_utils.update_bn, or remove the callback."
     )
 
 
