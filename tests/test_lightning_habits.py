@@ -1166,3 +1166,62 @@ def test_batch_size_finder_is_refused_before_any_step(world_of_one: None, tmp_pa
     # a folder that is not a Skrull FSDP checkpoint is refused by name
     with pytest.raises(ValueError, match=r"no meta\.pt.*save_distributed_checkpoint=True"):
         SkrullFSDPStrategy.consolidate_checkpoint(tmp_path, tmp_path / "full.ckpt")
+
+
+COLLECTIVES = {
+    "strategy.reduce": lambda strategy, x: strategy.reduce(x, reduce_op="sum"),
+    "strategy.broadcast": lambda strategy, x: strategy.broadcast(x),
+    "strategy.barrier": lambda strategy, x: strategy.barrier(),
+    "all_gather (self.all_gather)": lambda strategy, x: strategy.all_gather(x),
+}
+"""The collectives a step could call through the strategy, by the name the refusal gives.
+In a step each would be called once per micro-batch, a different number of times on each DP
+rank, and hang; the multi-process spawn above shows ``self.all_gather``'s refusal on every
+rank, this one process the rule for each of them."""
+
+
+class CollectiveLM(PlainLM):
+    """:class:`PlainLM` that calls one collective in ``training_step`` (``in_step``) or in
+    ``on_train_batch_end`` and ``on_train_epoch_end``, where it is allowed."""
+
+    def __init__(self, collective: str, in_step: bool) -> None:
+        super().__init__()
+        self.collective, self.in_step = collective, in_step
+        self.results: list[Any] = []
+
+    def _call(self) -> None:
+        self.results.append(COLLECTIVES[self.collective](self.trainer.strategy, torch.ones(2)))
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.in_step:
+            self._call()
+        return super().training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if not self.in_step:
+            self._call()
+
+    def on_train_epoch_end(self) -> None:
+        if not self.in_step:
+            self._call()
+
+
+@pytest.mark.parametrize("collective", list(COLLECTIVES))
+def test_collectives_are_refused_inside_a_step_and_allowed_in_other_hooks(
+    world_of_one: None, collective: str
+) -> None:
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    def fit(module: CollectiveLM) -> None:
+        trainer = cpu_trainer(SkrullStrategy(bucket_size=64), max_steps=2)
+        data = SkrullDataModule(train_data=make_data(8, seed=0), global_batch_size=4)
+        trainer.fit(module, data)
+
+    with pytest.raises(RuntimeError) as caught:
+        fit(CollectiveLM(collective, in_step=True))
+    message = str(caught.value)
+    assert message.startswith(f"{collective} was called while SkrullStrategy runs a step's")
+    assert "self.log(..., sync_dist=True)" in message and "on_train_batch_end" in message
+    allowed = CollectiveLM(collective, in_step=False)
+    fit(allowed)
+    assert len(allowed.results) == 3  # after each of the 2 steps, and at the epoch's end
