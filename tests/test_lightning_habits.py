@@ -41,7 +41,9 @@ from helpers import (
     one_thread,
     reference_logits,
     reference_model,
+    skrull_strategy,
     tiny_qwen2,
+    trained_params,
 )
 from lightning.pytorch.callbacks import (
     EarlyStopping,
@@ -332,6 +334,47 @@ def _monitored_fit(checkpoint_dir: str) -> dict[str, Any]:
     }
 
 
+SHARDED = ("zero2", "fsdp", "fsdp_world")
+"""The sharding strategies the logs and hooks also run under (helpers.skrull_strategy names)."""
+
+
+class ShardedHabitsLM(HabitsLM):
+    """:class:`HabitsLM` whose backward hooks record whether they see gradients (ZeRO-2 keeps
+    them inside DeepSpeed: ``.grad`` is ``None``; FSDP's are sharded DTensors), not norms."""
+
+    def on_after_backward(self) -> None:
+        self.after_backward_norms.append(float(any(p.grad is not None for p in self.parameters())))
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.before_step_norms.append(float(any(p.grad is not None for p in self.parameters())))
+
+
+def _sharded_habits(name: str) -> dict[str, Any]:
+    """The 32-true habits fit under a sharding strategy (clipped, validated once, the module's
+    self.log calls), its logs, hook calls and the full weights (rank 0's, under FSDP)."""
+    recorder, module = Recorder(), ShardedHabitsLM()
+    strategy = skrull_strategy(name, cp_size=CP, bucket_size=BUCKET, chunked_loss=False)
+    trainer = cpu_trainer(
+        strategy,
+        max_steps=STEPS,
+        callbacks=[recorder],
+        gradient_clip_val=CLIP,
+        limit_val_batches=1,
+        val_check_interval=STEPS,
+    )
+    trainer.fit(module, _data())
+    return {
+        "train": recorder.train,
+        "val": recorder.val,
+        "val_loss": float(trainer.callback_metrics["val_loss"]),
+        "val_acc": float(trainer.callback_metrics["val_acc"]),
+        "before_backward": module.before_backward,
+        "grads_after_backward": module.after_backward_norms,
+        "grads_before_step": module.before_step_norms,
+        "params": trained_params(module.model, trainer.strategy),
+    }
+
+
 def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     out: dict[str, Any] = {"monitored": _monitored_fit(checkpoint_dir)}
     for precision in ("32-true", "bf16-mixed"):
@@ -381,6 +424,8 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     for precision, key in (("32-true", "other"), ("bf16-mixed", "other_bf16")):
         out[key] = _other_habits(os.path.join(checkpoint_dir, key), precision)
     out["fsdp_max_time"] = _fsdp_max_time(os.path.join(checkpoint_dir, "fsdp"))
+    for name in SHARDED:
+        out[name] = _sharded_habits(name)
     return out
 
 
@@ -695,6 +740,43 @@ def test_synced_logs_equal_single_process_on_every_rank(ranks: list[dict[str, An
         assert out["test_loss"] == pytest.approx(ref["test_loss"], rel=VALUE_REL)
     for key in ("user_loss", "token_acc"):  # the very same value on every rank
         assert len({tuple(s[key] for s in out["32-true"]["train"]) for out in ranks}) == 1
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", SHARDED)
+def test_logs_and_hooks_under_the_sharding_strategies_equal_single_process(
+    ranks: list[dict[str, Any]], name: str
+) -> None:
+    """The same module, logs and clipping under ZeRO-2 and FSDP (over the CP group and over the
+    world) as under DDP: every synced log, the validation values and the weights equal one
+    process; the backward hooks run once per step. ZeRO-2 pads the DP ranks to equal
+    micro-batch counts with empty micro-batches (they weigh nothing in the token means), so the
+    planned counts differ (asserted) while both ranks run the larger."""
+    ref = reference()
+    for rank, out in enumerate(ranks):
+        run = out[name]
+        assert all((s["max"], s["min"]) == (2, 1) for s in run["train"])
+        for step, expected in zip(run["train"], ref["steps"], strict=True):
+            for key in ("user_loss", "train_loss", "dict_loss"):
+                assert step[key] == pytest.approx(expected["loss"], rel=VALUE_REL), key
+            for key in ("token_acc", "dict_acc"):
+                assert step[key] == pytest.approx(expected["acc"], rel=VALUE_REL), key
+            assert step["supervised"] == expected["tokens"]
+        assert run["val_loss"] == pytest.approx(ref["val_loss"], rel=VALUE_REL)
+        assert run["val_acc"] == pytest.approx(ref["val_acc"], rel=VALUE_REL)
+        assert len(run["before_backward"]) == STEPS
+        # once per step; ZeRO-2 keeps the gradients inside the engine
+        seen = 0.0 if name == "zero2" else 1.0
+        assert run["grads_after_backward"] == run["grads_before_step"] == [seen] * STEPS
+        if run["params"]:  # the full weights: every rank but FSDP's non-zero ranks
+            assert _max_diff(run["params"], ref["params"]) < PARAM_ATOL
+        else:
+            assert name.startswith("fsdp") and rank > 0
+    runs = [[s["run"] for s in out[name]["train"]] for out in ranks]
+    if name in ("zero2", "fsdp_world"):  # padded to the larger count on both DP ranks
+        assert len({tuple(r) for r in runs}) == 1
+    else:
+        assert runs[0] != runs[2]
 
 
 @pytest.mark.multiprocess
