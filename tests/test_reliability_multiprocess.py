@@ -11,9 +11,10 @@ of 8 (so every epoch ends with a partial batch of 5):
   epoch (DP=2 with and without shuffling, CP=2 shuffled), two runs with the same seed giving
   bit-identical losses and parameters (also against the separately launched run), the killed
   run resumed from its last checkpoint ending with the parameters of the uninterrupted run,
-  ranks holding different data stopped at the first step, and last, a run in which rank 1
-  raises in the middle of a step: both processes must end non-zero within a bounded time, with
-  the original error shown. The results of the earlier cases are saved before that fault.
+  ranks holding different data (reordered samples, other token ids, one label masked on one
+  rank only) stopped at the first step, and last, a run in which rank 1 raises in the middle of
+  a step: both processes must end non-zero within a bounded time, with the original error
+  shown. The results of the earlier cases are saved before that fault.
 
 Process start-up (imports) dominates the time, so there are just these two launches.
 """
@@ -230,6 +231,12 @@ def _spawn_cases(rank: int, world_size: int, killed_dir: str, out_dir: str) -> s
     out["reordered"] = mismatched(1, data[::-1] if rank == 1 else data)
     same_length = [{"input_ids": [(7 * i + j) % 64 for j in range(10)]} for i in range(16)]
     out["same_lengths"] = mismatched(2, same_length[::-1] if rank == 1 else same_length)
+    # identical input_ids, lengths and plans; rank 1 alone masks one label of sample 3 (not its
+    # first, which no token predicts): only the checksum of the labels tells the ranks apart
+    labelled = [{**s, "labels": list(s["input_ids"])} for s in same_length]
+    if rank == 1:
+        labelled[3]["labels"][5] = -100
+    out["one_label_masked"] = mismatched(2, labelled)
     with open(Path(out_dir, f"results{rank}.pkl"), "wb") as f:
         pickle.dump(out, f)
 
@@ -475,7 +482,8 @@ def test_resume_after_a_kill_equals_the_uninterrupted_run(
 @pytest.mark.multiprocess
 def test_ranks_with_different_data_stop_at_the_first_step(spawned: list[dict[str, Any]]) -> None:
     for out in spawned:
-        for case in ("reordered", "same_lengths"):  # the second has identical plans on all ranks
+        # the last two have identical plans on all ranks; the last identical input_ids too
+        for case in ("reordered", "same_lengths", "one_label_masked"):
             message = out[case]
             assert message.startswith("RuntimeError: rank "), message
             assert "planned different global batches or hold different samples" in message
