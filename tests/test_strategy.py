@@ -4,6 +4,8 @@ world-of-one fit that must equal plain HF training (the multi-process cases are 
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -91,11 +93,24 @@ def test_ddp_refuses_per_forward_buffer_sync() -> None:
     assert False in kwargs.values() and {"broadcast_buffers", "forward_sync_buffers"} & set(kwargs)
 
 
-def test_zero2_refuses_other_stages() -> None:
-    with pytest.raises(ValueError, match="stage=3"):
+def test_zero2_refuses_other_stages(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"stage=3\. ZeRO-3 partitions.*SkrullFSDPStrategy"):
         SkrullZero2Strategy(bucket_size=64, stage=3)
-    with pytest.raises(ValueError, match=r"zero_optimization.stage=3"):
-        SkrullZero2Strategy(bucket_size=64, config={"zero_optimization": {"stage": 3}})
+    # stage 1 runs through the config; the argument names that fix
+    with pytest.raises(ValueError, match=r"stage=1\. .*config=\{'zero_optimization': \{'stage"):
+        SkrullZero2Strategy(bucket_size=64, stage=1)
+    stage_3 = {"zero_optimization": {"stage": 3}}
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=3; .*stages 1 and 2"):
+        SkrullZero2Strategy(bucket_size=64, config=stage_3)
+    # a config file is read by Lightning: checked after it
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(stage_3))
+    with pytest.raises(ValueError, match=r"zero_optimization.stage=3; .*stages 1 and 2"):
+        SkrullZero2Strategy(bucket_size=64, config=str(path))
+    path.write_text(json.dumps({"zero_optimization": {"stage": 1}}))
+    assert SkrullZero2Strategy(bucket_size=64, config=path).config["zero_optimization"] == {
+        "stage": 1
+    }
     strategy = SkrullZero2Strategy(bucket_size=64)
     assert strategy.config["zero_optimization"]["stage"] == 2
 

@@ -225,18 +225,16 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             )
         stage = deepspeed_kwargs.pop("stage", 2)
         if stage != 2:
-            raise ValueError(
-                f"SkrullZero2Strategy runs ZeRO stage 2, got stage={stage!r}; ZeRO-3 partitions "
-                "the parameters, which the context-parallel attention does not gather. Leave "
-                "stage unset."
+            fix = (
+                "For ZeRO stage 1 give it in the DeepSpeed config: "
+                "config={'zero_optimization': {'stage': 1}}."
+                if stage == 1
+                else "ZeRO-3 partitions the parameters, which the context-parallel attention "
+                "does not gather: leave stage unset, or shard the parameters with "
+                "SkrullFSDPStrategy."
             )
+            raise ValueError(f"SkrullZero2Strategy runs ZeRO stage 2, got stage={stage!r}. {fix}")
         if isinstance(config, dict):
-            zero = config.get("zero_optimization", {})
-            if isinstance(zero, dict) and zero.get("stage", 2) not in (1, 2):
-                raise ValueError(
-                    f"the DeepSpeed config sets zero_optimization.stage={zero.get('stage')!r}; "
-                    "SkrullZero2Strategy supports stages 1 and 2."
-                )
             config = {"train_micro_batch_size_per_gpu": 1, **config}
         super().__init__(
             accelerator=accelerator,
@@ -249,6 +247,15 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             timeout=timeout,
             **deepspeed_kwargs,
         )
+        # a config given as a file is read by now: check its stage too
+        zero = self.config.get("zero_optimization", {}) if isinstance(self.config, dict) else {}
+        if isinstance(zero, dict) and zero.get("stage", 2) not in (1, 2):
+            raise ValueError(
+                f"the DeepSpeed config sets zero_optimization.stage={zero.get('stage')!r}; "
+                "SkrullZero2Strategy supports stages 1 and 2 (ZeRO-3 partitions the parameters, "
+                "which the context-parallel attention does not gather). Set the stage to 1 or "
+                "2, or shard the parameters with SkrullFSDPStrategy."
+            )
         # the loader yields whole global batches; DeepSpeed only logs this number
         if isinstance(self.config, dict):
             self.config.setdefault("train_micro_batch_size_per_gpu", 1)
