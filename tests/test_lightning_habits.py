@@ -973,6 +973,18 @@ def _smoothed(losses: list[float]) -> list[float]:
     return smoothed
 
 
+def _sixteen_bit_bounds(steps: int) -> tuple[dict[str, Any], np.ndarray, float, float]:
+    """The 16-bit rule for ``steps`` SGD steps of :data:`LR` of the other habits' data:
+    the float32 reference, its update, and the bounds of a run's update and logged losses
+    (``RATIO`` x single-process bf16 autocast's distance to float32, plus ``FLOOR``)."""
+    fp32 = habit_reference((LR,) * steps)
+    bf16 = habit_reference((LR,) * steps, autocast=True)
+    delta_fp32 = update(fp32["start"], fp32["params"][-1])
+    own = relative_distance(update(bf16["start"], bf16["params"][-1]), delta_fp32)
+    loss_bound = RATIO * _distance(bf16["losses"], fp32["losses"]) + FLOOR
+    return fp32, delta_fp32, RATIO * own + FLOOR, loss_bound
+
+
 def _distance(values: Any, reference: Any) -> float:
     """Relative distance of a vector of values (losses, a curve) to the float32 reference's:
     the measure of the 16-bit rule (docs/precision.md) applied to them."""
@@ -1022,12 +1034,7 @@ def test_learning_rate_finder_in_bf16_mixed(ranks: list[dict[str, Any]]) -> None
     # weights and batch) fails the bound
     share = ranks[0]["32-true"]["before_backward"][0]
     assert _distance(_smoothed([share, *fp32["losses"][1:]]), curve) > curve_bound
-    after_fp32 = habit_reference((LR,) * STEPS)
-    after_bf16 = habit_reference((LR,) * STEPS, autocast=True)
-    delta_fp32 = update(after_fp32["start"], after_fp32["params"][-1])
-    own = relative_distance(update(after_bf16["start"], after_bf16["params"][-1]), delta_fp32)
-    update_bound = RATIO * own + FLOOR
-    loss_bound = RATIO * _distance(after_bf16["losses"], after_fp32["losses"]) + FLOOR
+    after_fp32, delta_fp32, update_bound, loss_bound = _sixteen_bit_bounds(STEPS)
     for out in ranks:
         found = out["other_bf16"]
         assert _max_diff(found["lr_find_restored"], found["lr_find_initial"]) == 0.0
@@ -1157,12 +1164,8 @@ def test_flags_csv_logger_and_log_dict_in_bf16_mixed(ranks: list[dict[str, Any]]
     losses ``self.log`` and ``self.log_dict`` logged (1.4e-5, d(ref) 8.3e-6, bound 1.0e-3). The
     token accuracy ``log_dict`` logged flips at most ``RATIO`` times the tokens autocast flips in
     each step, plus one (measured 0 and 0 in every step)."""
-    fp32 = habit_reference((LR,) * HABIT_STEPS)
+    fp32, delta_fp32, update_bound, loss_bound = _sixteen_bit_bounds(HABIT_STEPS)
     bf16 = habit_reference((LR,) * HABIT_STEPS, autocast=True)
-    delta_fp32 = update(fp32["start"], fp32["params"][-1])
-    own = relative_distance(update(bf16["start"], bf16["params"][-1]), delta_fp32)
-    update_bound = RATIO * own + FLOOR
-    loss_bound = RATIO * _distance(bf16["losses"], fp32["losses"]) + FLOOR
     for out in ranks:
         run = out["other_bf16"]["flags"]
         cell = update(fp32["start"], run["params"])
