@@ -1,0 +1,321 @@
+"""Data at the edges of a global batch, through ``Trainer.fit`` on 4 gloo processes (DP2 x CP2).
+
+One spawn runs every case, on 17 shuffled samples in global batches of 8 (3 steps an epoch):
+step 1 holds 8 samples, step 2 holds 8 samples none of which has a supervised token (the data
+is built so), step 3 holds the last sample alone, so one DP rank gets no sequence and runs a
+placeholder micro-batch. Validation runs on a single sample, so one DP rank has no sequence
+there either. The optimizer is AdamW with weight decay: a step with zero gradients still moves
+the weights (decay, and the first moment of earlier steps), as it does on one process.
+
+- DDP, ZeRO-2 and FSDP (``shard="world"``), one epoch: no hang (the spawn's timeout), the
+  parameters, each step's ``train_loss`` and the ``val_loss`` equal single-process training of
+  the same global batches;
+- DDP with 2 DataLoader workers per rank, two epochs (6 steps), a checkpoint after every step,
+  equal to single-process training; resumed from its checkpoint of step 2 (mid-epoch, written
+  while the workers held batches planned ahead of it) with 2 workers and with none: each rank
+  gets the uninterrupted run's micro-batches of the same global batches, every sample is trained
+  once per epoch across the stop, and the losses, validation losses and parameters equal the
+  uninterrupted run's. These runs keep the cost model fixed (``calibration="off"``), so that
+  both runs plan alike.
+
+The reference is independent of the package: a plain Hugging Face model with eager attention,
+one sequence at a time, the summed token cross-entropy over the global batch's supervised
+tokens (at least 1, the package's rule), then ``torch.optim.AdamW``.
+"""
+
+from __future__ import annotations
+
+import functools
+import multiprocessing
+import os
+import tempfile
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from helpers import (
+    BatchRecorder,
+    PlainLM,
+    cpu_trainer,
+    make_data,
+    max_diff,
+    mean_token_loss,
+    one_thread,
+    reference_model,
+    skrull_strategy,
+    token_loss_sum,
+    trained_params,
+)
+
+from lightning_skrull.data.sampler import GlobalBatchSampler
+from lightning_skrull.runtime.launch import spawn
+
+NUM_SAMPLES = 17  # global batches of 8, 8 and 1
+GLOBAL_BATCH = 8
+SEED = 1  # shuffle seed: the DP ranks plan 3 and 2 micro-batches in step 1, 3 and 4 in step 2
+BUCKET = 40
+LR = 1e-2
+WEIGHT_DECAY = 0.1
+ONE_EPOCH = 3
+RESUME_STEPS = 6
+RESUME_FROM = 2  # mid-epoch, after the step without supervised tokens
+ONE_EPOCH_STRATEGIES = ("ddp", "zero2", "fsdp_world")
+
+
+def _masked_batch() -> list[int]:
+    """The samples of epoch 0's second global batch (the seeded shuffle every rank draws)."""
+    order = GlobalBatchSampler(NUM_SAMPLES, GLOBAL_BATCH, seed=SEED).epoch_order(0)
+    return order[GLOBAL_BATCH : 2 * GLOBAL_BATCH]
+
+
+def _data() -> list[dict[str, list[int]]]:
+    """:func:`make_data`'s first 17 samples, those of epoch 0's second global batch with every
+    label masked."""
+    data = make_data(NUM_SAMPLES)
+    for i in _masked_batch():
+        data[i] = {**data[i], "labels": [-100] * len(data[i]["input_ids"])}
+    return data
+
+
+def _val_data() -> list[dict[str, list[int]]]:
+    """One validation sample (fewer than the 2 DP ranks)."""
+    return make_data(1, seed=1)
+
+
+class AdamWLM(PlainLM):
+    """:class:`PlainLM` under AdamW with weight decay."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+
+
+class LossRecorder(BatchRecorder):
+    """:class:`BatchRecorder` plus the logged ``train_loss`` of each step and the ``val_loss``
+    of each validation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_losses: list[float] = []
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, i: int
+    ) -> None:
+        super().on_train_batch_end(trainer, module, outputs, batch, i)
+        self.steps[-1]["train_loss"] = float(trainer.callback_metrics["train_loss"])
+
+    def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
+        self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def _fit(
+    name: str,
+    steps: int,
+    *,
+    num_workers: int = 0,
+    calibration: str = "online",
+    save_to: str | None = None,
+    ckpt_path: str | None = None,
+) -> dict[str, Any]:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_skrull import SkrullDataModule
+
+    recorder = LossRecorder()
+    callbacks: list[Any] = [recorder]
+    if save_to is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=save_to, filename="{step}", every_n_train_steps=1, save_top_k=-1
+            )
+        )
+    strategy = skrull_strategy(name, cp_size=2, bucket_size=BUCKET, calibration=calibration)
+    trainer = cpu_trainer(
+        strategy, max_steps=steps, callbacks=callbacks, enable_checkpointing=save_to is not None
+    )
+    module = AdamWLM()
+    data = SkrullDataModule(
+        train_data=_data(),
+        val_data=_val_data(),
+        global_batch_size=GLOBAL_BATCH,
+        seed=SEED,
+        num_workers=num_workers,
+    )
+    trainer.fit(module, data, ckpt_path=ckpt_path)
+    return {
+        "params": trained_params(module.model, strategy),
+        "steps": recorder.steps,
+        "val_losses": recorder.val_losses,
+    }
+
+
+def _run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
+    out: dict[str, Any] = {name: _fit(name, ONE_EPOCH) for name in ONE_EPOCH_STRATEGIES}
+    # DataLoader workers start by the process's default method: in a rank started from the
+    # fork server that is the fork server, whose workers import torch, transformers and
+    # Lightning anew every epoch (measured 35-60 s each on a busy 2-core machine). Fork, what a
+    # rank launched by torchrun or Lightning gets on Linux, starts them in milliseconds.
+    multiprocessing.set_start_method("fork", force=True)
+    # Calibration off: online calibration plans with a model refitted from measured times, which
+    # differ from run to run (and the resumed run has not measured the steps before the
+    # checkpoint), so only a fixed cost model gives both runs the same plans to compare.
+    out["whole"] = _fit("ddp", RESUME_STEPS, num_workers=2, calibration="off", save_to=tmp)
+    checkpoint = os.path.join(tmp, f"step={RESUME_FROM}.ckpt")
+    for workers in (2, 0):
+        out[f"resumed_{workers}"] = _fit(
+            "ddp", RESUME_STEPS, num_workers=workers, calibration="off", ckpt_path=checkpoint
+        )
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict[str, Any]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        return spawn(_run, 4, tmp, timeout=300)
+
+
+def _global_batches(runs: list[dict[str, Any]], key: str) -> list[tuple[int, int, list[int]]]:
+    """``(epoch, index, sorted sample indices)`` of each step of ``key``'s run, joined over the
+    DP ranks (the CP ranks of a DP rank share its micro-batches)."""
+    batches: dict[tuple[int, int], list[int]] = {}
+    for out in runs:
+        for step in out[key]["steps"]:
+            if step["cp_rank"] == 0:
+                batches.setdefault((step["epoch"], step["index"]), []).extend(step["samples"])
+    return [(epoch, index, sorted(samples)) for (epoch, index), samples in sorted(batches.items())]
+
+
+@functools.cache
+def _reference(
+    batches: tuple[tuple[int, ...], ...], *, skip: int | None = None
+) -> tuple[dict[str, np.ndarray], list[float], list[float]]:
+    """``(parameters, loss of each step, validation loss after each epoch)`` of plain HF
+    training of ``batches`` (indices into :func:`_data`) on one process, AdamW; the step
+    ``skip`` (0-based) left out, to show what skipping an update would give."""
+    data, val = _data(), _val_data()
+    model = reference_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
+    losses, val_losses = [], []
+    with one_thread():
+        for step, batch in enumerate(batches):
+            total, tokens = torch.zeros(()), 0
+            for i in batch:
+                loss, n = token_loss_sum(model, data[i])
+                total, tokens = total + loss, tokens + n
+            loss = total / max(tokens, 1)
+            losses.append(float(loss.detach()))
+            if step != skip:
+                optimizer.zero_grad()
+                loss.backward()
+                # a batch without supervised tokens still gives every parameter a gradient (of
+                # zeros), so AdamW steps it: a None gradient would be skipped
+                assert all(p.grad is not None for p in model.parameters())
+                optimizer.step()
+            if (step + 1) % ONE_EPOCH == 0:
+                val_losses.append(mean_token_loss(model, val))
+    params = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
+    return params, losses, val_losses
+
+
+# Float32 throughout. The packed, sharded computation sums the same token terms in another
+# order than the one-sequence-at-a-time reference, and the strategies average gradients over 4
+# ranks, so gradients agree to float32 rounding. AdamW's first update is lr * g / (|g| + eps):
+# where |g| is a few eps (3e-8 against eps = 1e-8, on units of a nearly dead MLP neuron) it
+# scales a rounding error of g by lr * eps / (|g| + eps)^2, about 1e4. Measured: at most
+# 2.2e-5 to 2.3e-5 from the reference (DDP, ZeRO-2, FSDP; 3 and 6 steps), on those units; every
+# other weight within 3e-6. A lost or repeated update moves the weights by up to lr = 1e-2 (left
+# out, the unsupervised step's alone moves them 2.2e-2).
+PARAM_ATOL = 1e-4
+# The logged losses: the mean of the ranks' shares against the single-process token mean, float32
+# rounding of a loss near 4 (measured: train_loss 4.8e-7, val_loss 8.0e-7).
+LOSS_ATOL = 1e-5
+
+
+def _check_against_reference(runs: list[dict[str, Any]], key: str, steps: int) -> None:
+    batches = _global_batches(runs, key)
+    assert len(batches) == steps
+    params, losses, val_losses = _reference(tuple(tuple(b) for _, _, b in batches))
+    for out in runs:
+        if out[key]["params"]:  # FSDP gathers the full weights on rank 0 only
+            assert max_diff(out[key]["params"], params) < PARAM_ATOL
+        logged = [s["train_loss"] for s in out[key]["steps"]]
+        assert logged == pytest.approx(losses, abs=LOSS_ATOL)
+        assert out[key]["val_losses"] == pytest.approx(val_losses, abs=LOSS_ATOL)
+
+
+def _steps_by_position(runs: list[dict[str, Any]], key: str) -> dict[tuple[int, int, int], Any]:
+    """Each rank's recorded steps by ``(epoch, index, dp_rank)``, of CP rank 0."""
+    return {
+        (s["epoch"], s["index"], s["dp_rank"]): s
+        for out in runs
+        for s in out[key]["steps"]
+        if s["cp_rank"] == 0
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", ONE_EPOCH_STRATEGIES)
+def test_empty_dp_rank_and_unsupervised_batch_equal_single_process_training(
+    runs: list[dict[str, Any]], name: str
+) -> None:
+    batches = _global_batches(runs, name)
+    # every sample once; the second global batch holds no supervised token, the third one sample
+    assert sorted(i for _, _, b in batches for i in b) == list(range(NUM_SAMPLES))
+    assert [len(b) for _, _, b in batches] == [GLOBAL_BATCH, GLOBAL_BATCH, 1]
+    assert batches[1][2] == sorted(_masked_batch())
+    steps = _steps_by_position(runs, name)
+    # steps 1 and 2: the DP ranks plan different numbers of micro-batches
+    for index in (0, 1):
+        assert steps[(0, index, 0)]["planned"] != steps[(0, index, 1)]["planned"]
+    # step 3: one DP rank holds no sequence and runs one placeholder micro-batch
+    empty = [steps[(0, 2, dp)] for dp in (0, 1) if not steps[(0, 2, dp)]["samples"]]
+    assert len(empty) == 1 and empty[0]["planned"] == 0 and empty[0]["run"] == 1
+    _check_against_reference(runs, name, ONE_EPOCH)
+    # the unsupervised step logged loss 0 and still stepped AdamW, as one process does: leaving
+    # its update out lands far outside the tolerance
+    assert all(out[name]["steps"][1]["train_loss"] == 0.0 for out in runs)
+    trained = tuple(tuple(b) for _, _, b in batches)
+    assert max_diff(_reference(trained)[0], _reference(trained, skip=1)[0]) > 100 * PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+def test_two_epochs_with_workers_equal_single_process_training(
+    runs: list[dict[str, Any]],
+) -> None:
+    batches = _global_batches(runs, "whole")
+    assert [(e, i) for e, i, _ in batches] == [(e, i) for e in (0, 1) for i in range(ONE_EPOCH)]
+    for epoch in (0, 1):
+        trained = sorted(i for e, _, b in batches if e == epoch for i in b)
+        assert trained == list(range(NUM_SAMPLES))
+    _check_against_reference(runs, "whole", RESUME_STEPS)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("workers", [2, 0])
+def test_resume_with_workers_continues_the_uninterrupted_run(
+    runs: list[dict[str, Any]], workers: int
+) -> None:
+    key = f"resumed_{workers}"
+    fields = ("epoch", "index", "samples", "planned", "run")
+    for out in runs:
+        whole, resumed = out["whole"], out[key]
+        # this rank's micro-batches of the same global batches, steps 3 to 6
+        assert [[s[f] for f in fields] for s in resumed["steps"]] == [
+            [s[f] for f in fields] for s in whole["steps"][RESUME_FROM:]
+        ]
+        assert [s["train_loss"] for s in resumed["steps"]] == pytest.approx(
+            [s["train_loss"] for s in whole["steps"][RESUME_FROM:]], abs=LOSS_ATOL
+        )
+        # validation after epochs 0 and 1
+        assert resumed["val_losses"] == pytest.approx(whole["val_losses"], abs=LOSS_ATOL)
+        assert max_diff(resumed["params"], whole["params"]) < PARAM_ATOL
+    # the first resumed step leaves one DP rank without a sequence
+    steps = _steps_by_position(runs, key)
+    assert [steps[(0, RESUME_FROM, dp)]["planned"] for dp in (0, 1)] in ([1, 0], [0, 1])
+    # every sample once per epoch across the stop: steps 1-2 of the uninterrupted run, then
+    # the resumed steps
+    joined = _global_batches(runs, "whole")[:RESUME_FROM] + _global_batches(runs, key)
+    assert [(e, i) for e, i, _ in joined] == [(e, i) for e in (0, 1) for i in range(ONE_EPOCH)]
+    for epoch in (0, 1):
+        trained = sorted(i for e, _, b in joined if e == epoch for i in b)
+        assert trained == list(range(NUM_SAMPLES))
