@@ -10,7 +10,8 @@ One spawn of 4 processes, DP=2 x CP=2, runs every case (each process start costs
 - validation of the trained ``shard="cp"`` model, of one set and of named short and long sets
   (``val_loss/<name>``), equals the single-process token mean of each set;
 - gradient clipping on the DTensor gradients, with activation checkpointing, in float32 and in
-  ``bf16-mixed`` (by the rule of tests/test_precision_matrix.py);
+  ``bf16-mixed`` (by the rule of tests/test_precision_matrix.py); clipping by norm with
+  ``shard="world"`` (as the FSDP recipes train), float32 and ``bf16-mixed``, and by value;
 - resume from a sharded (torch.distributed.checkpoint) checkpoint equals the uninterrupted run,
   in float32 and in ``bf16-mixed``;
 - ``bf16-mixed`` through FSDP2's ``MixedPrecisionPolicy``, with ``shard="cp"`` and

@@ -8,7 +8,11 @@ Two spawns (each process start costs seconds, so every case of a world size runs
   clipping too, by the rule of tests/test_precision_matrix.py), and resume mid-epoch and at an
   epoch boundary (final parameters equal an uninterrupted run; every sample trained exactly
   once per epoch; DDP and ZeRO-2 also in bf16-mixed, ZeRO-2's masters and bf16 copies
-  alike). The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
+  alike). ZeRO-2 clipping by norm with the DP ranks planned different micro-batch counts, in
+  float32 and bf16-mixed. What a LightningModule's hooks change, on global batches that give
+  the DP ranks 2 and 1 micro-batches in every step: a ``backward`` override (once per
+  micro-batch, scaling the loss), ``configure_gradient_clipping`` clipping by value, a
+  ``LambdaLR`` warm-up stepped per global batch. The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
   with ``trainer.strategy.save_pretrained``, read back on one process by plain transformers: the
   trained weights (ZeRO-2's float32 masters) and the validation loss the runs logged.
   Sliding-window models: a Mistral with a 12-token window on every layer, a Qwen2 whose
