@@ -816,6 +816,37 @@ class PlainLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
+WARMUP = 4
+"""Steps of :class:`WarmupLM`'s linear warm-up: step ``s`` (from 0) runs
+``LR * min(1, (s + 1) / WARMUP)``, the CLI's schedule."""
+
+
+def warmup_factor(step: int) -> float:
+    """:class:`WarmupLM`'s learning rate at ``step`` (from 0), over :data:`LR`."""
+    return min(1.0, (step + 1) / WARMUP)
+
+
+class WarmupLM(PlainLM):
+    """SGD with a ``LambdaLR`` warm-up over :data:`WARMUP` steps, stepped per optimizer step
+    (``interval="step"``, as the CLI's ``SkrullCausalLM``), recording the learning rate each
+    step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lrs: list[float] = []
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
 class LayerCallCounter(L.Callback):
     """Counts the calls of the first decoder layer's MLP in ``module.model`` (a Hugging Face
     causal LM whose decoder is ``.model.layers``) while training, and the

@@ -44,10 +44,13 @@ import torch
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
+    LR,
     MIN_SLOWDOWN,
+    WARMUP,
     BatchRecorder,
     LayerCallCounter,
     PlainLM,
+    WarmupLM,
     bf16_policy_training,
     cpu_trainer,
     hooked_reference_training,
@@ -58,6 +61,7 @@ from helpers import (
     reference_model,
     reference_training,
     tiny_qwen2,
+    warmup_factor,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
 
@@ -327,6 +331,16 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     }
     module, _, recorder = _fit(STEPS, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
     out["value_clip"] = {"after": _full_params(module.model), "steps": recorder.steps}
+    # and the CLI's warm-up LR scheduler (interval="step") with shard="world"
+    warm = WarmupLM()
+    _, trainer, recorder = _fit(STEPS, shard="world", module=warm)
+    scheduler = trainer.lr_scheduler_configs[0].scheduler
+    out["warmup"] = {
+        "after": _full_params(warm.model),
+        "lrs": warm.lrs,
+        "last_epoch": scheduler.last_epoch,  # type: ignore[union-attr]
+        "global_step": trainer.global_step,
+    }
     out["clip_added_seconds"] = time.perf_counter() - started
 
     # resume: 4 steps straight against a run resumed from the sharded checkpoint after step 2
@@ -605,9 +619,10 @@ def test_gradient_clipping_on_dtensors_with_activation_checkpointing(
         assert max_diff(out["clip"], ref) < PARAM_ATOL
 
 
-# The clipping cases below, in float32: the sharded run sums the same terms in another order
-# than the reference (as PARAM_ATOL says), and the clip coefficient multiplies that rounding
-# only; 2e-6, as the DDP and ZeRO-2 clipping tests (measured 3.7e-9 to 6.0e-8).
+# The clipping and scheduler cases below, in float32: the sharded run sums the same terms in
+# another order than the reference (as PARAM_ATOL says), and a clip coefficient or a smaller
+# learning rate only scales that rounding; 2e-6, as the DDP and ZeRO-2 parity tests (measured
+# 3.7e-9 to 7.5e-9).
 CLIP_ATOL = 2e-6
 
 
@@ -638,8 +653,8 @@ def test_gradient_clipping_by_value_on_dtensors_equals_single_process(
     """``gradient_clip_algorithm="value"`` with ``shard="cp"`` (the DP ranks running different
     micro-batch counts): Lightning's ``clip_grad_value_`` clamps every DTensor gradient's local
     shard after the DP all-reduce. Parameters equal plain HF with ``clip_grad_value_`` to
-    CLIP_ATOL (measured 3.7e-9); CLIP_VALUE lies between the smallest and the largest gradient
-    entry of both steps and the unclipped reference lands 4.9e-2 away."""
+    CLIP_ATOL (measured 4.7e-9); CLIP_VALUE lies between the smallest and the largest gradient
+    entry of both steps and the unclipped reference lands 2.3e-2 away."""
     ref, grads = hooked_reference_training(STEPS, clip_value=CLIP_VALUE)
     unclipped, _ = hooked_reference_training(STEPS)
     assert all(g.smallest < CLIP_VALUE < g.largest for g in grads), grads
@@ -653,6 +668,23 @@ def test_gradient_clipping_by_value_on_dtensors_equals_single_process(
         for out in runs
     }
     assert ran[0] != ran[1], ran
+
+
+@pytest.mark.multiprocess
+def test_lr_scheduler_steps_once_per_global_batch(runs: list[dict[str, Any]]) -> None:
+    """The CLI's ``LambdaLR`` warm-up (``interval="step"``) with ``shard="world"``: stepped
+    once per global batch (``last_epoch`` equals ``global_step``; the ranks run 3 micro-batches
+    a step), each step at ``LR * warmup_factor(step)``; parameters equal plain HF training
+    under the same schedule to CLIP_ATOL (measured 7.5e-9), the constant-LR reference 1.6e-2
+    away."""
+    ref, _ = hooked_reference_training(STEPS, warmup=WARMUP)
+    constant, _ = hooked_reference_training(STEPS)
+    assert max_diff(ref, constant) > 100 * CLIP_ATOL
+    for out in runs:
+        cell = out["warmup"]
+        assert cell["last_epoch"] == cell["global_step"] == STEPS
+        assert cell["lrs"] == pytest.approx([LR * warmup_factor(s) for s in range(STEPS)])
+        assert max_diff(cell["after"], ref) < CLIP_ATOL
 
 
 # ----------------------------------------------------------------------------- resume

@@ -51,9 +51,11 @@ from helpers import (
     LR,
     PARAM_ATOL,
     TINY_QWEN2,
+    WARMUP,
     BatchRecorder,
     PlainLM,
     StartRecorder,
+    WarmupLM,
     bf16_policy_training,
     cpu_trainer,
     hooked_reference_training,
@@ -64,7 +66,9 @@ from helpers import (
     reference_model,
     reference_training,
     sgd_training,
+    skrull_strategy,
     tiny_model,
+    warmup_factor,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 
@@ -98,9 +102,6 @@ LOSS_SCALE = 3.0  # what the backward override multiplies each micro-batch's los
 # configure_gradient_clipping clips by this value: between the smallest and the largest gradient
 # entry of every step (asserted), so the clip changes some entries and leaves others
 CLIP_VALUE = 1e-3
-# the warm-up of the CLI's SkrullCausalLM: step s (from 0) runs LR * min(1, (s + 1) / WARMUP),
-# so the 3 steps run 1/4, 1/2 and 3/4 of LR
-WARMUP = 4
 
 VAL_DATA = make_data(11, seed=1)
 SAVED = ("ddp", "zero2", "zero2_bf16")
@@ -206,38 +207,16 @@ class ValueClippingLM(PlainLM):
         )
 
 
-def warmup_factor(step: int) -> float:
-    """The CLI's linear warm-up over :data:`WARMUP` steps."""
-    return min(1.0, (step + 1) / WARMUP)
-
-
-class WarmupLM(PlainLM):
-    """SGD with a ``LambdaLR`` warm-up stepped per optimizer step (``interval="step"``, as the
-    CLI's ``SkrullCausalLM``), recording the learning rate each step ran."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lrs: list[float] = []
-
-    def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor)
-        return {
-            "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
-        }
-
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
-
-
-def _hook_fit(module: PlainLM, **trainer_kwargs: Any) -> tuple[L.Trainer, BatchRecorder]:
-    """Fit ``module`` for :data:`HOOK_STEPS` steps on :data:`HOOK_DATA` at DP=2 x CP=2."""
-    from lightning_skrull import SkrullDataModule, SkrullStrategy
+def _hook_fit(
+    module: PlainLM, strategy: str = "ddp", **trainer_kwargs: Any
+) -> tuple[L.Trainer, BatchRecorder]:
+    """Fit ``module`` for :data:`HOOK_STEPS` steps on :data:`HOOK_DATA` at DP=2 x CP=2 under
+    :func:`~helpers.skrull_strategy` ``strategy``."""
+    from lightning_skrull import SkrullDataModule
 
     recorder = BatchRecorder()
     trainer = cpu_trainer(
-        SkrullStrategy(cp_size=2, bucket_size=BUCKET, calibration="off"),
+        skrull_strategy(strategy, cp_size=2, bucket_size=BUCKET, calibration="off"),
         max_steps=HOOK_STEPS,
         callbacks=[recorder],
         **trainer_kwargs,
@@ -550,16 +529,17 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
         "calls": clipping.clip_calls,
         "steps": recorder.steps,
     }
-    warm = WarmupLM()
-    trainer, recorder = _hook_fit(warm)
-    scheduler = trainer.lr_scheduler_configs[0].scheduler
-    out["warmup"] = {
-        "params": _params(warm),
-        "lrs": warm.lrs,
-        "last_epoch": scheduler.last_epoch,  # type: ignore[union-attr]
-        "global_step": trainer.global_step,
-        "steps": recorder.steps,
-    }
+    for strategy in ("ddp", "zero2"):  # the CLI's warm-up, on the strategies its recipes use
+        warm = WarmupLM()
+        trainer, recorder = _hook_fit(warm, strategy)
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        out[f"warmup_{strategy}"] = {
+            "params": _params(warm),
+            "lrs": warm.lrs,
+            "last_epoch": scheduler.last_epoch,  # type: ignore[union-attr]
+            "global_step": trainer.global_step,
+            "steps": recorder.steps,
+        }
     out["hook_seconds"] = time.perf_counter() - started
 
     # resume: 6 steps = 2 epochs of 3 global batches, shuffled, SGD with momentum
@@ -728,8 +708,8 @@ def test_zero2_dp2_cp2_with_gradient_clipping_equals_single_process(
     """ZeRO-2 clipping by norm (``gradient_clip_val`` becomes DeepSpeed's
     ``gradient_clipping``) at DP=2 x CP=2, the DP ranks planned different micro-batch counts
     and padded to the largest: parameters equal plain HF training with ``clip_grad_norm_`` to
-    PARAM_ATOL (measured 6.0e-8). CLIP is below every step's gradient norm (0.51 to 0.60), and
-    the unclipped reference lands 1.1e-1 away."""
+    PARAM_ATOL (measured 3.7e-9). CLIP is below every step's gradient norm (0.51 to 0.61), and
+    the unclipped reference lands 3.0e-2 away."""
     ref, grads = hooked_reference_training(3, clip_norm=CLIP)
     unclipped, _ = hooked_reference_training(3)
     assert min(g.norm for g in grads) > CLIP, grads  # clipping acts in every step
@@ -747,19 +727,23 @@ def test_zero2_dp2_cp2_bf16_mixed_with_gradient_clipping_as_close_to_float32_as_
 ) -> None:
     """bf16-mixed ZeRO-2 at DP=2 x CP=2 clipping the norm to CLIP, its float32 masters by
     docs/precision.md's rule against :func:`zero2_clipped_reference` (as at CP=3). Measured
-    6.6e-3 against the reference's 6.5e-3 (bound 1.4e-2); 5% off, 5.1e-2."""
+    6.5e-3 against the reference's 6.5e-3 (bound 1.4e-2); 5% off, 5.0e-2."""
     check_zero2_bf16_clipped([out["zero2_bf16_clipped"] for out in four_ranks])
     for out in four_ranks:
         assert any(s["max"] != s["min"] for s in out["zero2_bf16_clipped_steps"])
 
 
 def _check_hook_plans(runs: list[dict[str, Any]], case: str) -> None:
-    """Every step of ``case`` gave one DP rank 2 micro-batches and the other 1."""
+    """Every step of ``case`` planned 2 micro-batches for one DP rank and 1 for the other, and
+    each rank ran its planned count (ZeRO-2, whose runs are named ``*_zero2``: the largest)."""
+    padded = case.endswith("_zero2")
     for step in range(HOOK_STEPS):
-        ran = {out[case]["steps"][step]["dp_rank"]: out[case]["steps"][step]["run"] for out in runs}
-        assert sorted(ran.values()) == [1, 2], (step, ran)
-        assert all(out[case]["steps"][step]["max"] == 2 for out in runs)
-        assert all(out[case]["steps"][step]["min"] == 1 for out in runs)
+        cells = [out[case]["steps"][step] for out in runs]
+        planned = {cell["dp_rank"]: cell["planned"] for cell in cells}
+        assert sorted(planned.values()) == [1, 2], (step, planned)
+        for cell in cells:
+            assert (cell["max"], cell["min"]) == (2, 1)
+            assert cell["run"] == (2 if padded else cell["planned"])
 
 
 @functools.cache
@@ -772,7 +756,7 @@ def test_backward_override_runs_once_per_micro_batch(four_ranks: list[dict[str, 
     """A ``LightningModule.backward`` override multiplying the loss by LOSS_SCALE runs once per
     micro-batch (the strategy's earlier micro-batches and Lightning's last), so each rank's
     count is its micro-batch count, and the update equals plain HF training of the scaled loss
-    to PARAM_ATOL (measured 1.5e-7); the unscaled reference lands 2.5e-1 away. Scaling only
+    to PARAM_ATOL (measured 1.2e-7); the unscaled reference lands 8.1e-2 away. Scaling only
     the last micro-batch's loss would move the rank with 2 micro-batches off it."""
     ref, _ = _hook_reference(loss_scale=LOSS_SCALE)
     unscaled, _ = _hook_reference()
@@ -790,8 +774,8 @@ def test_configure_gradient_clipping_clips_the_whole_gradient_once_per_step(
 ) -> None:
     """``configure_gradient_clipping`` clipping by value (``self.clip_gradients(...,
     "value")``) runs once per step on the averaged gradient: parameters equal one process with
-    ``clip_grad_value_`` to PARAM_ATOL (measured 6.0e-8). CLIP_VALUE lies between the smallest
-    and largest gradient entry of every step, and the unclipped reference lands 1.4e-1 away."""
+    ``clip_grad_value_`` to PARAM_ATOL (measured 7.5e-9). CLIP_VALUE lies between the smallest
+    and largest gradient entry of every step, and the unclipped reference lands 4.9e-2 away."""
     ref, grads = _hook_reference(clip_value=CLIP_VALUE)
     unclipped, _ = _hook_reference()
     assert all(g.smallest < CLIP_VALUE < g.largest for g in grads), grads
@@ -804,17 +788,23 @@ def test_configure_gradient_clipping_clips_the_whole_gradient_once_per_step(
 
 
 @pytest.mark.multiprocess
-def test_lr_scheduler_steps_once_per_global_batch(four_ranks: list[dict[str, Any]]) -> None:
-    """A ``LambdaLR`` warm-up with ``interval="step"`` steps once per global batch, however
-    many micro-batches a rank runs: ``last_epoch`` equals ``global_step``, each step runs
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_lr_scheduler_steps_once_per_global_batch(
+    four_ranks: list[dict[str, Any]], strategy: str
+) -> None:
+    """A ``LambdaLR`` warm-up with ``interval="step"`` (the CLI's) steps once per global batch,
+    however many micro-batches a rank runs (ZeRO-2: padded to 2 on both DP ranks, DeepSpeed
+    holding the optimizer): ``last_epoch`` equals ``global_step``, each step runs
     ``LR * warmup_factor(step)``, and the parameters equal plain HF training under the same
-    schedule to PARAM_ATOL (measured 6.0e-8); the constant-LR reference lands 1.5e-1 away."""
+    schedule to PARAM_ATOL (measured 1.5e-8 for DDP and ZeRO-2); the constant-LR
+    reference lands 2.7e-2 away."""
     ref, _ = _hook_reference(warmup=WARMUP)
     constant, _ = _hook_reference()
     assert max_diff(ref, constant) > 100 * PARAM_ATOL
-    _check_hook_plans(four_ranks, "warmup")
+    case = f"warmup_{strategy}"
+    _check_hook_plans(four_ranks, case)
     for out in four_ranks:
-        cell = out["warmup"]
+        cell = out[case]
         assert cell["last_epoch"] == cell["global_step"] == HOOK_STEPS
         assert cell["lrs"] == pytest.approx([LR * warmup_factor(s) for s in range(HOOK_STEPS)])
         assert max_diff(cell["params"], ref) < PARAM_ATOL
