@@ -816,6 +816,37 @@ class PlainLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
+WARMUP = 4
+"""Steps of :class:`WarmupLM`'s linear warm-up: step ``s`` (from 0) runs
+``LR * min(1, (s + 1) / WARMUP)``, the CLI's schedule."""
+
+
+def warmup_factor(step: int) -> float:
+    """:class:`WarmupLM`'s learning rate at ``step`` (from 0), over :data:`LR`."""
+    return min(1.0, (step + 1) / WARMUP)
+
+
+class WarmupLM(PlainLM):
+    """SGD with a ``LambdaLR`` warm-up over :data:`WARMUP` steps, stepped per optimizer step
+    (``interval="step"``, as the CLI's ``SkrullCausalLM``), recording the learning rate each
+    step ran."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lrs: list[float] = []
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=LR)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_factor)
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
+        }
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
 class LayerCallCounter(L.Callback):
     """Counts the calls of the first decoder layer's MLP in ``module.model`` (a Hugging Face
     causal LM whose decoder is ``.model.layers``) while training, and the
@@ -956,6 +987,58 @@ def reference_training(
         optimizer.step()
         losses.append(float(loss.detach()))
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}, losses
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGradient:
+    """What a step of :func:`hooked_reference_training` saw: the gradient's 2-norm and its
+    smallest and largest entry magnitude, before any clipping."""
+
+    norm: float
+    smallest: float
+    largest: float
+
+
+@functools.cache
+def hooked_reference_training(
+    steps: int,
+    *,
+    seed: int = 0,
+    batch: int = GLOBAL_BATCH,
+    loss_scale: float = 1.0,
+    clip_norm: float | None = None,
+    clip_value: float | None = None,
+    warmup: int | None = None,
+) -> tuple[dict[str, np.ndarray], tuple[StepGradient, ...]]:
+    """:func:`reference_training` with what a LightningModule's hooks change, on one process:
+    ``steps`` SGD steps of :data:`LR` on the consecutive global batches of ``batch`` samples of
+    ``make_data(steps * batch, seed)`` (with the defaults, the first global batches of
+    :func:`make_data`), each step's loss multiplied by ``loss_scale`` before its backward, the
+    gradient clipped by ``clip_grad_norm_(clip_norm)`` or ``clip_grad_value_(clip_value)``, and the
+    learning rate of step ``s`` (from 0) ``LR * min(1, (s + 1) / warmup)`` (the CLI's linear
+    warm-up). Returns the parameters and each step's gradient before clipping."""
+    data = make_data(steps * batch, seed)
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    seen = []
+    with one_thread():
+        for step in range(steps):
+            total, tokens = torch.zeros(()), 0
+            for sample in data[step * batch : (step + 1) * batch]:
+                loss, n = token_loss_sum(model, sample)
+                total, tokens = total + loss, tokens + n
+            optimizer.zero_grad()
+            (loss_scale * (total / tokens)).backward()
+            grads = torch.cat([p.grad.flatten().abs() for p in model.parameters()])
+            seen.append(StepGradient(float(grads.norm()), float(grads.min()), float(grads.max())))
+            if clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            if clip_value is not None:
+                torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+            if warmup is not None:
+                optimizer.param_groups[0]["lr"] = LR * min(1.0, (step + 1) / warmup)
+            optimizer.step()
+    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, tuple(seen)
 
 
 def mean_token_loss(model: nn.Module, samples: list[dict[str, list[int]]]) -> float:

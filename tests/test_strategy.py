@@ -240,6 +240,35 @@ def test_zero2_refuses_fp16_on_cpu_at_setup(world_of_one: None, precision: str) 
         assert trainer.global_step == 0
 
 
+class _BackwardOverride(PlainLM):
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        super().backward(2.0 * loss, *args, **kwargs)
+
+
+class _ClippingOverride(PlainLM):
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any
+    ) -> None:
+        self.clip_gradients(optimizer, gradient_clip_val=1e-3, gradient_clip_algorithm="value")
+
+
+@pytest.mark.parametrize(
+    ("module_cls", "hook"),
+    [(_BackwardOverride, "backward"), (_ClippingOverride, "configure_gradient_clipping")],
+)
+def test_zero2_refuses_hooks_deepspeed_would_skip_at_setup(
+    world_of_one: None, module_cls: type[PlainLM], hook: str
+) -> None:
+    """DeepSpeed runs the backward and holds the gradients: Lightning would skip a ``backward``
+    override and let ``configure_gradient_clipping`` clip nothing, each with a warning only, and
+    train on. The strategy refuses both before the engine is built (a fit only: validation calls
+    neither hook)."""
+    trainer = cpu_trainer(SkrullZero2Strategy(bucket_size=BUCKET), max_steps=1)
+    with pytest.raises(ValueError, match=rf"overrides LightningModule\.{hook}.*SkrullStrategy"):
+        trainer.fit(module_cls(), _data())
+    assert trainer.global_step == 0
+
+
 def test_too_small_bucket_is_refused_before_training(world_of_one: None) -> None:
     longest = max(len(s["input_ids"]) for s in make_data())
     trainer = cpu_trainer(SkrullStrategy(bucket_size=longest - 1), max_steps=1)

@@ -8,7 +8,11 @@ Two spawns (each process start costs seconds, so every case of a world size runs
   clipping too, by the rule of tests/test_precision_matrix.py), and resume mid-epoch and at an
   epoch boundary (final parameters equal an uninterrupted run; every sample trained exactly
   once per epoch; DDP and ZeRO-2 also in bf16-mixed, ZeRO-2's masters and bf16 copies
-  alike). The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
+  alike). ZeRO-2 clipping by norm with the DP ranks planned different micro-batch counts, in
+  float32 and bf16-mixed. What a LightningModule's hooks change, on global batches that give
+  the DP ranks 2 and 1 micro-batches in every step: a ``backward`` override (once per
+  micro-batch, scaling the loss), ``configure_gradient_clipping`` clipping by value, a
+  ``LambdaLR`` warm-up stepped per global batch. The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
   with ``trainer.strategy.save_pretrained``, read back on one process by plain transformers: the
   trained weights (ZeRO-2's float32 masters) and the validation loss the runs logged.
   Sliding-window models: a Mistral with a 12-token window on every layer, a Qwen2 whose
@@ -47,11 +51,14 @@ from helpers import (
     LR,
     PARAM_ATOL,
     TINY_QWEN2,
+    WARMUP,
     BatchRecorder,
     PlainLM,
     StartRecorder,
+    WarmupLM,
     bf16_policy_training,
     cpu_trainer,
+    hooked_reference_training,
     make_data,
     max_diff,
     mean_token_loss,
@@ -59,7 +66,9 @@ from helpers import (
     reference_model,
     reference_training,
     sgd_training,
+    skrull_strategy,
     tiny_model,
+    warmup_factor,
 )
 from test_precision_matrix import FLOOR, RATIO, relative_distance, update
 
@@ -81,6 +90,18 @@ BF16_LOSS_ATOL = 5e-2
 # to 7.0e-2, so an update 5% off lands 3.5e-3 away.
 RESUME_BF16_ATOL = 1e-6
 
+
+# The LightningModule hooks' runs (a backward override, configure_gradient_clipping, a warm-up
+# LR scheduler): HOOK_STEPS global batches of HOOK_BATCH samples of make_data(..., HOOK_SEED),
+# which the plan (calibration off, so every step plans alike) splits into 2 micro-batches on one
+# DP rank and 1 on the other in every step (asserted): one rank runs an earlier micro-batch's
+# backward in the strategy, the other only Lightning's last one.
+HOOK_STEPS, HOOK_BATCH, HOOK_SEED = 3, 4, 27
+HOOK_DATA = make_data(HOOK_STEPS * HOOK_BATCH, seed=HOOK_SEED)
+LOSS_SCALE = 3.0  # what the backward override multiplies each micro-batch's loss by
+# configure_gradient_clipping clips by this value: between the smallest and the largest gradient
+# entry of every step (asserted), so the clip changes some entries and leaves others
+CLIP_VALUE = 1e-3
 
 VAL_DATA = make_data(11, seed=1)
 SAVED = ("ddp", "zero2", "zero2_bf16")
@@ -146,6 +167,63 @@ class SetRecordingLM(SkrullCausalLM):
         self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._record("test", batch, dataloader_idx)
+
+
+class ScaledBackwardLM(PlainLM):
+    """A ``backward`` override that multiplies the loss by :data:`LOSS_SCALE`, counting its
+    calls in each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.calls_per_step: list[int] = []
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+        super().backward(LOSS_SCALE * loss, *args, **kwargs)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.calls_per_step.append(self.calls)
+        self.calls = 0
+
+
+class ValueClippingLM(PlainLM):
+    """``configure_gradient_clipping`` clipping every gradient entry to :data:`CLIP_VALUE`
+    (the Trainer has no ``gradient_clip_val``), counting its calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clip_calls = 0
+
+    def configure_gradient_clipping(
+        self,
+        optimizer: torch.optim.Optimizer,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: str | None = None,
+    ) -> None:
+        self.clip_calls += 1
+        self.clip_gradients(
+            optimizer, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value"
+        )
+
+
+def _hook_fit(
+    module: PlainLM, strategy: str = "ddp", **trainer_kwargs: Any
+) -> tuple[L.Trainer, BatchRecorder]:
+    """Fit ``module`` for :data:`HOOK_STEPS` steps on :data:`HOOK_DATA` at DP=2 x CP=2 under
+    :func:`~helpers.skrull_strategy` ``strategy``."""
+    from lightning_skrull import SkrullDataModule
+
+    recorder = BatchRecorder()
+    trainer = cpu_trainer(
+        skrull_strategy(strategy, cp_size=2, bucket_size=BUCKET, calibration="off"),
+        max_steps=HOOK_STEPS,
+        callbacks=[recorder],
+        **trainer_kwargs,
+    )
+    data = SkrullDataModule(train_data=HOOK_DATA, global_batch_size=HOOK_BATCH, shuffle=False)
+    trainer.fit(module, data)
+    return trainer, recorder
 
 
 def _params(module: L.LightningModule) -> dict[str, np.ndarray]:
@@ -418,6 +496,52 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     )
     out["bf16_clipped"], out["bf16_clipped_steps"] = _params(model), recorder.steps
 
+    # ZeRO-2 clipping by norm (DeepSpeed's gradient_clipping) with the DP ranks' micro-batch
+    # counts planned apart and padded, in float32 and bf16-mixed (its float32 masters)
+    started = time.perf_counter()
+    model, _, recorder = _fit(
+        SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET), 3, gradient_clip_val=CLIP
+    )
+    out["zero2_clipped"], out["zero2_clipped_steps"] = _params(model), recorder.steps
+    model, _, recorder = _fit(
+        SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET),
+        3,
+        gradient_clip_val=CLIP,
+        precision="bf16-mixed",
+    )
+    out["zero2_bf16_clipped"] = _masters(model)
+    out["zero2_bf16_clipped_steps"] = recorder.steps
+    out["zero2_clipped_seconds"] = time.perf_counter() - started
+
+    # LightningModule hooks: a backward override, configure_gradient_clipping, an LR scheduler
+    started = time.perf_counter()
+    scaled = ScaledBackwardLM()
+    _, recorder = _hook_fit(scaled)
+    out["scaled"] = {
+        "params": _params(scaled),
+        "calls": scaled.calls_per_step,
+        "steps": recorder.steps,
+    }
+    clipping = ValueClippingLM()
+    _, recorder = _hook_fit(clipping)
+    out["value_clipped"] = {
+        "params": _params(clipping),
+        "calls": clipping.clip_calls,
+        "steps": recorder.steps,
+    }
+    for strategy in ("ddp", "zero2"):  # the CLI's warm-up, on the strategies its recipes use
+        warm = WarmupLM()
+        trainer, recorder = _hook_fit(warm, strategy)
+        scheduler = trainer.lr_scheduler_configs[0].scheduler
+        out[f"warmup_{strategy}"] = {
+            "params": _params(warm),
+            "lrs": warm.lrs,
+            "last_epoch": scheduler.last_epoch,  # type: ignore[union-attr]
+            "global_step": trainer.global_step,
+            "steps": recorder.steps,
+        }
+    out["hook_seconds"] = time.perf_counter() - started
+
     # resume: 6 steps = 2 epochs of 3 global batches, shuffled, SGD with momentum
     def resume_run(
         steps: int,
@@ -575,6 +699,115 @@ def test_zero2_dp2_cp2_equals_single_process(four_ranks: list[dict[str, Any]]) -
         assert max_diff(out["zero2"], ref) < PARAM_ATOL
         # ZeRO-2 reduces in every backward: every rank ran the plan's largest count
         assert out["zero2_runs"] == plan_max
+
+
+@pytest.mark.multiprocess
+def test_zero2_dp2_cp2_with_gradient_clipping_equals_single_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    """ZeRO-2 clipping by norm (``gradient_clip_val`` becomes DeepSpeed's
+    ``gradient_clipping``) at DP=2 x CP=2, the DP ranks planned different micro-batch counts
+    and padded to the largest: parameters equal plain HF training with ``clip_grad_norm_`` to
+    PARAM_ATOL (measured 3.7e-9). CLIP is below every step's gradient norm (0.51 to 0.61), and
+    the unclipped reference lands 3.0e-2 away."""
+    ref, grads = hooked_reference_training(3, clip_norm=CLIP)
+    unclipped, _ = hooked_reference_training(3)
+    assert min(g.norm for g in grads) > CLIP, grads  # clipping acts in every step
+    assert max_diff(ref, unclipped) > 100 * PARAM_ATOL
+    for out in four_ranks:
+        assert max_diff(out["zero2_clipped"], ref) < PARAM_ATOL
+        steps = out["zero2_clipped_steps"]
+        assert any(s["max"] != s["min"] for s in steps)
+        assert all(s["run"] == s["max"] for s in steps)  # padded to the plan's largest count
+
+
+@pytest.mark.multiprocess
+def test_zero2_dp2_cp2_bf16_mixed_with_gradient_clipping_as_close_to_float32_as_single_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    """bf16-mixed ZeRO-2 at DP=2 x CP=2 clipping the norm to CLIP, its float32 masters by
+    docs/precision.md's rule against :func:`zero2_clipped_reference` (as at CP=3). Measured
+    6.5e-3 against the reference's 6.5e-3 (bound 1.4e-2); 5% off, 5.0e-2."""
+    check_zero2_bf16_clipped([out["zero2_bf16_clipped"] for out in four_ranks])
+    for out in four_ranks:
+        assert any(s["max"] != s["min"] for s in out["zero2_bf16_clipped_steps"])
+
+
+def _check_hook_plans(runs: list[dict[str, Any]], case: str) -> None:
+    """Every step of ``case`` planned 2 micro-batches for one DP rank and 1 for the other, and
+    each rank ran its planned count (ZeRO-2, whose runs are named ``*_zero2``: the largest)."""
+    padded = case.endswith("_zero2")
+    for step in range(HOOK_STEPS):
+        cells = [out[case]["steps"][step] for out in runs]
+        planned = {cell["dp_rank"]: cell["planned"] for cell in cells}
+        assert sorted(planned.values()) == [1, 2], (step, planned)
+        for cell in cells:
+            assert (cell["max"], cell["min"]) == (2, 1)
+            assert cell["run"] == (2 if padded else cell["planned"])
+
+
+@functools.cache
+def _hook_reference(**kwargs: Any) -> tuple[dict[str, np.ndarray], tuple[Any, ...]]:
+    return hooked_reference_training(HOOK_STEPS, seed=HOOK_SEED, batch=HOOK_BATCH, **kwargs)
+
+
+@pytest.mark.multiprocess
+def test_backward_override_runs_once_per_micro_batch(four_ranks: list[dict[str, Any]]) -> None:
+    """A ``LightningModule.backward`` override multiplying the loss by LOSS_SCALE runs once per
+    micro-batch (the strategy's earlier micro-batches and Lightning's last), so each rank's
+    count is its micro-batch count, and the update equals plain HF training of the scaled loss
+    to PARAM_ATOL (measured 1.2e-7); the unscaled reference lands 8.1e-2 away. Scaling only
+    the last micro-batch's loss would move the rank with 2 micro-batches off it."""
+    ref, _ = _hook_reference(loss_scale=LOSS_SCALE)
+    unscaled, _ = _hook_reference()
+    assert max_diff(ref, unscaled) > 100 * PARAM_ATOL
+    _check_hook_plans(four_ranks, "scaled")
+    for out in four_ranks:
+        cell = out["scaled"]
+        assert cell["calls"] == [s["run"] for s in cell["steps"]]
+        assert max_diff(cell["params"], ref) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+def test_configure_gradient_clipping_clips_the_whole_gradient_once_per_step(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    """``configure_gradient_clipping`` clipping by value (``self.clip_gradients(...,
+    "value")``) runs once per step on the averaged gradient: parameters equal one process with
+    ``clip_grad_value_`` to PARAM_ATOL (measured 7.5e-9). CLIP_VALUE lies between the smallest
+    and largest gradient entry of every step, and the unclipped reference lands 4.9e-2 away."""
+    ref, grads = _hook_reference(clip_value=CLIP_VALUE)
+    unclipped, _ = _hook_reference()
+    assert all(g.smallest < CLIP_VALUE < g.largest for g in grads), grads
+    assert max_diff(ref, unclipped) > 100 * PARAM_ATOL
+    _check_hook_plans(four_ranks, "value_clipped")
+    for out in four_ranks:
+        cell = out["value_clipped"]
+        assert cell["calls"] == HOOK_STEPS
+        assert max_diff(cell["params"], ref) < PARAM_ATOL
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("strategy", ["ddp", "zero2"])
+def test_lr_scheduler_steps_once_per_global_batch(
+    four_ranks: list[dict[str, Any]], strategy: str
+) -> None:
+    """A ``LambdaLR`` warm-up with ``interval="step"`` (the CLI's) steps once per global batch,
+    however many micro-batches a rank runs (ZeRO-2: padded to 2 on both DP ranks, DeepSpeed
+    holding the optimizer): ``last_epoch`` equals ``global_step``, each step runs
+    ``LR * warmup_factor(step)``, and the parameters equal plain HF training under the same
+    schedule to PARAM_ATOL (measured 1.5e-8 for DDP and ZeRO-2); the constant-LR
+    reference lands 2.7e-2 away."""
+    ref, _ = _hook_reference(warmup=WARMUP)
+    constant, _ = _hook_reference()
+    assert max_diff(ref, constant) > 100 * PARAM_ATOL
+    case = f"warmup_{strategy}"
+    _check_hook_plans(four_ranks, case)
+    for out in four_ranks:
+        cell = out[case]
+        assert cell["last_epoch"] == cell["global_step"] == HOOK_STEPS
+        assert cell["lrs"] == pytest.approx([LR * warmup_factor(s) for s in range(HOOK_STEPS)])
+        assert max_diff(cell["params"], ref) < PARAM_ATOL
 
 
 @pytest.mark.multiprocess
@@ -882,6 +1115,15 @@ def test_cp3_zero2_bf16_mixed_with_gradient_clipping_as_close_to_float32_as_sing
     copies: the clipped steps are so small that rounding the weights to bf16 hides much of them
     (cell and reference copies both 8.8e-2 from float32), and a 5% error lands inside that
     bound (1.05e-1 against 1.8e-1)."""
+    check_zero2_bf16_clipped([out["zero2_bf16_clipped"] for out in three_ranks])
+
+
+def check_zero2_bf16_clipped(masters: list[dict[str, np.ndarray]]) -> list[float]:
+    """Each run's float32 ZeRO-2 masters after 3 bf16-mixed steps clipped to :data:`CLIP`
+    against :func:`zero2_clipped_reference` by docs/precision.md's rule: the distance of the
+    update to the float32 clipped update at most RATIO x the reference's plus FLOOR, the update
+    scaled by 1.05 outside that bound, and clipping active in every step of the reference.
+    Returns ``[d(run) of each..., d(ref), bound]``."""
     before, fp32_after, _ = clipped_reference(False)
     ref_before, ref_after, norms = zero2_clipped_reference()
     assert min(norms) > CLIP, norms  # clipping acts in every step
@@ -889,11 +1131,13 @@ def test_cp3_zero2_bf16_mixed_with_gradient_clipping_as_close_to_float32_as_sing
     ref_distance = relative_distance(update(ref_before, ref_after), delta_fp32)
     assert ref_distance > FLOOR
     bound = RATIO * ref_distance + FLOOR
-    for out in three_ranks:
-        delta = update(ref_before, out["zero2_bf16_clipped"])
-        distance = relative_distance(delta, delta_fp32)
-        assert distance <= bound, (distance, ref_distance)
+    distances = []
+    for master in masters:
+        delta = update(ref_before, master)
+        distances.append(relative_distance(delta, delta_fp32))
+        assert distances[-1] <= bound, (distances[-1], ref_distance)
         assert relative_distance(1.05 * delta, delta_fp32) > bound
+    return [*distances, ref_distance, bound]
 
 
 @pytest.mark.multiprocess

@@ -39,10 +39,12 @@ from lightning.fabric.plugins import ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch import LightningModule
 from lightning.pytorch.accelerators import CUDAAccelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -141,6 +143,21 @@ def _without_shm_comm_op() -> Iterator[None]:
             compatible[SHM_OP_NAME] = saved
 
 
+ENGINE_HOOKS = {
+    "backward": (
+        "DeepSpeed's engine runs every backward itself and Lightning's DeepSpeed precision "
+        "plugin skips the override (with a warning only), so whatever it does to the loss (a "
+        "scale, an extra term) would not reach the gradient"
+    ),
+    "configure_gradient_clipping": (
+        "the gradients live in DeepSpeed's partitions (.grad is None), where Lightning's "
+        "clip_gradients does nothing, so the hook would run and clip nothing; clip by norm with "
+        "Trainer(gradient_clip_val=...), which DeepSpeed applies to the whole gradient"
+    ),
+}
+"""LightningModule hooks a fit under :class:`SkrullZero2Strategy` refuses, with the reason."""
+
+
 class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO-2 with Skrull scheduling; runs on CUDA (NCCL) and on CPU (gloo).
 
@@ -162,7 +179,9 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             fitting from ``ckpt_path``, a checkpoint written by another number of processes
             (its optimizer partitions cannot be split anew; ``cp_size`` may change), or a
             Lightning weight-averaging callback (see :attr:`weight_averaging_refusal`), or a
-            compiled model (see :attr:`compile_refusal`).
+            compiled model (see :attr:`compile_refusal`); when fitting, a LightningModule that
+            overrides ``backward`` or ``configure_gradient_clipping`` (see
+            :data:`ENGINE_HOOKS`).
     """
 
     strategy_name = "skrull_zero2"
@@ -300,6 +319,16 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
                 "'32-true'; for fp16 on CPU, SkrullStrategy runs Lightning's "
                 "MixedPrecision('16-mixed', device='cpu') plugin."
             )
+
+        module = self.lightning_module
+        if trainer.state.fn == TrainerFn.FITTING and module is not None:
+            for hook, why in ENGINE_HOOKS.items():
+                if is_overridden(hook, module, LightningModule):
+                    raise ValueError(
+                        f"{type(module).__name__} overrides LightningModule.{hook}, which "
+                        f"{type(self).__name__} cannot run: {why}. Use SkrullStrategy or "
+                        f"SkrullFSDPStrategy, or remove the override."
+                    )
 
     def _device_rank(self) -> int:
         index = self.root_device.index
