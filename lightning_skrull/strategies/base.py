@@ -75,6 +75,7 @@ from lightning_skrull.strategies.compiled import refuse_compiled
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 from lightning_skrull.strategies.weight_averaging import (
     check_averaged_pairs,
+    refuse_batch_norm_update,
     refuse_weight_averaging,
 )
 
@@ -292,9 +293,11 @@ class SkrullStrategyMixin(ParallelStrategy):
                 f"{device_type}; give bucket_size as a number of tokens per CP rank (or None to "
                 "fit the longest sequence of the data)."
             )
+        module = trainer.lightning_module
         if self.weight_averaging_refusal is not None:
             refuse_weight_averaging(trainer, type(self).__name__, self.weight_averaging_refusal)
-        module = trainer.lightning_module
+        else:
+            refuse_batch_norm_update(trainer, module, type(self).__name__)
         if self.compile_refusal is not None:
             refuse_compiled(module, type(self).__name__, self.compile_refusal)
         _refuse_metrics_synced_on_step(module)

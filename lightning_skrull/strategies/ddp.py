@@ -29,10 +29,7 @@ from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.models.multimodal import text_only_unused_parameters
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
-from lightning_skrull.strategies.weight_averaging import (
-    match_averaged_dtypes,
-    refuse_batch_norm_update,
-)
+from lightning_skrull.strategies.weight_averaging import match_averaged_dtypes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -178,14 +175,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         (its gradient buckets, hooks and a one-rank all-reduce) is pure overhead: 2-4 ms of a
         20 ms step of four short sequences on CPU (docs/benchmarks.md). Lightning does not wrap
         a single-device run either.
-
-        Raises:
-            ValueError: ``StochasticWeightAveraging`` on a module with BatchNorm layers
-                (:func:`~lightning_skrull.strategies.weight_averaging.refuse_batch_norm_update`).
         """
-        module = self.lightning_module
-        if module is not None and module._trainer is not None:
-            refuse_batch_norm_update(module._trainer, module, type(self).__name__)
         self._use_float32_master_weights()
         if self.world_size == 1 and self._ddp_comm_hook is None and self._ddp_comm_state is None:
             return
