@@ -53,6 +53,7 @@ from helpers import (
     max_diff,
     reference_loss_and_grads,
     sgd_training,
+    skrull_strategy,
     tiny_config,
     tiny_model,
 )
@@ -639,19 +640,9 @@ def _params(model: nn.Module) -> dict[str, np.ndarray]:
 
 
 def _fit(arch: str, precision: str, strategy_name: str = "ddp") -> dict[str, Any]:
-    from lightning_skrull import (
-        SkrullDataModule,
-        SkrullFSDPStrategy,
-        SkrullStrategy,
-        SkrullZero2Strategy,
-    )
+    from lightning_skrull import SkrullDataModule
 
-    if strategy_name == "fsdp":
-        strategy: Any = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET, shard="cp")
-    elif strategy_name == "zero2":
-        strategy = SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET)
-    else:
-        strategy = SkrullStrategy(cp_size=2, bucket_size=BUCKET)
+    strategy = skrull_strategy(strategy_name, cp_size=2, bucket_size=BUCKET)  # FSDP: shard="cp"
     recorder = Recorder()
     trainer = cpu_trainer(
         strategy,

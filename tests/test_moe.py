@@ -47,6 +47,7 @@ from helpers import (
     max_diff,
     reference_loss_and_grads,
     sgd_training,
+    skrull_strategy,
     tiny_config,
     tiny_model,
 )
@@ -346,19 +347,9 @@ class Recorder(BatchRecorder):
 
 
 def _fit(strategy_name: str, arch: str, precision: str) -> dict[str, Any]:
-    from lightning_skrull import (
-        SkrullDataModule,
-        SkrullFSDPStrategy,
-        SkrullStrategy,
-        SkrullZero2Strategy,
-    )
+    from lightning_skrull import SkrullDataModule
 
-    if strategy_name == "fsdp":
-        strategy: Any = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET, shard="cp")
-    elif strategy_name == "zero2":
-        strategy = SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET)
-    else:
-        strategy = SkrullStrategy(cp_size=2, bucket_size=BUCKET)
+    strategy = skrull_strategy(strategy_name, cp_size=2, bucket_size=BUCKET)  # FSDP: shard="cp"
     recorder = Recorder()
     trainer = cpu_trainer(strategy, max_steps=STEPS, callbacks=[recorder], precision=precision)
     module = MoeLM(arch)
