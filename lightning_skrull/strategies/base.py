@@ -36,6 +36,7 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.utilities.memory import recursive_detach
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from torch.distributed.fsdp import FSDPModule
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
@@ -294,6 +295,7 @@ class SkrullStrategyMixin(ParallelStrategy):
                 "fit the longest sequence of the data)."
             )
         module = trainer.lightning_module
+        self._refuse_model_sharded_elsewhere(module)
         if self.weight_averaging_refusal is not None:
             refuse_weight_averaging(trainer, type(self).__name__, self.weight_averaging_refusal)
         else:
@@ -307,6 +309,45 @@ class SkrullStrategyMixin(ParallelStrategy):
                 "once per micro-batch and owns the backward of each. Remove "
                 "`self.automatic_optimization = False` from the LightningModule."
             )
+
+    def _own_sharded_model(self) -> torch.nn.Module | None:
+        """The model this strategy sharded in an earlier set-up (``SkrullFSDPStrategy``), which
+        it may set up again (validate after fit by the same Trainer); ``None`` here."""
+        return None
+
+    def _refuse_model_sharded_elsewhere(self, module: pl.LightningModule) -> None:
+        """Refuse a LightningModule whose model FSDP2 sharded before, unless this strategy did.
+
+        After ``trainer.fit(module)`` under ``SkrullFSDPStrategy`` the module's parameters are
+        that strategy's DTensor shards, on its device mesh. A second Trainer (a notebook's
+        ``L.Trainer(...).validate(module)``) cannot set them up again: FSDP2 cannot shard a
+        module twice, DDP cannot broadcast DTensors, and casting them for a new precision would
+        change the first Trainer's model. Checked first in ``setup``, before anything touches
+        the module.
+
+        Raises:
+            ValueError: a submodule is an ``FSDPModule`` this strategy did not shard; the message
+                names it and the fix.
+        """
+        own = self._own_sharded_model()
+        if own is not None and any(sub is own for sub in module.modules()):
+            return
+        sharded = [(n, m) for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+        if not sharded:
+            return
+        name, sub = sharded[0]
+        shown = next(c for c in type(sub).__mro__ if not issubclass(c, FSDPModule)).__name__
+        strategy = type(self).__name__
+        raise ValueError(
+            f"{strategy}: the LightningModule's {name or 'module'!r} ({shown}) is already "
+            "sharded by FSDP2 (fully_shard): an earlier Trainer's SkrullFSDPStrategy sharded it "
+            "in its fit, validate or test, and its parameters are now that strategy's DTensor "
+            f"shards, which a new Trainer's {strategy} cannot set up again. Call validate, "
+            "test or fit with the Trainer that sharded it (trainer.validate(module, "
+            "datamodule=...)); or write the trained weights with that Trainer's "
+            "trainer.strategy.save_pretrained(path) (on every rank) and give the new Trainer a "
+            "new LightningModule whose model is AutoModelForCausalLM.from_pretrained(path)."
+        )
 
     def _prepare_hf_model(self) -> None:
         """Find the HF model in the LightningModule and switch it to Skrull attention."""

@@ -474,6 +474,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             )
         return cast(FSDPModule, self._sharded_model)
 
+    @override
+    def _own_sharded_model(self) -> nn.Module | None:
+        return self._sharded_model
+
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
@@ -580,14 +584,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         module = self._attached_module
         hf_model = self._hf_model
         assert hf_model is not None
-        if isinstance(hf_model, FSDPModule):
-            if hf_model is self._sharded_model:
-                return  # set up again by the same Trainer (validate after fit)
-            raise RuntimeError(
-                f"the LightningModule's {type(hf_model).__name__} is already sharded by another "
-                "Trainer's strategy; build a new LightningModule (or load its weights into one) "
-                "for each SkrullFSDPStrategy."
-            )
+        if hf_model is self._sharded_model:
+            return  # set up again by the same Trainer (validate after fit)
         self._refuse_parameters_outside(module, hf_model)
         if self._activation_checkpointing:
             cast(Any, hf_model).gradient_checkpointing_enable(
