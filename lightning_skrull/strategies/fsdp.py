@@ -366,8 +366,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         ValueError: a bad Skrull option, or ``shard`` not ``"cp"`` / ``"world"``; at setup,
             meta tensors on global rank 0 or outside the Hugging Face model, or a Lightning
             weight-averaging callback (``EMAWeightAveraging``, ``WeightAveraging``,
-            ``StochasticWeightAveraging``; see :attr:`weight_averaging_refusal`), or a compiled
-            model (see :attr:`compile_refusal`).
+            ``StochasticWeightAveraging``; see :attr:`weight_averaging_refusal`), a compiled
+            model (see :attr:`compile_refusal`), or a module whose model another Trainer's
+            ``SkrullFSDPStrategy`` sharded (validate, test or fit it with that Trainer, or
+            build a new module from its ``save_pretrained`` folder).
     """
 
     strategy_name = "skrull_fsdp"
