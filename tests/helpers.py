@@ -6,9 +6,11 @@
   (samples of given lengths), a word-level chat tokenizer;
 - the single-process reference every parity test compares against: a plain Hugging Face model,
   one sequence at a time, summed token cross-entropy divided by the supervised tokens of the
-  whole global batch;
+  whole global batch; :func:`sgd_steps` trains with it, under :func:`reference_training`,
+  :func:`sgd_training`, :func:`momentum_training`, :func:`bf16_policy_training` and
+  :func:`hooked_reference_training`;
 - Trainer runs: :class:`PlainLM` (the module of the documentation), :class:`BatchRecorder`,
-  :func:`cpu_trainer`, and :func:`reference_training` of the same global batches;
+  :func:`cpu_trainer`, to compare with :func:`reference_training` of the same global batches;
 - :func:`count_exchanged_bytes`, what the attention's K/V exchange hands to its collectives.
 """
 
