@@ -6,9 +6,11 @@
   (samples of given lengths), a word-level chat tokenizer;
 - the single-process reference every parity test compares against: a plain Hugging Face model,
   one sequence at a time, summed token cross-entropy divided by the supervised tokens of the
-  whole global batch;
+  whole global batch; :func:`sgd_steps` trains with it, under :func:`reference_training`,
+  :func:`sgd_training`, :func:`momentum_training`, :func:`bf16_policy_training` and
+  :func:`hooked_reference_training`;
 - Trainer runs: :class:`PlainLM` (the module of the documentation), :class:`BatchRecorder`,
-  :func:`cpu_trainer`, and :func:`reference_training` of the same global batches;
+  :func:`cpu_trainer`, to compare with :func:`reference_training` of the same global batches;
 - :func:`count_exchanged_bytes`, what the attention's K/V exchange hands to its collectives.
 """
 
@@ -18,7 +20,7 @@ import dataclasses
 import functools
 import math
 import random
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -168,6 +170,9 @@ def tiny_qwen2(**overrides: Any) -> Qwen2ForCausalLM:
 
 
 _TINY_EXPERTS: dict[str, Any] = {"num_experts_per_tok": 2, "moe_intermediate_size": 16}
+_TOKEN_IDS: dict[str, Any] = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+"""Special token ids inside the 64-token vocabulary, set by the family, MLA-MoE and gpt-oss
+configs."""
 
 
 def tiny_config(arch: str, **overrides: Any) -> Any:
@@ -251,7 +256,6 @@ def _family_config(arch: str) -> tuple[type, dict[str, Any]]:
     inside the 64-token vocabulary."""
     import transformers
 
-    ids = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
     families: dict[str, tuple[str, dict[str, Any]]] = {
         # q/k RMSNorms over all heads together
         "olmo2": ("Olmo2Config", {}),
@@ -293,7 +297,7 @@ def _family_config(arch: str) -> tuple[type, dict[str, Any]]:
         ),
     }
     name, extra = families[arch]
-    return getattr(transformers, name), {**ids, **extra}
+    return getattr(transformers, name), {**_TOKEN_IDS, **extra}
 
 
 def _mla_moe_config(arch: str) -> tuple[type, dict[str, Any]]:
@@ -314,9 +318,7 @@ def _mla_moe_config(arch: str) -> tuple[type, dict[str, Any]]:
         "moe_intermediate_size": 16,
         "n_shared_experts": 1,
         "routed_scaling_factor": 2.5,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        **_TOKEN_IDS,
     }
     mla: dict[str, Any] = {
         "num_key_value_heads": 4,
@@ -353,9 +355,7 @@ def _gpt_oss_config() -> tuple[type, dict[str, Any]]:
         "num_experts_per_tok": 2,
         "intermediate_size": 16,
         "max_position_embeddings": 131072,
-        "pad_token_id": 0,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
+        **_TOKEN_IDS,
     }
 
 
@@ -481,7 +481,13 @@ def rope_parameters(kind: str, **overrides: Any) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- data
-def make_data(n: int = 24, seed: int = 0, *, longest: int = 69) -> list[dict[str, list[int]]]:
+Sample = dict[str, list[int]]
+"""One training sample: ``input_ids`` and, usually, ``labels`` (-100 where not supervised)."""
+Batch = Sequence[Sample]
+"""A global batch of samples."""
+
+
+def make_data(n: int = 24, seed: int = 0, *, longest: int = 69) -> list[Sample]:
     """``n`` samples of 3..``longest`` tokens; a random prompt prefix of each (up to half of it)
     is not supervised."""
     g = torch.Generator().manual_seed(seed)
@@ -501,10 +507,10 @@ def make_samples(
     prompt: dict[int, int] | None = None,
     fully_masked: Sequence[int] = (),
     without_labels: Sequence[int] = (),
-) -> list[dict[str, list[int]]]:
+) -> list[Sample]:
     """Random samples: ``prompt[i]`` first tokens of sample ``i`` masked with -100."""
     rng = random.Random(seed)
-    samples: list[dict[str, list[int]]] = []
+    samples: list[Sample] = []
     for i, length in enumerate(lengths):
         ids = [rng.randrange(VOCAB) for _ in range(length)]
         labels = list(ids)
@@ -516,7 +522,7 @@ def make_samples(
     return samples
 
 
-def supervised_tokens(samples: Sequence[dict[str, list[int]]]) -> int:
+def supervised_tokens(samples: Sequence[Sample]) -> int:
     """Targets of the global batch: labels of tokens 1.. that are not -100."""
     return sum(
         sum(1 for label in s.get("labels", s["input_ids"])[1:] if label != -100) for s in samples
@@ -588,9 +594,7 @@ def make_tokenizer(template: str | None) -> PreTrainedTokenizerFast:
 
 
 # ----------------------------------------------------------------------------- references
-def reference_logits(
-    model: torch.nn.Module, sample: dict[str, list[int]]
-) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logits(model: torch.nn.Module, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logits [T, V] in float32, shifted target [T])`` of one sample through a plain HF model,
     one sequence alone (the independent reference of the parity tests)."""
     device = next(model.parameters()).device
@@ -601,9 +605,7 @@ def reference_logits(
     return model(ids).logits[0].float(), target
 
 
-def token_loss_sum(
-    model: torch.nn.Module, sample: dict[str, list[int]]
-) -> tuple[torch.Tensor, int]:
+def token_loss_sum(model: torch.nn.Module, sample: Sample) -> tuple[torch.Tensor, int]:
     """``(summed token cross-entropy, supervised tokens)`` of one sample, one sequence alone."""
     logits, target = reference_logits(model, sample)
     loss = torch.nn.functional.cross_entropy(logits, target, ignore_index=-100, reduction="sum")
@@ -611,7 +613,7 @@ def token_loss_sum(
 
 
 def reference_loss_and_grads(
-    model: nn.Module, samples: Sequence[dict[str, list[int]]]
+    model: nn.Module, samples: Sequence[Sample]
 ) -> tuple[float, dict[str, torch.Tensor]]:
     """Global token-mean loss and its gradients, each sequence run alone on one process."""
     model.zero_grad(set_to_none=True)
@@ -632,9 +634,7 @@ def reference_loss_and_grads(
     return loss_sum / total, grads
 
 
-def reference_sgd_step(
-    model: nn.Module, samples: Sequence[dict[str, list[int]]], lr: float
-) -> float:
+def reference_sgd_step(model: nn.Module, samples: Sequence[Sample], lr: float) -> float:
     """One plain SGD step of the reference; returns its loss."""
     loss, grads = reference_loss_and_grads(model, samples)
     with torch.no_grad():
@@ -654,106 +654,6 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def sgd_training(
-    model: nn.Module,
-    data: Sequence[dict[str, list[int]]],
-    steps: int,
-    *,
-    autocast: bool = False,
-    clip: float | None = None,
-) -> list[float]:
-    """Train ``model`` in place as one process would: ``steps`` SGD steps of :data:`LR` on the
-    consecutive global batches of :data:`GLOBAL_BATCH` samples of ``data``, one sequence at a
-    time, the summed token loss over each global batch's supervised tokens; the forward under
-    ``torch.autocast("cpu", bfloat16)`` with ``autocast``; the gradient's norm clipped to
-    ``clip`` before each step. Returns each step's gradient norm before clipping."""
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    norms = []
-    with one_thread():
-        for step in range(steps):
-            total, tokens = torch.zeros(()), 0
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                    loss, n = token_loss_sum(model, sample)
-                    total, tokens = total + loss, tokens + n
-            optimizer.zero_grad()
-            (total / tokens).backward()
-            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip or math.inf)
-            norms.append(float(norm))
-            optimizer.step()
-    return norms
-
-
-def bf16_policy_training(
-    build: Callable[[], nn.Module],
-    data: Sequence[dict[str, list[int]]],
-    steps: int,
-    *,
-    batches: Sequence[Sequence[int]] | None = None,
-    momentum: float = 0.0,
-    clip: float | None = None,
-    norms: list[float] | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``(parameters before, after)`` of what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
-    reduce_dtype=float32)`` does, on one process: float32 parameters (the optimizer's) of
-    ``build()``, a bf16 copy of them for forward and backward (buffers stay float32: FSDP2
-    casts parameters only), the bf16 gradients upcast to float32, float32 SGD of :data:`LR`
-    with ``momentum``, the gradient's norm clipped to ``clip`` first; the bf16 copy made again
-    from the float32 parameters each step. Global batches and loss as :func:`sgd_training`, or
-    ``batches`` (indices into ``data``, one tuple per step); each step's gradient norm before
-    clipping appended to ``norms``."""
-    master, compute = build(), build()
-    for p in compute.parameters():
-        p.data = p.data.to(torch.bfloat16)
-    optimizer = torch.optim.SGD(master.parameters(), lr=LR, momentum=momentum)
-    if batches is None:
-        batches = [range(s * GLOBAL_BATCH, (s + 1) * GLOBAL_BATCH) for s in range(steps)]
-
-    def params() -> dict[str, np.ndarray]:
-        return {n: p.detach().double().numpy().copy() for n, p in master.named_parameters()}
-
-    before = params()
-    with one_thread():
-        for batch in batches[:steps]:
-            with torch.no_grad():
-                for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                    c.copy_(m)
-                    c.grad = None
-            total, tokens = torch.zeros(()), 0
-            for i in batch:
-                loss, n = token_loss_sum(compute, data[i])
-                total, tokens = total + loss, tokens + n
-            (total / tokens).backward()
-            for c, m in zip(compute.parameters(), master.parameters(), strict=True):
-                m.grad = c.grad.float()
-            norm = torch.nn.utils.clip_grad_norm_(master.parameters(), clip or math.inf)
-            if norms is not None:
-                norms.append(float(norm))
-            optimizer.step()
-    return before, params()
-
-
-def momentum_training(
-    batches: Sequence[Sequence[int]], momentum: float, *, autocast: bool = False
-) -> Iterator[nn.Module]:
-    """Plain HF training of ``batches`` (indices into :func:`make_data`) on one process, SGD of
-    :data:`LR` with ``momentum``, the forward under ``torch.autocast("cpu", bfloat16)`` with
-    ``autocast``: the model after each step."""
-    data = make_data()
-    model = reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
-    for batch in batches:
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for i in batch:
-                loss, n = token_loss_sum(model, data[i])
-                total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
-        yield model
 
 
 def max_param_diff(a: nn.Module, b: nn.Module) -> tuple[float, str]:
@@ -938,9 +838,12 @@ def trained_params(model: nn.Module, strategy: Any) -> dict[str, np.ndarray]:
     from lightning_skrull import SkrullFSDPStrategy
 
     if isinstance(strategy, SkrullFSDPStrategy):
-        state = strategy.full_state_dict()
-    else:
-        state = model.state_dict()
+        return float32_arrays(strategy.full_state_dict())
+    return float32_arrays(model.state_dict())
+
+
+def float32_arrays(state: Mapping[str, torch.Tensor]) -> dict[str, np.ndarray]:
+    """Copies of ``state``'s tensors as float32 arrays on the CPU."""
     return {k: v.detach().float().cpu().numpy().copy() for k, v in state.items()}
 
 
@@ -957,105 +860,6 @@ def cpu_trainer(strategy: Any, **kwargs: Any) -> L.Trainer:
     }
     defaults.update(kwargs)
     return L.Trainer(strategy=strategy, **defaults)
-
-
-def reference_model() -> Qwen2ForCausalLM:
-    """:class:`PlainLM`'s initial model with HF's eager attention: the reference's model."""
-    return tiny_qwen2(attn_implementation="eager")
-
-
-@functools.cache
-def reference_training(
-    steps: int, clip: float | None = None
-) -> tuple[dict[str, np.ndarray], list[float]]:
-    """``(parameters, loss of each step)`` of plain HF training on :func:`make_data`'s global
-    batches of :data:`GLOBAL_BATCH` (dataset order), SGD of :data:`LR`, one process."""
-    data = make_data()
-    model = reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
-    for step in range(steps):
-        total, tokens = torch.zeros(()), 0
-        for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-            loss, n = token_loss_sum(model, sample)
-            total, tokens = total + loss, tokens + n
-        loss = total / tokens
-        optimizer.zero_grad()
-        loss.backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        optimizer.step()
-        losses.append(float(loss.detach()))
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, losses
-
-
-@dataclasses.dataclass(frozen=True)
-class StepGradient:
-    """What a step of :func:`hooked_reference_training` saw: the gradient's 2-norm and its
-    smallest and largest entry magnitude, before any clipping."""
-
-    norm: float
-    smallest: float
-    largest: float
-
-
-@functools.cache
-def hooked_reference_training(
-    steps: int,
-    *,
-    seed: int = 0,
-    batch: int = GLOBAL_BATCH,
-    loss_scale: float = 1.0,
-    clip_norm: float | None = None,
-    clip_value: float | None = None,
-    warmup: int | None = None,
-) -> tuple[dict[str, np.ndarray], tuple[StepGradient, ...]]:
-    """:func:`reference_training` with what a LightningModule's hooks change, on one process:
-    ``steps`` SGD steps of :data:`LR` on the consecutive global batches of ``batch`` samples of
-    ``make_data(steps * batch, seed)`` (with the defaults, the first global batches of
-    :func:`make_data`), each step's loss multiplied by ``loss_scale`` before its backward, the
-    gradient clipped by ``clip_grad_norm_(clip_norm)`` or ``clip_grad_value_(clip_value)``, and the
-    learning rate of step ``s`` (from 0) ``LR * min(1, (s + 1) / warmup)`` (the CLI's linear
-    warm-up). Returns the parameters and each step's gradient before clipping."""
-    data = make_data(steps * batch, seed)
-    model = reference_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    seen = []
-    with one_thread():
-        for step in range(steps):
-            total, tokens = torch.zeros(()), 0
-            for sample in data[step * batch : (step + 1) * batch]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-            optimizer.zero_grad()
-            (loss_scale * (total / tokens)).backward()
-            grads = torch.cat([p.grad.flatten().abs() for p in model.parameters()])
-            seen.append(StepGradient(float(grads.norm()), float(grads.min()), float(grads.max())))
-            if clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-            if clip_value is not None:
-                torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
-            if warmup is not None:
-                optimizer.param_groups[0]["lr"] = LR * min(1.0, (step + 1) / warmup)
-            optimizer.step()
-    return {k: v.detach().numpy() for k, v in model.state_dict().items()}, tuple(seen)
-
-
-def mean_token_loss(model: nn.Module, samples: list[dict[str, list[int]]]) -> float:
-    """Mean token loss of ``samples`` under ``model``, one sequence at a time."""
-    total, tokens = 0.0, 0
-    with torch.no_grad():
-        for sample in samples:
-            loss, n = token_loss_sum(model, sample)
-            total, tokens = total + float(loss), tokens + n
-    return total / tokens
-
-
-def reference_loss(params: dict[str, np.ndarray], samples: list[dict[str, list[int]]]) -> float:
-    """Mean token loss of ``samples`` under ``params``, one process."""
-    model = reference_model()
-    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
-    return mean_token_loss(model, samples)
 
 
 MIN_SLOWDOWN = 1.2
@@ -1090,3 +894,232 @@ def built_cli(*args: str) -> Any:
         run=False,
         args=list(args),
     )
+
+
+# ----------------------------------------------------------------------------- one-process training
+# The independent reference every parity test of training is judged against: a plain HF model
+# on one process, each global batch's loss the summed token cross-entropy of its samples (one
+# sequence at a time) over its supervised tokens, plain SGD. :func:`sgd_steps` is that loop; the
+# functions after it pick the model, the data, the optimizer and what to record.
+def reference_model() -> Qwen2ForCausalLM:
+    """:class:`PlainLM`'s initial model with HF's eager attention: the reference's model."""
+    return tiny_qwen2(attn_implementation="eager")
+
+
+def global_batches(data: Sequence[Sample], steps: int, size: int = GLOBAL_BATCH) -> list[Batch]:
+    """The first ``steps`` consecutive global batches of ``size`` samples of ``data``."""
+    return [data[step * size : (step + 1) * size] for step in range(steps)]
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceStep:
+    """One step of :func:`sgd_steps`: the global batch's mean token loss (before any
+    ``loss_scale``) and the gradient's 2-norm before clipping, as ``clip_grad_norm_`` computes
+    it."""
+
+    loss: float
+    grad_norm: float
+
+
+def sgd_steps(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batches: Iterable[Batch],
+    *,
+    autocast: bool = False,
+    loss_scale: float = 1.0,
+    clip: float | None = None,
+    after_backward: Callable[[int], None] | None = None,
+) -> Iterator[ReferenceStep]:
+    """Train ``model`` in place, one optimizer step per global batch of ``batches``, yielding
+    after each step: the summed token loss of the batch's samples, one sequence at a time (the
+    forward under ``torch.autocast("cpu", bfloat16)`` with ``autocast``), over its supervised
+    tokens, times ``loss_scale``; its backward; ``after_backward(step)`` (from 0); the norm of
+    the gradient of ``optimizer``'s parameters clipped to ``clip``; ``optimizer.step()``. The
+    caller picks the threads (:func:`one_thread`)."""
+    stepped = [p for group in optimizer.param_groups for p in group["params"]]
+    for step, batch in enumerate(batches):
+        total, tokens = torch.zeros(()), 0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            for sample in batch:
+                loss, n = token_loss_sum(model, sample)
+                total, tokens = total + loss, tokens + n
+        loss = total / tokens
+        optimizer.zero_grad()
+        (loss_scale * loss).backward()
+        if after_backward is not None:
+            after_backward(step)
+        norm = torch.nn.utils.clip_grad_norm_(stepped, math.inf if clip is None else clip)
+        optimizer.step()
+        yield ReferenceStep(float(loss.detach()), float(norm))
+
+
+@functools.cache
+def reference_training(
+    steps: int, clip: float | None = None
+) -> tuple[dict[str, np.ndarray], list[float]]:
+    """``(parameters, loss of each step)`` of :func:`sgd_steps` of :func:`reference_model` on
+    :func:`make_data`'s global batches of :data:`GLOBAL_BATCH` (dataset order), SGD of
+    :data:`LR`, the gradient's norm clipped to ``clip``."""
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    run = list(sgd_steps(model, optimizer, global_batches(make_data(), steps), clip=clip))
+    return float32_arrays(model.state_dict()), [s.loss for s in run]
+
+
+def sgd_training(
+    model: nn.Module,
+    data: Sequence[Sample],
+    steps: int,
+    *,
+    autocast: bool = False,
+    clip: float | None = None,
+) -> list[float]:
+    """Train ``model`` in place as one process would (:func:`sgd_steps`, on one thread):
+    ``steps`` SGD steps of :data:`LR` on the consecutive global batches of :data:`GLOBAL_BATCH`
+    samples of ``data``, the forward under ``torch.autocast("cpu", bfloat16)`` with
+    ``autocast``, the gradient's norm clipped to ``clip``. Returns each step's gradient norm
+    before clipping."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    with one_thread():
+        run = list(
+            sgd_steps(model, optimizer, global_batches(data, steps), autocast=autocast, clip=clip)
+        )
+    return [s.grad_norm for s in run]
+
+
+def momentum_training(
+    batches: Sequence[Sequence[int]], momentum: float, *, autocast: bool = False
+) -> Iterator[nn.Module]:
+    """:func:`sgd_steps` of :func:`reference_model` on ``batches`` (indices into
+    :func:`make_data`), SGD of :data:`LR` with ``momentum``, the forward under
+    ``torch.autocast("cpu", bfloat16)`` with ``autocast``: the model after each step."""
+    data = make_data()
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
+    for _ in sgd_steps(
+        model, optimizer, ([data[i] for i in b] for b in batches), autocast=autocast
+    ):
+        yield model
+
+
+def bf16_policy_training(
+    build: Callable[[], nn.Module],
+    data: Sequence[Sample],
+    steps: int,
+    *,
+    batches: Sequence[Sequence[int]] | None = None,
+    momentum: float = 0.0,
+    clip: float | None = None,
+    norms: list[float] | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """``(parameters before, after)`` of what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
+    reduce_dtype=float32)`` does, on one process: float32 parameters (the optimizer's) of
+    ``build()``, a bf16 copy of them for forward and backward (buffers stay float32: FSDP2
+    casts parameters only), the bf16 gradients upcast to float32, float32 SGD of :data:`LR`
+    with ``momentum``, the gradient's norm clipped to ``clip`` first; the bf16 copy made again
+    from the float32 parameters each step. Global batches and loss as :func:`sgd_training`, or
+    ``batches`` (indices into ``data``, one tuple per step); each step's gradient norm before
+    clipping appended to ``norms``."""
+    master, compute = build(), build()
+    for p in compute.parameters():
+        p.data = p.data.to(torch.bfloat16)
+    pairs = list(zip(compute.parameters(), master.parameters(), strict=True))
+    optimizer = torch.optim.SGD(master.parameters(), lr=LR, momentum=momentum)
+    if batches is None:
+        run_batches = global_batches(data, steps)
+    else:
+        run_batches = [[data[i] for i in batch] for batch in batches[:steps]]
+
+    def load_compute() -> None:
+        with torch.no_grad():
+            for c, m in pairs:
+                c.copy_(m)
+                c.grad = None
+
+    def upcast_grads(step: int) -> None:
+        for c, m in pairs:
+            m.grad = c.grad.float()
+
+    before = float64_params(master)
+    load_compute()
+    with one_thread():
+        for step in sgd_steps(
+            compute, optimizer, run_batches, clip=clip, after_backward=upcast_grads
+        ):
+            if norms is not None:
+                norms.append(step.grad_norm)
+            load_compute()
+    return before, float64_params(master)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepGradient:
+    """What a step of :func:`hooked_reference_training` saw: the gradient's 2-norm and its
+    smallest and largest entry magnitude, before any clipping."""
+
+    norm: float
+    smallest: float
+    largest: float
+
+
+@functools.cache
+def hooked_reference_training(
+    steps: int,
+    *,
+    seed: int = 0,
+    batch: int = GLOBAL_BATCH,
+    loss_scale: float = 1.0,
+    clip_norm: float | None = None,
+    clip_value: float | None = None,
+    warmup: int | None = None,
+) -> tuple[dict[str, np.ndarray], tuple[StepGradient, ...]]:
+    """:func:`reference_training` with what a LightningModule's hooks change, on one thread:
+    ``steps`` SGD steps of :data:`LR` on the consecutive global batches of ``batch`` samples of
+    ``make_data(steps * batch, seed)`` (with the defaults, the first global batches of
+    :func:`make_data`), each step's loss multiplied by ``loss_scale`` before its backward, the
+    gradient clipped by ``clip_grad_norm_(clip_norm)`` or ``clip_grad_value_(clip_value)`` (one
+    of them, as Lightning clips by one algorithm), and the learning rate of step ``s`` (from 0)
+    ``LR * min(1, (s + 1) / warmup)`` (the CLI's linear warm-up). Returns the parameters and
+    each step's gradient before clipping."""
+    if clip_norm is not None and clip_value is not None:
+        raise ValueError(
+            f"clip_norm={clip_norm} and clip_value={clip_value}: Lightning clips by one "
+            "algorithm; pass one of them"
+        )
+    model = reference_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    seen = []
+
+    def hooks(step: int) -> None:
+        grads = torch.cat([p.grad.flatten().abs() for p in model.parameters()])
+        seen.append(StepGradient(float(grads.norm()), float(grads.min()), float(grads.max())))
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value)
+        if warmup is not None:
+            optimizer.param_groups[0]["lr"] = LR * min(1.0, (step + 1) / warmup)
+
+    data = global_batches(make_data(steps * batch, seed), steps, batch)
+    with one_thread():
+        for _ in sgd_steps(
+            model, optimizer, data, loss_scale=loss_scale, clip=clip_norm, after_backward=hooks
+        ):
+            pass
+    return float32_arrays(model.state_dict()), tuple(seen)
+
+
+def mean_token_loss(model: nn.Module, samples: Sequence[Sample]) -> float:
+    """Mean token loss of ``samples`` under ``model``, one sequence at a time."""
+    total, tokens = 0.0, 0
+    with torch.no_grad():
+        for sample in samples:
+            loss, n = token_loss_sum(model, sample)
+            total, tokens = total + float(loss), tokens + n
+    return total / tokens
+
+
+def reference_loss(params: dict[str, np.ndarray], samples: Sequence[Sample]) -> float:
+    """Mean token loss of ``samples`` under ``params``, one process."""
+    model = reference_model()
+    model.load_state_dict({k: torch.from_numpy(v) for k, v in params.items()})
+    return mean_token_loss(model, samples)
