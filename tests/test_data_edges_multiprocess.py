@@ -12,13 +12,14 @@ the weights (decay, and the first moment of earlier steps), as it does on one pr
   the same global batches;
 - the same three in ``bf16-mixed``: the same batches and plans, held to the 16-bit rule of
   ``tests/test_precision_matrix.py`` against single-process training in each strategy's bf16;
-- DDP with 2 DataLoader workers per rank, two epochs (6 steps), a checkpoint after every step,
-  equal to single-process training; resumed from its checkpoint of step 2 (mid-epoch, written
-  while the workers held batches planned ahead of it) with 2 workers and with none: each rank
-  gets the uninterrupted run's micro-batches of the same global batches, every sample is trained
-  once per epoch across the stop, and the losses, validation losses and parameters equal the
-  uninterrupted run's. These runs keep the cost model fixed (``calibration="off"``), so that
-  both runs plan alike;
+- DDP with 2 DataLoader workers per rank (persistent, the default), two epochs (6 steps), a
+  checkpoint after every step, equal to single-process training, each epoch's global batches
+  those of its own seeded shuffle; resumed from its checkpoint of step 2 (mid-epoch, written
+  while the workers held batches planned ahead of it) with 2 persistent workers, with 2 workers
+  started anew every epoch (``persistent_workers=False``) and with none: each rank gets the
+  uninterrupted run's micro-batches of the same global batches, each epoch's order across the
+  stop, and the losses, validation losses and parameters equal the uninterrupted run's. These
+  runs keep the cost model fixed (``calibration="off"``), so that both runs plan alike;
 - the same with 2 workers under ZeRO-2 and FSDP in float32 and under DDP and ZeRO-2 in
   ``bf16-mixed`` (the uninterrupted runs against single-process training, by the 16-bit rule in
   bf16): the resumed run equals the uninterrupted one exactly.
@@ -126,6 +127,7 @@ def _fit(
     steps: int,
     *,
     num_workers: int = 0,
+    persistent_workers: bool = True,
     calibration: str = "online",
     precision: str = "32-true",
     save_to: str | None = None,
@@ -162,6 +164,7 @@ def _fit(
         global_batch_size=GLOBAL_BATCH,
         seed=SEED,
         num_workers=num_workers,
+        persistent_workers=persistent_workers,
     )
     trainer.fit(module, data, ckpt_path=ckpt_path)
     return {
@@ -189,6 +192,15 @@ def _run(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         out[f"resumed_{workers}"] = _fit(
             "ddp", RESUME_STEPS, num_workers=workers, calibration="off", ckpt_path=checkpoint
         )
+    # workers started anew every epoch and validation run, as with persistent_workers=False
+    out["resumed_fresh_workers"] = _fit(
+        "ddp",
+        RESUME_STEPS,
+        num_workers=2,
+        persistent_workers=False,
+        calibration="off",
+        ckpt_path=checkpoint,
+    )
     # the other strategies and bf16-mixed: a checkpoint every RESUME_FROM steps (a sharded
     # checkpoint after every step would cost FSDP 4 s more)
     for name, precision in RESUME_CASES:
@@ -385,6 +397,17 @@ def _check_16_bit_rule(runs: list[dict[str, Any]], key: str, name: str, steps: i
     assert checked
 
 
+def _check_epoch_orders(batches: list[tuple[int, int, list[int]]]) -> None:
+    """Two epochs of global batches, each epoch's the cut of its own seeded shuffle: every
+    sample once per epoch, and epoch 1 not a repeat of epoch 0's order."""
+    assert [(e, i) for e, i, _ in batches] == [(e, i) for e in (0, 1) for i in range(ONE_EPOCH)]
+    sampler = GlobalBatchSampler(NUM_SAMPLES, GLOBAL_BATCH, seed=SEED)
+    for epoch, index, samples in batches:
+        order = sampler.epoch_order(epoch)
+        assert samples == sorted(order[index * GLOBAL_BATCH : (index + 1) * GLOBAL_BATCH])
+    assert sampler.epoch_order(0)[:GLOBAL_BATCH] != sampler.epoch_order(1)[:GLOBAL_BATCH]
+
+
 def _steps_by_position(runs: list[dict[str, Any]], key: str) -> dict[tuple[int, int, int], Any]:
     """Each rank's recorded steps by ``(epoch, index, dp_rank)``, of CP rank 0."""
     return {
@@ -449,11 +472,7 @@ def test_two_epochs_with_workers_equal_single_process_training(
     runs: list[dict[str, Any]], name: str, precision: str
 ) -> None:
     key = "whole" if (name, precision) == ("ddp", "32-true") else f"whole/{name}/{precision}"
-    batches = _global_batches(runs, key)
-    assert [(e, i) for e, i, _ in batches] == [(e, i) for e in (0, 1) for i in range(ONE_EPOCH)]
-    for epoch in (0, 1):
-        trained = sorted(i for e, _, b in batches if e == epoch for i in b)
-        assert trained == list(range(NUM_SAMPLES))
+    _check_epoch_orders(_global_batches(runs, key))
     if precision == "32-true":
         _check_against_reference(runs, key, RESUME_STEPS)
     else:
@@ -484,21 +503,17 @@ def _check_resume(runs: list[dict[str, Any]], whole_key: str, key: str, atol: fl
     steps = _steps_by_position(runs, key)
     for epoch in (0, 1):
         assert [steps[(epoch, 2, dp)]["planned"] for dp in (0, 1)] in ([1, 0], [0, 1])
-    # every sample once per epoch across the stop: steps 1-2 of the uninterrupted run, then
-    # the resumed steps
-    joined = _global_batches(runs, whole_key)[:RESUME_FROM] + _global_batches(runs, key)
-    assert [(e, i) for e, i, _ in joined] == [(e, i) for e in (0, 1) for i in range(ONE_EPOCH)]
-    for epoch in (0, 1):
-        trained = sorted(i for e, _, b in joined if e == epoch for i in b)
-        assert trained == list(range(NUM_SAMPLES))
+    # each epoch's own order across the stop: steps 1-2 of the uninterrupted run, then the
+    # resumed steps
+    _check_epoch_orders(_global_batches(runs, whole_key)[:RESUME_FROM] + _global_batches(runs, key))
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("workers", [2, 0])
+@pytest.mark.parametrize("resumed", ["resumed_2", "resumed_0", "resumed_fresh_workers"])
 def test_resume_with_workers_continues_the_uninterrupted_run(
-    runs: list[dict[str, Any]], workers: int
+    runs: list[dict[str, Any]], resumed: str
 ) -> None:
-    _check_resume(runs, "whole", f"resumed_{workers}", PARAM_ATOL)
+    _check_resume(runs, "whole", resumed, PARAM_ATOL)
 
 
 # A resumed run plans the same micro-batches as the uninterrupted one (asserted), restores the
