@@ -457,7 +457,7 @@ class SkrullDataModule(pl.LightningDataModule):
         persistent_workers: keep those workers alive across epochs and validation runs
             rather than starting them anew at each (no effect with ``num_workers=0``). On by
             default: a restart costs every epoch and every validation run the workers' start,
-            0.5 s with ``fork`` and tens of seconds with ``spawn`` or ``forkserver`` (Python
+            0.2 to 0.5 s with ``fork`` and tens of seconds with ``spawn`` or ``forkserver`` (Python
             3.14's default on Linux), docs/data.md. The batches, and a resume, are those of
             fresh workers; ``False`` starts them anew each time.
         tokenizer: HF tokenizer (or its name / path) for chat, text and prompt-completion
