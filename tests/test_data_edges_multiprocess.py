@@ -117,6 +117,9 @@ class LossRecorder(BatchRecorder):
     ) -> None:
         super().on_train_batch_end(trainer, module, outputs, batch, i)
         self.steps[-1]["train_loss"] = float(trainer.callback_metrics["train_loss"])
+        # the process ids of the workers the training loader keeps (persistent ones only)
+        workers = getattr(trainer.train_dataloader._iterator, "_workers", [])
+        self.steps[-1]["workers"] = sorted(w.pid for w in workers)
 
     def on_validation_epoch_end(self, trainer: Any, module: Any) -> None:
         self.val_losses.append(float(trainer.callback_metrics["val_loss"]))
@@ -514,6 +517,14 @@ def test_resume_with_workers_continues_the_uninterrupted_run(
     runs: list[dict[str, Any]], resumed: str
 ) -> None:
     _check_resume(runs, "whole", resumed, PARAM_ATOL)
+    for out in runs:
+        kept = [tuple(s["workers"]) for s in out[resumed]["steps"]]
+        if resumed == "resumed_2":
+            # the same 2 worker processes through epochs 0 and 1 (and the validation between)
+            assert len(set(kept)) == 1 and len(kept[0]) == 2
+        else:
+            # no workers kept by the loader: started for each epoch, or none
+            assert set(kept) == {()}
 
 
 # A resumed run plans the same micro-batches as the uninterrupted one (asserted), restores the
