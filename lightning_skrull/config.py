@@ -176,6 +176,12 @@ class DataConfig:
     num_workers: int = 0
     """DataLoader worker processes per rank that read, plan and collate global batches."""
 
+    persistent_workers: bool = True
+    """Keep the DataLoader workers alive across epochs and validation runs instead of starting
+    them anew at each (nothing to keep with ``num_workers=0``). Each iteration hands the
+    workers the sampler's position and the cost-model schedule, so the batches, and a resume,
+    equal those of fresh workers."""
+
     val_split: int = 0
     """Samples of the training data held out for validation (a seeded choice, made once);
     0 = none. Use it instead of separate validation data, not with it."""
@@ -198,7 +204,7 @@ class DataConfig:
             raise ValueError(
                 f"num_workers={self.num_workers!r} is invalid; it must be an int >= 0."
             )
-        for name in ("shuffle", "drop_last"):
+        for name in ("shuffle", "drop_last", "persistent_workers"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")
 

@@ -5,6 +5,7 @@ fit whose LightningModule holds two Hugging Face models."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as L
 import pytest
@@ -57,6 +58,7 @@ def loader(
     shuffle: bool = False,
     equal: bool = False,
     num_workers: int = 0,
+    persistent_workers: bool = False,
     n: int = 30,
     bucket_size: int = 50,
 ) -> SkrullDataLoader:
@@ -72,7 +74,11 @@ def loader(
         cost_model=CostModel(),
         equal_micro_batches=equal,
     )
-    return SkrullDataLoader(GlobalBatchStream(dataset, sampler, planner), num_workers=num_workers)
+    return SkrullDataLoader(
+        GlobalBatchStream(dataset, sampler, planner),
+        num_workers=num_workers,
+        persistent_workers=persistent_workers,
+    )
 
 
 def micro_batch_samples(batch: SkrullBatch) -> list[tuple[int, ...]]:
@@ -173,6 +179,34 @@ def test_workers_keep_the_order() -> None:
     assert workers == single
 
 
+def _epochs(dl: SkrullDataLoader, epochs: range) -> list[list[Any]]:
+    """Each epoch's ``(epoch, index, micro-batch samples)`` of ``dl``, Lightning's way:
+    ``set_epoch``, then a new iteration."""
+    out = []
+    for epoch in epochs:
+        dl.sampler.set_epoch(epoch)
+        out.append([(b.epoch, b.index, micro_batch_samples(b)) for b in dl])
+    return out
+
+
+def test_persistent_workers_draw_each_epochs_order_and_resume_exactly() -> None:
+    # A persistent worker keeps the stream it was started with; without the loader handing it
+    # each iteration's sampler, every epoch repeats the first one's shuffled order.
+    single = _epochs(loader(0, 1, shuffle=True), range(3))
+    assert single[0] != single[1]  # the shuffle differs between epochs
+    dl = loader(0, 1, shuffle=True, num_workers=2, persistent_workers=True)
+    assert dl.persistent_workers
+    assert _epochs(dl, range(3)) == single
+    # resumed mid-epoch 1 (2 of 4 batches trained), then epoch 2, by the same workers
+    state = loader(0, 1, shuffle=True).global_batch_sampler.state_dict(batches_consumed=2)
+    state["epoch"] = 1
+    resumed = loader(0, 1, shuffle=True, num_workers=2, persistent_workers=True)
+    resumed.load_state_dict(state)
+    assert _epochs(resumed, range(1, 3)) == [single[1][2:], single[2]]
+    # no workers, nothing to keep: a plain loader, as torch needs
+    assert not loader(0, 1, persistent_workers=True).persistent_workers
+
+
 def test_batch_moves_as_a_whole() -> None:
     batch = next(iter(loader(0, 0)))
     moved = batch.to("cpu")
@@ -194,6 +228,8 @@ def test_data_config_checks() -> None:
         DataConfig(global_batch_size=4, val_split=-1)
     with pytest.raises(TypeError, match="shuffle"):
         DataConfig(global_batch_size=4, shuffle="yes")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="persistent_workers"):
+        DataConfig(global_batch_size=4, persistent_workers=1)  # type: ignore[arg-type]
     assert DataConfig(global_batch_size=4).validation_batch_size == 4
     assert DataConfig(global_batch_size=4, val_global_batch_size=2).validation_batch_size == 2
 
