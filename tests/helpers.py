@@ -1073,6 +1073,7 @@ def hooked_reference_training(
     clip_norm: float | None = None,
     clip_value: float | None = None,
     warmup: int | None = None,
+    autocast: bool = False,
 ) -> tuple[dict[str, np.ndarray], tuple[StepGradient, ...]]:
     """:func:`reference_training` with what a LightningModule's hooks change, on one thread:
     ``steps`` SGD steps of :data:`LR` on the consecutive global batches of ``batch`` samples of
@@ -1080,8 +1081,9 @@ def hooked_reference_training(
     :func:`make_data`), each step's loss multiplied by ``loss_scale`` before its backward, the
     gradient clipped by ``clip_grad_norm_(clip_norm)`` or ``clip_grad_value_(clip_value)`` (one
     of them, as Lightning clips by one algorithm), and the learning rate of step ``s`` (from 0)
-    ``LR * min(1, (s + 1) / warmup)`` (the CLI's linear warm-up). Returns the parameters and
-    each step's gradient before clipping."""
+    ``LR * min(1, (s + 1) / warmup)`` (the CLI's linear warm-up); the forward under
+    ``torch.autocast("cpu", bfloat16)`` with ``autocast`` (float32 gradients and SGD, what
+    ``"bf16-mixed"`` runs). Returns the parameters and each step's gradient before clipping."""
     if clip_norm is not None and clip_value is not None:
         raise ValueError(
             f"clip_norm={clip_norm} and clip_value={clip_value}: Lightning clips by one "
@@ -1102,7 +1104,13 @@ def hooked_reference_training(
     data = global_batches(make_data(steps * batch, seed), steps, batch)
     with one_thread():
         for _ in sgd_steps(
-            model, optimizer, data, loss_scale=loss_scale, clip=clip_norm, after_backward=hooks
+            model,
+            optimizer,
+            data,
+            autocast=autocast,
+            loss_scale=loss_scale,
+            clip=clip_norm,
+            after_backward=hooks,
         ):
             pass
     return float32_arrays(model.state_dict()), tuple(seen)

@@ -9,10 +9,12 @@ Two spawns (each process start costs seconds, so every case of a world size runs
   epoch boundary (final parameters equal an uninterrupted run; every sample trained exactly
   once per epoch; DDP and ZeRO-2 also in bf16-mixed, ZeRO-2's masters and bf16 copies
   alike). ZeRO-2 clipping by norm with the DP ranks planned different micro-batch counts, in
-  float32 and bf16-mixed. What a LightningModule's hooks change, on global batches that give
-  the DP ranks 2 and 1 micro-batches in every step: a ``backward`` override (once per
-  micro-batch, scaling the loss), ``configure_gradient_clipping`` clipping by value, a
-  ``LambdaLR`` warm-up stepped per global batch. The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
+  float32 and bf16-mixed. ZeRO stage 1 (through the DeepSpeed config), in float32 and
+  bf16-mixed. What a LightningModule's hooks change, on global batches that give the DP ranks 2
+  and 1 micro-batches in every step: a ``backward`` override (once per micro-batch, scaling
+  the loss) and ``configure_gradient_clipping`` clipping by value, each in float32 and in
+  bf16-mixed (by the rule of tests/test_precision_matrix.py), a ``LambdaLR`` warm-up stepped
+  per global batch. The DDP, ZeRO-2 and bf16-mixed ZeRO-2 runs write their model
   with ``trainer.strategy.save_pretrained``, read back on one process by plain transformers: the
   trained weights (ZeRO-2's float32 masters) and the validation loss the runs logged.
   Sliding-window models: a Mistral with a 12-token window on every layer, a Qwen2 whose
@@ -58,6 +60,7 @@ from helpers import (
     WarmupLM,
     bf16_policy_training,
     cpu_trainer,
+    float32_arrays,
     hooked_reference_training,
     make_data,
     max_diff,
@@ -102,6 +105,10 @@ LOSS_SCALE = 3.0  # what the backward override multiplies each micro-batch's los
 # configure_gradient_clipping clips by this value: between the smallest and the largest gradient
 # entry of every step (asserted), so the clip changes some entries and leaves others
 CLIP_VALUE = 1e-3
+
+# ZeRO stage 1 is chosen through the DeepSpeed config (the stage argument names this fix);
+# torch's SGD, as in the reference
+ZERO1_CONFIG = {"zero_optimization": {"stage": 1}, "zero_allow_untested_optimizer": True}
 
 VAL_DATA = make_data(11, seed=1)
 SAVED = ("ddp", "zero2", "zero2_bf16")
@@ -398,6 +405,22 @@ def clipped_reference(
     return before, after, norms
 
 
+def _bf16_start() -> torch.nn.Module:
+    """:func:`~helpers.reference_model` with its parameters rounded to bf16 (float32 tensors):
+    where DeepSpeed's bf16 masters start."""
+    model = reference_model()
+    for p in model.parameters():
+        p.data = p.data.to(torch.bfloat16).float()
+    return model
+
+
+@functools.cache
+def zero2_reference() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """:func:`zero2_clipped_reference` without the clipping: ``(before, after)`` of the float32
+    masters of 3 steps as DeepSpeed's bf16 trains (ZeRO stage 1 or 2)."""
+    return bf16_policy_training(_bf16_start, make_data(), 3)
+
+
 @functools.cache
 def zero2_clipped_reference() -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], list[float]]:
     """:func:`clipped_reference` as bf16-mixed ZeRO-2 trains (docs/precision.md): the
@@ -405,15 +428,8 @@ def zero2_clipped_reference() -> tuple[dict[str, np.ndarray], dict[str, np.ndarr
     and its norm clipped to :data:`CLIP`, SGD on a float32 master copy made from the bf16
     parameters, copied back to them. ``(before, after)`` are the float32 masters (``before``:
     the initial parameters rounded to bf16)."""
-
-    def build() -> torch.nn.Module:
-        model = reference_model()
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16).float()
-        return model
-
     norms: list[float] = []
-    before, after = bf16_policy_training(build, make_data(), 3, clip=CLIP, norms=norms)
+    before, after = bf16_policy_training(_bf16_start, make_data(), 3, clip=CLIP, norms=norms)
     return before, after, norms
 
 
@@ -513,22 +529,41 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     out["zero2_bf16_clipped_steps"] = recorder.steps
     out["zero2_clipped_seconds"] = time.perf_counter() - started
 
-    # LightningModule hooks: a backward override, configure_gradient_clipping, an LR scheduler
+    # ZeRO stage 1 (through the DeepSpeed config) with CP=2, in float32 and bf16-mixed (its
+    # float32 masters), the DP ranks planned different micro-batch counts and padded
     started = time.perf_counter()
-    scaled = ScaledBackwardLM()
-    _, recorder = _hook_fit(scaled)
-    out["scaled"] = {
-        "params": _params(scaled),
-        "calls": scaled.calls_per_step,
-        "steps": recorder.steps,
-    }
-    clipping = ValueClippingLM()
-    _, recorder = _hook_fit(clipping)
-    out["value_clipped"] = {
-        "params": _params(clipping),
-        "calls": clipping.clip_calls,
-        "steps": recorder.steps,
-    }
+    for precision, name in (("32-true", "zero1"), ("bf16-mixed", "zero1_bf16")):
+        model, trainer, recorder = _fit(
+            SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET, config=ZERO1_CONFIG),
+            3,
+            precision=precision,
+        )
+        out[name] = {
+            "params": _params(model) if precision == "32-true" else _masters(model),
+            "steps": recorder.steps,
+            "stage": trainer.strategy.config["zero_optimization"]["stage"],
+            "optimizer": type(trainer.strategy.optimizers[0]).__name__,
+        }
+    out["zero1_seconds"] = time.perf_counter() - started
+
+    # LightningModule hooks: a backward override, configure_gradient_clipping, an LR scheduler
+    # (the backward override and the clipping in float32 and in bf16-mixed)
+    started = time.perf_counter()
+    for precision, suffix in (("32-true", ""), ("bf16-mixed", "_bf16")):
+        scaled = ScaledBackwardLM()
+        _, recorder = _hook_fit(scaled, precision=precision)
+        out[f"scaled{suffix}"] = {
+            "params": _params(scaled),
+            "calls": scaled.calls_per_step,
+            "steps": recorder.steps,
+        }
+        clipping = ValueClippingLM()
+        _, recorder = _hook_fit(clipping, precision=precision)
+        out[f"value_clipped{suffix}"] = {
+            "params": _params(clipping),
+            "calls": clipping.clip_calls,
+            "steps": recorder.steps,
+        }
     for strategy in ("ddp", "zero2"):  # the CLI's warm-up, on the strategies its recipes use
         warm = WarmupLM()
         trainer, recorder = _hook_fit(warm, strategy)
@@ -733,6 +768,48 @@ def test_zero2_dp2_cp2_bf16_mixed_with_gradient_clipping_as_close_to_float32_as_
         assert any(s["max"] != s["min"] for s in out["zero2_bf16_clipped_steps"])
 
 
+@pytest.mark.multiprocess
+def test_zero1_dp2_cp2_equals_single_process(four_ranks: list[dict[str, Any]]) -> None:
+    """ZeRO stage 1 (``config={"zero_optimization": {"stage": 1}}``) at DP=2 x CP=2: the
+    parameters equal plain HF training to PARAM_ATOL (measured 6.0e-8), the DP ranks planned
+    different micro-batch counts in step 1 (3 and 2) and both ran 3, padded as under stage 2."""
+    ref, _ = reference_training(3)
+    for out in four_ranks:
+        cell = out["zero1"]
+        assert cell["stage"] == 1 and cell["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert max_diff(cell["params"], ref) < PARAM_ATOL
+        assert any(s["max"] != s["min"] for s in cell["steps"])
+        assert all(s["run"] == s["max"] for s in cell["steps"])
+    planned = [[s["planned"] for s in out["zero1"]["steps"]] for out in four_ranks]
+    assert planned[0] != planned[2]  # DP rank 0 (processes 0, 1) and DP rank 1 (2, 3)
+
+
+@pytest.mark.multiprocess
+def test_zero1_dp2_cp2_bf16_mixed_as_close_to_float32_as_single_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    """ZeRO stage 1 at DP=2 x CP=2 in ``"bf16-mixed"``: its float32 masters by docs/precision.md's
+    rule against what DeepSpeed's bf16 does on one process (bf16 parameters, forward and
+    backward, SGD on a float32 master copy made from the bf16 parameters, copied back), with the
+    float32 update as the target. Measured d(cell) 7.0e-3, d(ref) 6.8e-3, bound 1.5e-2; the
+    update 5% too large lies 5.1e-2 away."""
+    fp32, _ = reference_training(3)
+    delta_fp32 = update(float32_arrays(reference_model().state_dict()), fp32)
+    ref_before, ref_after = zero2_reference()
+    ref_distance = relative_distance(update(ref_before, ref_after), delta_fp32)
+    assert ref_distance > FLOOR
+    bound = RATIO * ref_distance + FLOOR
+    for out in four_ranks:
+        cell = out["zero1_bf16"]
+        assert cell["stage"] == 1 and cell["optimizer"] == "DeepSpeedZeroOptimizer"
+        delta = update(ref_before, cell["params"])
+        distance = relative_distance(delta, delta_fp32)
+        assert distance <= bound, (distance, ref_distance, bound)
+        assert relative_distance(1.05 * delta, delta_fp32) > bound
+        assert any(s["max"] != s["min"] for s in cell["steps"])
+        assert all(s["run"] == s["max"] for s in cell["steps"])
+
+
 def _check_hook_plans(runs: list[dict[str, Any]], case: str) -> None:
     """Every step of ``case`` planned 2 micro-batches for one DP rank and 1 for the other, and
     each rank ran its planned count (ZeRO-2, whose runs are named ``*_zero2``: the largest)."""
@@ -785,6 +862,63 @@ def test_configure_gradient_clipping_clips_the_whole_gradient_once_per_step(
         cell = out["value_clipped"]
         assert cell["calls"] == HOOK_STEPS
         assert max_diff(cell["params"], ref) < PARAM_ATOL
+
+
+def check_hook_bf16(runs: list[dict[str, Any]], case: str, **hooks: Any) -> list[float]:
+    """Every rank's bf16-mixed run ``case`` of a LightningModule hook against
+    :func:`~helpers.hooked_reference_training` with ``hooks``, by docs/precision.md's rule: the
+    distance of its update to the float32 hooked update at most RATIO x that of the same hooked
+    training under bf16 autocast on one process plus FLOOR, and the update scaled by 1.05 (and
+    1.10) outside that bound. Returns ``[d(run) of each rank..., d(ref), bound]``."""
+    before = float32_arrays(reference_model().state_dict())  # PlainLM's initial weights
+    fp32, _ = _hook_reference(**hooks)
+    autocast, _ = _hook_reference(autocast=True, **hooks)
+    delta_fp32 = update(before, fp32)
+    ref_distance = relative_distance(update(before, autocast), delta_fp32)
+    assert ref_distance > FLOOR  # the reference's bf16 rounding shows: the bound is not vacuous
+    bound = RATIO * ref_distance + FLOOR
+    distances = []
+    for out in runs:
+        delta = update(before, out[case]["params"])
+        distances.append(relative_distance(delta, delta_fp32))
+        assert distances[-1] <= bound, (distances[-1], ref_distance, bound)
+        for scale in (1.05, 1.10):
+            assert relative_distance(scale * delta, delta_fp32) > bound, scale
+    return [*distances, ref_distance, bound]
+
+
+@pytest.mark.multiprocess
+def test_backward_override_bf16_mixed_as_close_to_float32_as_single_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    """The backward override of :func:`test_backward_override_runs_once_per_micro_batch` under
+    ``"bf16-mixed"`` (the forward under autocast): still once per micro-batch, on the autocast
+    loss, and the update by docs/precision.md's rule against plain HF training of the scaled
+    loss under bf16 autocast. Measured d(cell) 4.3e-3, d(ref) 5.0e-3, bound 1.1e-2; the update
+    5% too large lies 5.0e-2 away, 10% too large 1.0e-1."""
+    _check_hook_plans(four_ranks, "scaled_bf16")
+    for out in four_ranks:
+        cell = out["scaled_bf16"]
+        assert cell["calls"] == [s["run"] for s in cell["steps"]]
+    check_hook_bf16(four_ranks, "scaled_bf16", loss_scale=LOSS_SCALE)
+
+
+@pytest.mark.multiprocess
+def test_configure_gradient_clipping_bf16_mixed_as_close_to_float32_as_single_process(
+    four_ranks: list[dict[str, Any]],
+) -> None:
+    """The value clipping of :func:`test_configure_gradient_clipping_clips_the_whole_gradient_once_per_step`
+    under ``"bf16-mixed"``: once per step, on the all-reduced float32 gradient, and the update by
+    docs/precision.md's rule against plain HF training under bf16 autocast with
+    ``clip_grad_value_``. CLIP_VALUE lies inside every step's range of gradient entries in the
+    autocast reference too (largest 5.3e-2 to 1.0e-1). Measured d(cell) 7.8e-3, d(ref) 8.2e-3,
+    bound 1.7e-2; 5% too large, 5.0e-2; 10%, 1.0e-1."""
+    _, grads = _hook_reference(clip_value=CLIP_VALUE, autocast=True)
+    assert all(g.smallest < CLIP_VALUE < g.largest for g in grads), grads
+    _check_hook_plans(four_ranks, "value_clipped_bf16")
+    for out in four_ranks:
+        assert out["value_clipped_bf16"]["calls"] == HOOK_STEPS
+    check_hook_bf16(four_ranks, "value_clipped_bf16", clip_value=CLIP_VALUE)
 
 
 @pytest.mark.multiprocess

@@ -17,7 +17,10 @@ time, the summed token loss over the global batch's supervised tokens, SGD).
 The same spawn runs ``StochasticWeightAveraging`` (4 epochs of one global batch, the learning
 rate annealed by the callback's ``SWALR``, the weights of 3 epochs averaged), in ``32-true`` and
 in ``bf16-mixed`` from bf16 parameters, against the same callback on plain Lightning and Hugging
-Face on one process.
+Face on one process, and the ``32-true`` fit resumed from its checkpoint at the end of the first
+averaged epoch against the uninterrupted one. On one process, a resume from a checkpoint written
+at an epoch's last step lands as far from the uninterrupted fit under ``SkrullStrategy`` as on
+plain Lightning (Lightning skips the callback's ``on_train_epoch_start`` there).
 
 ``SkrullFSDPStrategy`` and ``SkrullZero2Strategy`` refuse the callbacks at setup (one process
 each); the pairing check is tested on its own.
@@ -91,6 +94,10 @@ SWA_MEAN_ATOL = 1e-6
 # how far the reference's average lies from its last weights and from each averaged one
 # (measured 3.2e-2, and 1.4e-2 to 2.0e-2): the tolerances above tell them apart
 SWA_IS_NOT_THE_WEIGHTS = 1e-3
+# the SWA fit resumed from the checkpoint written at the end of this epoch (0-based): the first
+# averaged one, so the checkpoint holds an average of one set of weights (n_averaged 1) and the
+# SWALR scheduler stepped once; the resumed fit runs the last two epochs
+SWA_RESUME_FROM = SWA_START - 1
 
 
 # ----------------------------------------------------------------------------- 4 ranks
@@ -221,24 +228,39 @@ class StepRecorder(L.Callback):
         self.final = float64_params(module.model)
 
 
-def _swa_fit(precision: str) -> dict[str, Any]:
+def _swa_fit(
+    precision: str, *, save_to: str | None = None, ckpt_path: str | None = None
+) -> dict[str, Any]:
     """``StochasticWeightAveraging`` under ``SkrullStrategy``; in ``bf16-mixed`` from parameters
-    loaded in bf16, as :func:`_fit`."""
+    loaded in bf16, as :func:`_fit`; ``save_to``: a checkpoint at the end of every epoch
+    (``epoch={n}.ckpt``); ``ckpt_path``: resumed from that checkpoint."""
     from lightning_skrull import SkrullDataModule, SkrullStrategy
 
     swa, recorder = stochastic_weight_averaging(), StepRecorder()
+    callbacks: list[Any] = [swa, recorder]  # the recorder's hooks run after the SWA callback's
+    if save_to is not None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=save_to,
+                filename="{epoch}",
+                every_n_epochs=1,
+                save_top_k=-1,
+                save_on_train_epoch_end=True,
+            )
+        )
     trainer = cpu_trainer(
         SkrullStrategy(cp_size=2, bucket_size=BUCKET),
         max_epochs=SWA_EPOCHS,
         precision=precision,
-        callbacks=[swa, recorder],  # the recorder's hooks run after the SWA callback's
+        callbacks=callbacks,
+        enable_checkpointing=save_to is not None,
     )
     module = PlainLM()
     if precision == "bf16-mixed":
         for p in module.model.parameters():
             p.data = p.data.to(torch.bfloat16)
     data = SkrullDataModule(train_data=SWA_DATA, global_batch_size=GLOBAL_BATCH, shuffle=False)
-    trainer.fit(module, data)
+    trainer.fit(module, data, ckpt_path=ckpt_path)
     average = swa._average_model
     assert average is not None
     return {
@@ -256,7 +278,10 @@ def _cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, Any]:
     resume = os.path.join(checkpoint_dir, f"step={RESUME_FROM}.ckpt")
     out["resumed"] = _fit("32-true", ckpt_path=resume)
     out["bf16-mixed"] = _fit("bf16-mixed")
-    out["swa"] = _swa_fit("32-true")
+    swa_dir = os.path.join(checkpoint_dir, "swa")
+    out["swa"] = _swa_fit("32-true", save_to=swa_dir)
+    resume = os.path.join(swa_dir, f"epoch={SWA_RESUME_FROM}.ckpt")
+    out["swa_resumed"] = _swa_fit("32-true", ckpt_path=resume)
     out["swa_bf16"] = _swa_fit("bf16-mixed")
     return out
 
@@ -371,7 +396,7 @@ def swa_reference(*, autocast: bool, bf16_start: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.multiprocess
 def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]]) -> None:
-    for run in ("32-true", "bf16-mixed", "swa", "swa_bf16"):
+    for run in ("32-true", "bf16-mixed", "swa", "swa_resumed", "swa_bf16"):
         steps = [out[run]["steps"] for out in ranks]
         assert any(s["max"] != s["min"] for s in steps[0])
         # DP rank 0 (processes 0, 1) and DP rank 1 (processes 2, 3) ran different counts
@@ -480,6 +505,35 @@ def test_swa_equals_single_process_swa_float32(ranks: list[dict[str, Any]]) -> N
 
 
 @pytest.mark.multiprocess
+def test_swa_resumed_from_an_epoch_end_checkpoint_equals_the_uninterrupted_run(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``StochasticWeightAveraging`` resumed from the checkpoint written at the end of epoch
+    :data:`SWA_RESUME_FROM` (``ModelCheckpoint(every_n_epochs=1, save_on_train_epoch_end=True)``;
+    the callback's state holds the average, ``n_averaged`` and the SWALR scheduler's state) runs
+    the last two epochs as the uninterrupted fit did: the same learning rates, the same weights
+    at each epoch's start, the same last weights and the same average copied in, to
+    :data:`RESUME_ATOL` (a resumed fit's cost model is refitted from its own timings, so its
+    micro-batches may sum in another order; measured 3.7e-9 for the average, 7.5e-9 for the last
+    weights). A resume that restarted the average (``n_averaged`` 0) would end at the mean of the
+    last two epochs' weights, more than :data:`SWA_IS_NOT_THE_WEIGHTS` away. A checkpoint written inside an epoch does not resume
+    SWA exactly, under Lightning's own strategies too (docs/lightning.md)."""
+    for out in ranks:
+        whole, resumed = out["swa"], out["swa_resumed"]
+        assert whole["n_averaged"] == resumed["n_averaged"] == SWA_EPOCHS - SWA_START + 1
+        later = SWA_RESUME_FROM + 1  # the resumed fit's first epoch
+        assert [s["lr"] for s in resumed["steps"]] == [s["lr"] for s in whole["steps"]][later:]
+        assert len(resumed["epoch_starts"]) == SWA_EPOCHS - later
+        for a, b in zip(whole["epoch_starts"][later:], resumed["epoch_starts"], strict=True):
+            assert max_diff(a, b) < RESUME_ATOL
+        assert max_diff(whole["live"], resumed["live"]) < RESUME_ATOL
+        assert max_diff(whole["final"], resumed["final"]) < RESUME_ATOL
+        restarted = whole["epoch_starts"][later:]
+        mean = {k: sum(w[k] for w in restarted) / len(restarted) for k in whole["final"]}
+        assert max_diff(whole["final"], mean) > SWA_IS_NOT_THE_WEIGHTS
+
+
+@pytest.mark.multiprocess
 def test_swa_bf16_mixed_from_bf16_weights(ranks: list[dict[str, Any]]) -> None:
     """``StochasticWeightAveraging`` in ``bf16-mixed`` from parameters loaded in bf16 (its copy
     cast to float32 with the master weights): the final average's update from the start is held
@@ -574,6 +628,65 @@ def test_swa_with_batch_norm_is_refused_at_setup(world_of_one: None) -> None:
     trained = trainer()
     trained.fit(PlainLM(), data())
     assert trained.global_step == 2
+
+
+def _swa_one_process(
+    skrull: bool, checkpoint_dir: str, ckpt_path: str | None = None
+) -> dict[str, np.ndarray]:
+    """The final weights of :func:`stochastic_weight_averaging` over :data:`SWA_EPOCHS` epochs of
+    :data:`SWA_DATA` on one process, a checkpoint after every step (``step={n}.ckpt``) or resumed
+    from ``ckpt_path``: under ``SkrullStrategy`` (``PlainLM``, the data module) or on plain
+    Lightning (``ReferenceLM``, a plain DataLoader, the default single-device strategy)."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    swa, recorder = stochastic_weight_averaging(), StepRecorder()
+    callbacks: list[Any] = [swa, recorder]
+    if ckpt_path is None:
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=checkpoint_dir, filename="{step}", every_n_train_steps=1, save_top_k=-1
+            )
+        )
+    kwargs: dict[str, Any] = {
+        "max_epochs": SWA_EPOCHS,
+        "callbacks": callbacks,
+        "enable_checkpointing": ckpt_path is None,
+    }
+    with one_thread():
+        if skrull:
+            trainer = cpu_trainer(SkrullStrategy(bucket_size=80, calibration="off"), **kwargs)
+            data = SkrullDataModule(
+                train_data=SWA_DATA, global_batch_size=GLOBAL_BATCH, shuffle=False
+            )
+            trainer.fit(PlainLM(), data, ckpt_path=ckpt_path)
+        else:
+            trainer = cpu_trainer("auto", **kwargs)
+            loader = DataLoader(SWA_DATA, batch_size=GLOBAL_BATCH, collate_fn=list)
+            trainer.fit(ReferenceLM(bf16_start=False), loader, ckpt_path=ckpt_path)
+    return recorder.final
+
+
+def test_swa_resumed_from_a_step_checkpoint_differs_as_on_plain_lightning(
+    world_of_one: None, tmp_path: Any
+) -> None:
+    """What docs/lightning.md says of ``StochasticWeightAveraging`` resumed from a checkpoint
+    written at an epoch's last step (``every_n_train_steps=1``; here the end of epoch 1, the
+    first averaged one): Lightning skips the callback's ``on_train_epoch_start`` of the next
+    epoch, so the resumed fit misses that epoch's average update, and its final average lies
+    away from the uninterrupted fit's (measured 7.2e-3; :data:`SWA_IS_NOT_THE_WEIGHTS` asserted)
+    on plain Lightning and under ``SkrullStrategy`` alike: the two resumed fits agree to
+    :data:`PARAM_ATOL` (measured 1.0e-8), as do the two uninterrupted ones (1.1e-8). Should a
+    Lightning release resume it exactly, the first assertion fails, and the documentation
+    changes with it."""
+    runs = {}
+    for skrull in (True, False):
+        directory = str(tmp_path / ("skrull" if skrull else "plain"))
+        whole = _swa_one_process(skrull, directory)
+        resumed = _swa_one_process(skrull, directory, os.path.join(directory, "step=2.ckpt"))
+        assert max_diff(whole, resumed) > SWA_IS_NOT_THE_WEIGHTS, skrull
+        runs[skrull] = whole, resumed
+    assert max_diff(runs[True][0], runs[False][0]) < PARAM_ATOL
+    assert max_diff(runs[True][1], runs[False][1]) < PARAM_ATOL
 
 
 def test_pairing_check_refuses_a_copy_that_no_longer_matches() -> None:
