@@ -666,24 +666,22 @@ def _swa_one_process(
     return recorder.final
 
 
-def test_swa_resumed_from_a_step_checkpoint_differs_as_on_plain_lightning(
+def test_swa_resumed_from_a_step_checkpoint_as_on_plain_lightning(
     world_of_one: None, tmp_path: Any
 ) -> None:
-    """What docs/lightning.md says of ``StochasticWeightAveraging`` resumed from a checkpoint
-    written at an epoch's last step (``every_n_train_steps=1``; here the end of epoch 1, the
-    first averaged one): Lightning skips the callback's ``on_train_epoch_start`` of the next
-    epoch, so the resumed fit misses that epoch's average update, and its final average lies
-    away from the uninterrupted fit's (measured 7.2e-3; :data:`SWA_IS_NOT_THE_WEIGHTS` asserted)
-    on plain Lightning and under ``SkrullStrategy`` alike: the two resumed fits agree to
-    :data:`PARAM_ATOL` (measured 1.0e-8), as do the two uninterrupted ones (1.1e-8). Should a
-    Lightning release resume it exactly, the first assertion fails, and the documentation
-    changes with it."""
+    """``StochasticWeightAveraging`` resumed from a checkpoint written at an epoch's last step
+    (``every_n_train_steps=1``; here the end of epoch 1, the first averaged one) does under
+    ``SkrullStrategy`` what it does on plain Lightning: the two resumed fits agree to
+    :data:`PARAM_ATOL` (measured 1.0e-8), as do the two uninterrupted ones (1.1e-8). Lightning
+    2.6.6 skips the callback's ``on_train_epoch_start`` of the next epoch, so both resumed fits
+    miss that epoch's average update and lie 7.2e-3 from the uninterrupted one
+    (docs/lightning.md); that is Lightning's behaviour, so it is measured, not asserted, and a
+    Lightning release that resumes it exactly keeps this test green."""
     runs = {}
     for skrull in (True, False):
         directory = str(tmp_path / ("skrull" if skrull else "plain"))
         whole = _swa_one_process(skrull, directory)
         resumed = _swa_one_process(skrull, directory, os.path.join(directory, "step=2.ckpt"))
-        assert max_diff(whole, resumed) > SWA_IS_NOT_THE_WEIGHTS, skrull
         runs[skrull] = whole, resumed
     assert max_diff(runs[True][0], runs[False][0]) < PARAM_ATOL
     assert max_diff(runs[True][1], runs[False][1]) < PARAM_ATOL
