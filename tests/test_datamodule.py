@@ -4,6 +4,7 @@ fit whose LightningModule holds two Hugging Face models."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule, SkrullStrategy
 from lightning_skrull.data import GlobalBatchSampler, load_sft_data
-from lightning_skrull.data.batch import RankPlanner, plan_stats
+from lightning_skrull.data.batch import CostModelSchedule, RankPlanner, plan_stats
 from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader, split_dataset
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
 
@@ -205,6 +206,33 @@ def test_persistent_workers_draw_each_epochs_order_and_resume_exactly() -> None:
     assert _epochs(resumed, range(1, 3)) == [single[1][2:], single[2]]
     # no workers, nothing to keep: a plain loader, as torch needs
     assert not loader(0, 1, persistent_workers=True).persistent_workers
+
+
+def test_persistent_workers_plan_with_the_cost_model_adopted_between_epochs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Online calibration adopts cost models during a fit. The main process plans again any batch
+    # a worker planned with an older model, so the batches are right either way; persistent
+    # workers are handed each iteration's schedule, so they plan the next epoch with the model
+    # adopted during this one and the main process plans nothing again.
+    built_here: list[tuple[int, int]] = []  # build() calls of this process: re-plans
+    build = GlobalBatchStream.build
+
+    def counted(self: GlobalBatchStream, indices: Any, epoch: int, index: int) -> SkrullBatch:
+        built_here.append((epoch, index))
+        return build(self, indices, epoch, index)
+
+    monkeypatch.setattr(GlobalBatchStream, "build", counted)  # workers count in their copies
+    dl = loader(0, 1, shuffle=True, num_workers=2, persistent_workers=True)
+    stream: GlobalBatchStream = dl.dataset  # type: ignore[assignment]
+    stream.schedule = schedule = CostModelSchedule(CostModel())
+    _epochs(dl, range(1))
+    adopted = dataclasses.replace(CostModel(), micro_batch_overhead_s=1.0)
+    schedule.adopt(adopted, 1, 0)
+    dl.sampler.set_epoch(1)
+    epoch_1 = list(dl)
+    assert [b.planned_with for b in epoch_1] == [adopted] * len(epoch_1)
+    assert built_here == []
 
 
 def test_batch_moves_as_a_whole() -> None:
