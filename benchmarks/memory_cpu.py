@@ -29,6 +29,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -172,41 +173,46 @@ def run(
     model: str = "qwen2",
     layers: int | None = None,
     malloc_mmap_threshold: int | None = None,
+    parallel: int = 1,
 ) -> list[dict[str, Any]]:
     """Every mode at every token count, each in a fresh process (``repeats`` timed steps);
     ``layers`` overrides the model's number of decoder layers. ``malloc_mmap_threshold`` (bytes)
     fixes glibc's mmap threshold in those processes (``MALLOC_MMAP_THRESHOLD_``): every larger
     block gets its own mapping, unmapped when freed, so the peak resident set follows the live
     tensors. By default glibc raises the threshold as blocks are freed and later blocks of that
-    size come from its heap, which keeps the freed ones resident."""
+    size come from its heap, which keeps the freed ones resident. ``parallel`` processes run at
+    once: each measures its own peak resident set, so the growth is the same, but the step
+    times are only comparable with 1."""
     env = dict(os.environ)
     if malloc_mmap_threshold is not None:
         env["MALLOC_MMAP_THRESHOLD_"] = str(malloc_mmap_threshold)
-    rows = []
-    for tokens in tokens_list:
-        for mode in modes:
-            out = subprocess.run(
-                [
-                    sys.executable,
-                    "-m",
-                    "benchmarks.memory_cpu",
-                    "--one",
-                    mode,
-                    str(tokens),
-                    str(repeats),
-                    "--model",
-                    model,
-                    *(["--layers", str(layers)] if layers is not None else []),
-                ],
-                cwd=ROOT,
-                env=env,
-                check=True,
-                capture_output=True,
-                text=True,
-            )
-            result = json.loads(out.stdout.strip().splitlines()[-1])
-            rows.append({"mode": mode, "tokens": tokens, **result})
-    return rows
+    cases = [(tokens, mode) for tokens in tokens_list for mode in modes]
+
+    def one(case: tuple[int, str]) -> dict[str, Any]:
+        tokens, mode = case
+        out = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "benchmarks.memory_cpu",
+                "--one",
+                mode,
+                str(tokens),
+                str(repeats),
+                "--model",
+                model,
+                *(["--layers", str(layers)] if layers is not None else []),
+            ],
+            cwd=ROOT,
+            env=env,
+            check=True,
+            capture_output=True,
+            text=True,
+        )
+        return {"mode": mode, "tokens": tokens, **json.loads(out.stdout.strip().splitlines()[-1])}
+
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        return list(pool.map(one, cases))
 
 
 def table(rows: list[dict[str, Any]]) -> str:

@@ -40,7 +40,7 @@ def test_estimate_explains_the_h200_line() -> None:
 
 
 def test_estimate_matches_cpu_steps_measured_here() -> None:
-    rows = memory_cpu.run([512, 1024], modes=("hf", "skrull_chunked"), repeats=1)
+    rows = memory_cpu.run([512, 1024], modes=("hf", "skrull_chunked"), repeats=1, parallel=2)
     config = Qwen2Config(**memory_cpu.CONFIG)
 
     def slope(mode: str) -> float:
@@ -221,7 +221,7 @@ def test_moe_estimate_matches_cpu_steps_measured_here() -> None:
     slopes = {}
     for layers in (2, 6):
         rows = memory_cpu.run([1024, 2048], modes=("hf",), repeats=1, model="qwen3_moe",
-                              layers=layers, malloc_mmap_threshold=65536)  # fmt: skip
+                              layers=layers, malloc_mmap_threshold=65536, parallel=2)  # fmt: skip
         growth = {r["tokens"]: r["growth_mib"] for r in rows}
         slopes[layers] = (growth[2048] - growth[1024]) / 1024
     shape = ModelShape.from_hf_config(memory_cpu.model_config("qwen3_moe", layers=2))
