@@ -1,7 +1,8 @@
 """Every Python snippet in README.md and docs/*.md runs, so the docs cannot rot.
 
 Each ```python block is written to a file and run as its own script in a fresh process (so
-Lightning may launch its other ranks by re-running that script, exactly as it would for a user).
+Lightning may launch its other ranks by re-running that script, exactly as it would for a user),
+two at a time.
 A block whose script ends with a non-zero exit status fails the test with its output.
 Blocks that belong together are written as one block; nothing is skipped. A block that appears
 verbatim in several places (the README's example is also the docs' front page) runs once, under
@@ -15,6 +16,7 @@ import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -58,19 +60,53 @@ def test_relative_links_resolve(path: Path) -> None:
     assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
 
 
-@pytest.mark.parametrize(("name", "code"), SNIPPETS, ids=[n for n, _ in SNIPPETS])
-def test_snippet_runs(name: str, code: str, tmp_path: Path) -> None:
-    script = tmp_path / "snippet.py"
+def _run(code: str, directory: Path, port: int) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` as the script ``snippet.py`` in ``directory``; a snippet launching several
+    ranks gets its own ``MASTER_PORT``, since two snippets run at once."""
+    script = directory / "snippet.py"
     script.write_text(code)
-    env = dict(os.environ, HF_HUB_OFFLINE="1", PYTHONUNBUFFERED="1", MPLBACKEND="Agg")
-    proc = subprocess.run(
+    env = dict(
+        os.environ,
+        HF_HUB_OFFLINE="1",
+        PYTHONUNBUFFERED="1",
+        MPLBACKEND="Agg",
+        MASTER_PORT=str(port),
+    )
+    return subprocess.run(
         [sys.executable, str(script)],
-        cwd=tmp_path,
+        cwd=directory,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+@pytest.fixture(scope="module")
+def snippet_runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> dict[str, subprocess.CompletedProcess[str]]:
+    """The processes of the selected snippets, two at a time (most of each is the start-up's
+    imports, on one core): half the wall time of running them one by one on two cores."""
+    selected = {
+        item.callspec.params["name"]
+        for item in request.session.items
+        if getattr(item, "originalname", None) == "test_snippet_runs"
+    }
+    jobs = [(name, code) for name, code in SNIPPETS if name in selected]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {
+            name: pool.submit(_run, code, tmp_path_factory.mktemp("snippet"), 29_600 + i)
+            for i, (name, code) in enumerate(jobs)
+        }
+        return {name: future.result() for name, future in futures.items()}
+
+
+@pytest.mark.parametrize(("name", "code"), SNIPPETS, ids=[n for n, _ in SNIPPETS])
+def test_snippet_runs(
+    name: str, code: str, snippet_runs: dict[str, subprocess.CompletedProcess[str]]
+) -> None:
+    proc = snippet_runs[name]
     assert proc.returncode == 0, (
         f"snippet {name} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
         f"\n--- stderr ---\n{proc.stderr[-4000:]}"
