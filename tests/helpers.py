@@ -721,6 +721,28 @@ WARMUP = 4
 ``LR * min(1, (s + 1) / WARMUP)``, the CLI's schedule."""
 
 
+LOSS_SCALE = 3.0
+"""What :class:`ScaledBackwardLM`'s ``backward`` multiplies each micro-batch's loss by."""
+
+
+class ScaledBackwardLM(PlainLM):
+    """A ``backward`` override that multiplies the loss by :data:`LOSS_SCALE`, counting its
+    calls in each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+        self.calls_per_step: list[int] = []
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.calls += 1
+        super().backward(LOSS_SCALE * loss, *args, **kwargs)
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.calls_per_step.append(self.calls)
+        self.calls = 0
+
+
 def warmup_factor(step: int) -> float:
     """:class:`WarmupLM`'s learning rate at ``step`` (from 0), over :data:`LR`."""
     return min(1.0, (step + 1) / WARMUP)

@@ -54,12 +54,14 @@ import torch
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
+    LOSS_SCALE,
     LR,
     MIN_SLOWDOWN,
     WARMUP,
     BatchRecorder,
     LayerCallCounter,
     PlainLM,
+    ScaledBackwardLM,
     WarmupLM,
     bf16_policy_training,
     cpu_trainer,
@@ -85,7 +87,6 @@ CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the u
 # gradient_clip_algorithm="value": between the smallest and the largest gradient entry of every
 # step (asserted), so the clip changes some entries and leaves others
 CLIP_VALUE = 1e-3
-LOSS_SCALE = 3.0  # what ScaledBackwardLM's backward multiplies each micro-batch's loss by
 # bf16-mixed on both shard axes: the CP group's (HSDP) and the whole world's
 BF16_SHARDS = ("cp", "world")
 # Float32: the packed, sharded run sums the same token terms in another order than the
@@ -209,24 +210,6 @@ class NamedSetsLM(PlainLM):
                 "min": batch.stats.min_micro_batches,
             }
         )
-
-
-class ScaledBackwardLM(PlainLM):
-    """A ``backward`` override that multiplies the loss by :data:`LOSS_SCALE`, counting its
-    calls in each step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.calls_per_step: list[int] = []
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        self.calls += 1
-        super().backward(LOSS_SCALE * loss, *args, **kwargs)
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.calls_per_step.append(self.calls)
-        self.calls = 0
 
 
 class PretrainedLM(PlainLM):

@@ -50,12 +50,14 @@ import torch
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
+    LOSS_SCALE,
     LR,
     PARAM_ATOL,
     TINY_QWEN2,
     WARMUP,
     BatchRecorder,
     PlainLM,
+    ScaledBackwardLM,
     StartRecorder,
     WarmupLM,
     bf16_policy_training,
@@ -101,7 +103,6 @@ RESUME_BF16_ATOL = 1e-6
 # backward in the strategy, the other only Lightning's last one.
 HOOK_STEPS, HOOK_BATCH, HOOK_SEED = 3, 4, 27
 HOOK_DATA = make_data(HOOK_STEPS * HOOK_BATCH, seed=HOOK_SEED)
-LOSS_SCALE = 3.0  # what the backward override multiplies each micro-batch's loss by
 # configure_gradient_clipping clips by this value: between the smallest and the largest gradient
 # entry of every step (asserted), so the clip changes some entries and leaves others
 CLIP_VALUE = 1e-3
@@ -174,24 +175,6 @@ class SetRecordingLM(SkrullCausalLM):
         self, outputs: Any, batch: Any, batch_idx: int, dataloader_idx: int = 0
     ) -> None:
         self._record("test", batch, dataloader_idx)
-
-
-class ScaledBackwardLM(PlainLM):
-    """A ``backward`` override that multiplies the loss by :data:`LOSS_SCALE`, counting its
-    calls in each step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls = 0
-        self.calls_per_step: list[int] = []
-
-    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
-        self.calls += 1
-        super().backward(LOSS_SCALE * loss, *args, **kwargs)
-
-    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        self.calls_per_step.append(self.calls)
-        self.calls = 0
 
 
 class ValueClippingLM(PlainLM):
