@@ -10,7 +10,9 @@ tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
 - ``SkrullFSDPStrategy`` (HSDP, parameters sharded over the CP group), float32: every rank
   generates, from its own prompt and with its own number of new tokens (3 + rank), so the ranks
   finish at different forwards and only ``synced_gpus=True`` (passed by the strategy;
-  ``synced_gpus=False`` is refused) keeps their all-gathers paired;
+  ``synced_gpus=False`` is refused) keeps their all-gathers paired; before that, a ``generate``
+  call that transformers refuses on rank 1 only (``max_new_tokens=0``) stops every rank's call
+  before its first forward;
 - ``SkrullZero2Strategy``, float32: rank 0 alone;
 - ``SkrullFSDPStrategy`` misused (:class:`MisusesGenerating`): ranks calling ``generate``
   2 and 1 times, refused on every rank at once with the same message naming each rank's point;
@@ -116,6 +118,15 @@ class SampleGenerations(L.Callback):
                     model.generate(prompt, max_new_tokens=1, synced_gpus=False)
                 except ValueError as err:
                     self.record["unsynced"] = str(err)
+                if len(self.ranks) > 1:
+                    # FSDP: rank 1's arguments are refused by transformers before its first
+                    # forward; every rank's call stops there, and the ranks generate on
+                    start = time.perf_counter()
+                    try:
+                        model.generate(prompt, max_new_tokens=0 if rank == 1 else 2, pad_token_id=0)
+                    except (ValueError, RuntimeError) as err:
+                        self.record["raised"] = f"{type(err).__name__}: {err}"
+                    self.record["raised_seconds"] = time.perf_counter() - start
                 out = model.generate(
                     prompt,
                     max_new_tokens=_new_tokens(rank),
@@ -341,6 +352,34 @@ def test_generation_mid_training_equals_plain_transformers(
     for rank in range(1, 4):
         for key, value in runs[0][name]["params"].items():
             assert np.array_equal(runs[rank][name]["params"][key], value)
+
+
+@pytest.mark.multiprocess
+def test_fsdp_generate_raising_on_one_rank_stops_every_rank_before_any_forward(
+    runs: list[dict[str, Any]],
+) -> None:
+    # rank 1 called generate(max_new_tokens=0), which transformers refuses before the first
+    # forward; ranks 0, 2 and 3 (valid arguments) stopped at their first forward with rank 1's
+    # error, instead of waiting in the parameter all-gathers for the process group's timeout
+    own = "ValueError: `max_new_tokens` must be greater than 0, but is 0."
+    for rank in range(4):
+        run = runs[rank]["fsdp"]
+        if rank == 1:
+            assert run["raised"] == own
+        else:
+            message = run["raised"]
+            assert message.startswith(
+                f"RuntimeError: SkrullFSDPStrategy.generating() on global rank {rank}: generate "
+                f"call 1 raised on rank 1 before its first forward (rank 1: {own})"
+            ), message
+            assert "Fix that call's arguments on those ranks" in message
+            assert "trains on unchanged" in message
+        # at once: the generation timeout is 300 s here, gloo's group timeout 30 min; 10 s
+        # leave room for a busy machine
+        assert run["raised_seconds"] < 10.0
+    # the ranks stayed paired: the next generate calls and the training after them are checked
+    # against plain transformers and the run without the callback in
+    # test_generation_mid_training_equals_plain_transformers
 
 
 @pytest.mark.multiprocess

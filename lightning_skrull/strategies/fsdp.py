@@ -238,41 +238,90 @@ class FSDPPrecision(Precision):
         clip_grad_norm_(parameters, float(clip_val))
 
 
-_GENERATE, _LEAVING, _LEAVING_BY_EXCEPTION = 0, 1, 2
-"""Where a rank is when the ranks meet inside :meth:`SkrullFSDPStrategy.generating`."""
+_GENERATE, _LEAVING, _LEAVING_BY_EXCEPTION, _RAISED = 0, 1, 2, 3
+"""Where a rank is when the ranks meet inside :meth:`SkrullFSDPStrategy.generating`: at the
+first collective of a ``generate`` call, leaving the block (normally or by an exception), or
+out of a ``generate`` call that raised before its first collective."""
 
 
 class _GenerateCalls:
     """One rank's ``generate`` calls inside :meth:`SkrullFSDPStrategy.generating`, checked
-    against the other ranks' before each call and at the block's exit.
+    against the other ranks' at each call's first collective and at the block's exit.
 
-    Each meeting all-gathers ``(where, calls)`` of every rank over the strategy's gloo group,
-    whose timeout is :attr:`SkrullFSDPStrategy.generation_timeout`. Ranks at different points
-    (one at its second ``generate`` call, another leaving after one) all raise the same error
-    there, before any forward of that call, and the block meets no more: the ranks stay paired,
-    so a run that catches the error on every rank trains on as if the block had not run. A
-    meeting that times out raises too; gloo then closes the group's connections, so later
-    blocks of the run raise at once.
+    Each meeting all-gathers ``(where, calls, error)`` of every rank over the strategy's gloo
+    group, whose timeout is :attr:`SkrullFSDPStrategy.generation_timeout`. A ``generate`` call
+    meets when it reaches its first collective: its first forward (which all-gathers the
+    sharded parameters), or the ``synced_gpus`` all-reduce of its decoding loop if that comes
+    first; a call that raises before then (arguments that transformers' ``generate`` refuses
+    on this rank only) meets with its error instead. So every rank raises there, before any
+    forward of that call, when one rank's call raised (that rank its own error, the others a
+    ``RuntimeError`` carrying it) or when the ranks are at different points (one at its second
+    ``generate`` call, another leaving after one); the ranks stay paired, so a run that catches
+    the error on every rank trains on as if the block had not run. After a disagreement the
+    block meets no more (a later call raises at once); after a call that raised, the ranks
+    agree on where they are and may call ``generate`` again. A meeting that times out raises
+    too; gloo then closes the group's connections, so later blocks of the run raise at once.
     """
 
-    def __init__(self, group: dist.ProcessGroup, timeout: float, rank: int) -> None:
+    def __init__(
+        self, group: dist.ProcessGroup, timeout: float, rank: int, model: nn.Module
+    ) -> None:
         self._group = group
         self._timeout = timeout
         self._rank = rank
+        self._model = model
         self.calls = 0
         """``generate`` calls the ranks agreed on so far."""
         self._failure: str | None = None
 
     def wrap(self, generate: Callable[..., Any]) -> Callable[..., Any]:
-        """``generate`` meeting the other ranks before it runs."""
+        """``generate`` meeting the other ranks at its first collective."""
 
         @functools.wraps(generate)
         def checked_generate(*args: Any, **kwargs: Any) -> Any:
             # generate(synced_gpus=False) is refused before any forward, on this rank alone
-            if kwargs.get("synced_gpus", True) is not False:
-                self._meet(_GENERATE, self.calls + 1)
-                self.calls += 1
-            return generate(*args, **kwargs)
+            if kwargs.get("synced_gpus", True) is False:
+                return generate(*args, **kwargs)
+            if self._failure is not None:
+                self._refuse_after_failure()
+            call = self.calls + 1
+            met = False
+
+            def meet_once() -> None:
+                nonlocal met
+                if not met:
+                    met = True
+                    self._meet(_GENERATE, call)
+
+            def meet_before_forward(module: nn.Module, args: Any) -> None:
+                meet_once()
+
+            model = self._model
+            hook = model.register_forward_pre_hook(meet_before_forward, prepend=True)
+            # the synced_gpus all-reduce of the decoding loop (after the first forward in
+            # transformers' greedy, sampling and beam search; before it in assisted decoding)
+            unfinished = getattr(model, "_has_unfinished_sequences", None)
+            if unfinished is not None:
+
+                def meet_before_all_reduce(*a: Any, **k: Any) -> Any:
+                    meet_once()
+                    return cast(Callable[..., Any], unfinished)(*a, **k)
+
+                vars(model)["_has_unfinished_sequences"] = meet_before_all_reduce
+            try:
+                out = generate(*args, **kwargs)
+            except Exception as err:
+                if not met:  # raised on this rank before any collective of the call
+                    met = True
+                    self._meet(_RAISED, call, f"{type(err).__name__}: {err}")
+                raise
+            finally:
+                hook.remove()
+                vars(model).pop("_has_unfinished_sequences", None)
+                self.calls = call
+            if not met:  # no collective ran: the others must not have run one either
+                self._meet(_GENERATE, call)
+            return out
 
         return checked_generate
 
@@ -281,16 +330,18 @@ class _GenerateCalls:
         if self._failure is None:
             self._meet(where, self.calls)
 
-    def _meet(self, where: int, calls: int) -> None:
+    def _refuse_after_failure(self) -> None:
+        raise RuntimeError(
+            f"SkrullFSDPStrategy.generating() on global rank {self._rank}: generate was "
+            f"called again after the block failed ({self._failure}); leave the block."
+        )
+
+    def _meet(self, where: int, calls: int, error: str = "") -> None:
         if self._failure is not None:
-            raise RuntimeError(
-                f"SkrullFSDPStrategy.generating() on global rank {self._rank}: generate was "
-                f"called again after the block failed ({self._failure}); leave the block."
-            )
-        mine = torch.tensor([where, calls], dtype=torch.int64)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size(self._group))]
+            self._refuse_after_failure()
+        every: list[Any] = [None] * dist.get_world_size(self._group)
         try:
-            dist.all_gather(every, mine, group=self._group)
+            dist.all_gather_object(every, (where, calls, error), group=self._group)
         except RuntimeError as err:
             self._failure = "a rank did not come"
             raise RuntimeError(
@@ -303,12 +354,28 @@ class _GenerateCalls:
                 "group's connections, so this run cannot generate again: stop it, and raise "
                 "SkrullFSDPStrategy.generation_timeout if a rank is merely slow."
             ) from err
-        points = [(int(w), int(c)) for w, c in (t.tolist() for t in every)]
-        if len({(w == _GENERATE, c) for w, c in points}) == 1:
+        points = [(int(w), int(c), str(e)) for w, c, e in every]
+        raised = [(rank, e) for rank, (w, _, e) in enumerate(points) if w == _RAISED]
+        inside = {(w in (_GENERATE, _RAISED), c) for w, c, _ in points}
+        if len(inside) == 1 and raised:
+            if where == _RAISED:
+                return  # this rank raises its own error
+            errors = "; ".join(f"rank {rank}: {e}" for rank, e in raised)
+            raise RuntimeError(
+                f"SkrullFSDPStrategy.generating() on global rank {self._rank}: generate call "
+                f"{calls} raised on rank{'s' * (len(raised) > 1)} "
+                f"{', '.join(str(r) for r, _ in raised)} before its first forward ({errors}). "
+                "This rank's call stops too, before any forward of it: each forward of "
+                "generate all-gathers the sharded parameters from every rank, and the ranks "
+                "that raised would not join. Fix that call's arguments on those ranks. The "
+                "ranks stay paired: a run that catches this on every rank trains on "
+                "unchanged, and may call generate again inside the block."
+            )
+        if len(inside) == 1:
             return
         self._failure = "the ranks called generate different numbers of times"
         ranks: dict[str, list[str]] = {}
-        for rank, (w, c) in enumerate(points):
+        for rank, (w, c, _) in enumerate(points):
             ranks.setdefault(_point(w, c), []).append(str(rank))
         where_ranks = "; ".join(
             f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {p}" for p, r in ranks.items()
@@ -329,6 +396,8 @@ def _point(where: int, calls: int) -> str:
     """Where a rank is inside :meth:`SkrullFSDPStrategy.generating`, in words."""
     if where == _GENERATE:
         return f"generate call {calls}"
+    if where == _RAISED:
+        return f"generate call {calls}, raised before its first forward"
     how = " by an exception" if where == _LEAVING_BY_EXCEPTION else ""
     return f"leaving the block{how} after {calls} generate call{'s' * (calls != 1)}"
 
@@ -651,17 +720,21 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         Each forward of ``generate`` all-gathers the sharded parameters, so a rank that
         generates alone (``if trainer.is_global_zero: ...``) or once more than the others would
         wait for them forever. On entry the ranks meet on a gloo group
-        (``torch.distributed.monitored_barrier``); inside the block each ``generate`` call and
-        the exit first exchange where they are (``generate`` call *k*, or leaving after *k*
-        calls) over the same group: one all-gather of two integers per rank. A rank that is
-        not there within :attr:`generation_timeout` seconds, or ranks at different points,
-        make every rank raise before any forward of that call.
+        (``torch.distributed.monitored_barrier``); inside the block each ``generate`` call, at
+        its first forward, and the exit first exchange where they are (``generate`` call *k*,
+        leaving after *k* calls, or call *k* raised before its first forward, with the error)
+        over the same group: one ``all_gather_object`` per meeting. A rank that is not there
+        within :attr:`generation_timeout` seconds, ranks at different points, or a call that
+        raised on some ranks (arguments ``generate`` refuses there) make every rank raise
+        before any forward of that call.
 
         Raises:
             RuntimeError: as :meth:`SkrullStrategy.generating`; a rank did not enter the block,
                 or reach a ``generate`` call or the exit, within :attr:`generation_timeout`
-                seconds; or the ranks called ``generate`` different numbers of times (the
-                message names each rank's point and the fix).
+                seconds; the ranks called ``generate`` different numbers of times (the
+                message names each rank's point and the fix); or another rank's ``generate``
+                call raised before its first forward (the message carries its error; that
+                rank raises its own).
         """
         self._meet_to_generate()
         with super().generating() as model:
@@ -669,7 +742,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             if group is None:
                 yield model
                 return
-            calls = _GenerateCalls(group, self._meeting_timeout, self.global_rank)
+            calls = _GenerateCalls(group, self._meeting_timeout, self.global_rank, model)
             # wraps plain_attention's generate (synced_gpus=True), which it takes off on exit
             vars(model)["generate"] = calls.wrap(cast(Any, model).generate)
             leaving = _LEAVING_BY_EXCEPTION
