@@ -497,7 +497,12 @@ def _second_trainers(module: PlainLM) -> dict[str, Any]:
     sharded it (a notebook's ``trainer.fit(m)``, then ``L.Trainer(...).validate(m)``): each
     call's result or error, and how far the module's parameters moved meanwhile. The bf16-true
     Trainer's precision casts the module in its set-up, the step a refusal must come before."""
-    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy, SkrullStrategy
+    from lightning_skrull import (
+        SkrullDataModule,
+        SkrullFSDPStrategy,
+        SkrullStrategy,
+        SkrullZero2Strategy,
+    )
 
     before = _full_params(module.model)
     data = SkrullDataModule(
@@ -520,6 +525,11 @@ def _second_trainers(module: PlainLM) -> dict[str, Any]:
         "validate, SkrullStrategy": lambda: cpu_trainer(
             SkrullStrategy(cp_size=2, bucket_size=BUCKET)
         ).validate(module, data),
+        "fit, SkrullZero2Strategy bf16-mixed": lambda: cpu_trainer(
+            SkrullZero2Strategy(cp_size=2, bucket_size=BUCKET),
+            precision="bf16-mixed",
+            max_steps=1,
+        ).fit(module, data),
     }
     out: dict[str, Any] = {}
     for name, call in calls.items():
@@ -908,7 +918,8 @@ def test_second_trainer_refuses_the_sharded_module_before_touching_it(
     runs: list[dict[str, Any]],
 ) -> None:
     """After a Trainer's ``SkrullFSDPStrategy`` sharded a module, a new Trainer's ``validate``,
-    ``test`` or ``fit`` of it (FSDP2 on either axis and in bf16-true, or DDP) is refused at
+    ``test`` or ``fit`` of it (FSDP2 on either axis and in bf16-true, DDP, or ZeRO-2 in
+    bf16-mixed) is refused at
     set-up with a ValueError that names the sharded model and the fix, before the new Trainer's
     precision casts anything: the parameters stay the first Trainer's float32 shards, exactly,
     and that Trainer's later validation gives the single-process losses
@@ -925,11 +936,15 @@ def test_second_trainer_refuses_the_sharded_module_before_touching_it(
         assert cell["validate, SkrullStrategy"].startswith(
             "ValueError: SkrullStrategy: the LightningModule's 'model' (Qwen2ForCausalLM)"
         )
+        assert cell["fit, SkrullZero2Strategy bf16-mixed"].startswith(
+            "ValueError: SkrullZero2Strategy: the LightningModule's 'model' (Qwen2ForCausalLM)"
+        ), cell["fit, SkrullZero2Strategy bf16-mixed"]
         for name in (
             "validate, bf16-true",
             "test, shard='world'",
             "fit",
             "validate, SkrullStrategy",
+            "fit, SkrullZero2Strategy bf16-mixed",
         ):
             # the fix: the Trainer that sharded it, or its saved weights in a new module
             assert "trainer.validate(module, datamodule=...)" in cell[name]
