@@ -349,9 +349,11 @@ def tokenize_chat(
             raise ValueError(
                 f"{where}: the chat template's generation prompt (messages 0..{turn - 1} rendered "
                 f"with add_generation_prompt=True) does not begin assistant turn {turn} as the "
-                f"template renders it ({_divergence(before, through)}), as with templates whose "
-                "generation prompt opens a reasoning block that they strip from finished turns "
-                "(DeepSeek-R1's '<think>\\n'), so the turn's tokens cannot be located. Fixes: "
+                f"template renders it ({_divergence(before, through)}): for example, the "
+                "generation prompt opens a reasoning block that finished turns drop "
+                "(DeepSeek-R1's '<think>\\n'), or the template writes other whitespace before a "
+                "finished reply than after the prompt; so the turn's tokens cannot be located. "
+                "Fixes: "
                 f"{_LAST_FIX if last_helps else ''}{'or ' if last_helps else ''}{_TEMPLATE_FIXES}"
             )
         end = len(through)
