@@ -404,7 +404,16 @@ def swa_reference(*, autocast: bool, bf16_start: bool) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- tests
 @pytest.mark.multiprocess
 def test_micro_batch_counts_differ_between_dp_ranks(ranks: list[dict[str, Any]]) -> None:
-    for run in ("32-true", "bf16-mixed", "swa", "swa_resumed", "swa_bf16"):
+    for run in (
+        "32-true",
+        "resumed",
+        "bf16-mixed",
+        "bf16-mixed resumed",
+        "swa",
+        "swa_resumed",
+        "swa_bf16",
+        "swa_bf16_resumed",
+    ):
         steps = [out[run]["steps"] for out in ranks]
         assert any(s["max"] != s["min"] for s in steps[0])
         # DP rank 0 (processes 0, 1) and DP rank 1 (processes 2, 3) ran different counts
