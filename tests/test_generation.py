@@ -101,9 +101,13 @@ class SampleGenerations(L.Callback):
     def on_train_batch_end(
         self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
+        rank = trainer.global_rank
+        if batch_idx == 1 and len(self.ranks) > 1:
+            # FSDP, after the last step: ranks 0 and 1 call the model directly twice, ranks 2
+            # and 3 once; refused on every rank, and the parameters stay as trained
+            self.record["uneven_forwards"] = _forward_in_block(trainer, 2 if rank < 2 else 1)
         if batch_idx != 0:
             return
-        rank = trainer.global_rank
         self.record["params"] = _full_params(module.model)  # every rank: a collective for FSDP
         if rank in self.ranks:
             prompt = torch.tensor([PROMPTS[rank % 2]])
@@ -119,7 +123,9 @@ class SampleGenerations(L.Callback):
                 except ValueError as err:
                     self.record["unsynced"] = str(err)
                 if len(self.ranks) > 1:
-                    # FSDP: rank 1's arguments are refused by transformers before its first
+                    # FSDP: a forward called on the model directly (every rank, once)
+                    self.record["forward_logits"] = model(prompt).logits.float().numpy()
+                    # rank 1's arguments are refused by transformers before its first
                     # forward; every rank's call stops there, and the ranks generate on
                     start = time.perf_counter()
                     try:
@@ -143,6 +149,22 @@ class SampleGenerations(L.Callback):
             "training": module.model.training,
             "chunked": uses_chunked_loss(module.model),
         }
+
+
+def _forward_in_block(trainer: Any, forwards: int) -> dict[str, Any]:
+    """Enter ``generating()`` and call the model directly ``forwards`` times; what came of it:
+    the forwards that returned, the error and the seconds it took."""
+    out: dict[str, Any] = {"returned": 0}
+    start = time.perf_counter()
+    try:
+        with trainer.strategy.generating() as model:
+            for _ in range(forwards):
+                model(torch.tensor([PROMPTS[0]]))
+                out["returned"] += 1
+    except RuntimeError as err:
+        out["error"] = str(err)
+    out["seconds"] = time.perf_counter() - start
+    return out
 
 
 def _generate_in_block(
@@ -383,6 +405,38 @@ def test_fsdp_generate_raising_on_one_rank_stops_every_rank_before_any_forward(
 
 
 @pytest.mark.multiprocess
+def test_fsdp_forwards_called_directly_are_met_and_counted(runs: list[dict[str, Any]]) -> None:
+    # a forward called on the model inside the block (every rank) equals plain transformers'
+    # forward on the parameters the callback saw
+    for rank in range(4):
+        run = runs[rank]["fsdp"]
+        model = reference_model()
+        model.load_state_dict({k: torch.from_numpy(v).float() for k, v in run["params"].items()})
+        model.eval()
+        with torch.no_grad():
+            expected = model(torch.tensor([PROMPTS[rank % 2]])).logits.float().numpy()
+        np.testing.assert_allclose(run["forward_logits"], expected, rtol=0, atol=LOGITS_ATOL)
+    # after step 2, ranks 0 and 1 called the model twice, ranks 2 and 3 once: the second
+    # forward of ranks 0 and 1 met the exit of ranks 2 and 3, and every rank got the same error
+    # at once (the timeout is 300 s; 10 s leave room for a busy machine), before any all-gather
+    where = (
+        "(ranks 0, 1: forward 2, called directly; "
+        "ranks 2, 3: leaving the block after 0 generate calls and 1 direct forward)"
+    )
+    for rank in range(4):
+        run = runs[rank]["fsdp"]["uneven_forwards"]
+        message = run["error"]
+        assert "the ranks called generate or the model different numbers of times " + where in (
+            message
+        ), message
+        assert f"on global rank {rank}:" in message
+        assert run["returned"] == 1
+        assert run["seconds"] < 10.0
+    # the parameters after it equal the run without the callback bit for bit:
+    # test_generation_mid_training_equals_plain_transformers
+
+
+@pytest.mark.multiprocess
 def test_generation_under_bf16_mixed_runs_in_the_validation_autocast(
     runs: list[dict[str, Any]],
 ) -> None:
@@ -421,9 +475,11 @@ def test_fsdp_uneven_generate_calls_are_refused_on_every_rank(
     for rank in range(4):
         run = runs[rank]["fsdp_uneven"]["uneven"]
         message = run["error"]
-        assert "the ranks called generate different numbers of times " + where in message
+        assert "the ranks called generate or the model different numbers of times " + where in (
+            message
+        )
         assert f"on global rank {rank}:" in message
-        assert "Call generate the same number of times on every rank" in message
+        assert "Call generate, and the model itself, the same number of times" in message
         assert "trains on unchanged" in message
         assert run["returned"] == 1  # the first call ran on every rank
         # ranks 0 and 1 were refused at their second call, ranks 2 and 3 on leaving
@@ -431,7 +487,7 @@ def test_fsdp_uneven_generate_calls_are_refused_on_every_rank(
         # refused at once, not after the 2 s timeout (the message says which, too)
         assert "not every rank" not in message
         if rank < 2:  # a block that failed refuses further calls on its own
-            assert "generate was called again after the block failed" in run["again"]
+            assert "the model was called again after the block failed" in run["again"]
     _assert_trained_on(runs, "uneven")
 
 

@@ -690,10 +690,10 @@ class SkrullStrategyMixin(ParallelStrategy):
         :func:`~lightning_skrull.models.plain_attention` changed are back, so the next step
         trains as if the block had not run. The yielded model is the inner model (not the DDP
         or DeepSpeed wrapper). Under DDP and ZeRO-2 any subset of ranks may generate (rank 0
-        alone, say); under FSDP every rank must enter the block and call ``generate`` the same
-        number of times (``synced_gpus=True`` is passed for you, so the numbers of new tokens
-        and the prompts may differ between ranks; a rank entering alone and ranks calling
-        ``generate`` different numbers of times are refused, see
+        alone, say); under FSDP every rank must enter the block and call ``generate`` (and the
+        model itself) the same number of times (``synced_gpus=True`` is passed for you, so the
+        numbers of new tokens and the prompts may differ between ranks; a rank entering alone
+        and ranks calling the model different numbers of times are refused, see
         :meth:`SkrullFSDPStrategy.generating`).
 
         Raises:

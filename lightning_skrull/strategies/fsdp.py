@@ -238,29 +238,33 @@ class FSDPPrecision(Precision):
         clip_grad_norm_(parameters, float(clip_val))
 
 
-_GENERATE, _LEAVING, _LEAVING_BY_EXCEPTION, _RAISED = 0, 1, 2, 3
+_GENERATE, _FORWARD, _RAISED, _LEAVING, _LEAVING_BY_EXCEPTION = 0, 1, 2, 3, 4
 """Where a rank is when the ranks meet inside :meth:`SkrullFSDPStrategy.generating`: at the
-first collective of a ``generate`` call, leaving the block (normally or by an exception), or
-out of a ``generate`` call that raised before its first collective."""
+first collective of a ``generate`` call, at a forward called on the model directly, out of a
+``generate`` call that raised before its first collective, or leaving the block (normally or by
+an exception)."""
 
 
-class _GenerateCalls:
-    """One rank's ``generate`` calls inside :meth:`SkrullFSDPStrategy.generating`, checked
-    against the other ranks' at each call's first collective and at the block's exit.
+class _ModelCalls:
+    """One rank's calls of the model inside :meth:`SkrullFSDPStrategy.generating` (``generate``
+    and forwards called directly), checked against the other ranks' before each call's first
+    collective and at the block's exit.
 
-    Each meeting all-gathers ``(where, calls, error)`` of every rank over the strategy's gloo
-    group, whose timeout is :attr:`SkrullFSDPStrategy.generation_timeout`. A ``generate`` call
-    meets when it reaches its first collective: its first forward (which all-gathers the
-    sharded parameters), or the ``synced_gpus`` all-reduce of its decoding loop if that comes
-    first; a call that raises before then (arguments that transformers' ``generate`` refuses
-    on this rank only) meets with its error instead. So every rank raises there, before any
-    forward of that call, when one rank's call raised (that rank its own error, the others a
-    ``RuntimeError`` carrying it) or when the ranks are at different points (one at its second
-    ``generate`` call, another leaving after one); the ranks stay paired, so a run that catches
-    the error on every rank trains on as if the block had not run. After a disagreement the
-    block meets no more (a later call raises at once); after a call that raised, the ranks
-    agree on where they are and may call ``generate`` again. A meeting that times out raises
-    too; gloo then closes the group's connections, so later blocks of the run raise at once.
+    Each meeting all-gathers ``(where, generate calls, forwards, error)`` of every rank over the
+    strategy's gloo group, whose timeout is :attr:`SkrullFSDPStrategy.generation_timeout`. A
+    ``generate`` call meets when it reaches its first collective: its first forward (which
+    all-gathers the sharded parameters), or the ``synced_gpus`` all-reduce of its decoding loop
+    if that comes first; a call that raises before then (arguments that transformers'
+    ``generate`` refuses on this rank only) meets with its error instead. A forward called on
+    the model directly (a perplexity on the prompts, say) meets before it runs. Every rank
+    raises at a meeting, before any forward of that call, when one rank's ``generate`` raised
+    (that rank its own error, the others a ``RuntimeError`` carrying it) or when the ranks are at
+    different points (one at its second ``generate`` call, another leaving after one); the ranks
+    stay paired, so a run that catches the error on every rank trains on as if the block had not
+    run. After a disagreement the block meets no more (a later call raises at once); after a
+    ``generate`` that raised, the ranks agree on where they are and may call the model again. A
+    meeting that times out raises too; gloo then closes the group's connections, so later
+    blocks of the run raise at once.
     """
 
     def __init__(
@@ -272,7 +276,24 @@ class _GenerateCalls:
         self._model = model
         self.calls = 0
         """``generate`` calls the ranks agreed on so far."""
+        self.forwards = 0
+        """Forwards called directly that the ranks agreed on so far."""
         self._failure: str | None = None
+        self._generate_call: int | None = None
+        """The ``generate`` call running, until it met the others."""
+        self._generating = False
+        """Inside a ``generate`` call (its later forwards do not meet)."""
+
+    def before_forward(self, module: nn.Module, args: Any) -> None:
+        """Forward pre-hook of the model for the whole block (before FSDP2's own, which
+        all-gathers): the first forward of a ``generate`` call, or a direct forward, meets."""
+        call = self._generate_call
+        if call is not None:
+            self._generate_call = None
+            self._meet(_GENERATE, call, self.forwards)
+        elif not self._generating:
+            self._meet(_FORWARD, self.calls, self.forwards + 1)
+            self.forwards += 1
 
     def wrap(self, generate: Callable[..., Any]) -> Callable[..., Any]:
         """``generate`` meeting the other ranks at its first collective."""
@@ -285,42 +306,34 @@ class _GenerateCalls:
             if self._failure is not None:
                 self._refuse_after_failure()
             call = self.calls + 1
-            met = False
-
-            def meet_once() -> None:
-                nonlocal met
-                if not met:
-                    met = True
-                    self._meet(_GENERATE, call)
-
-            def meet_before_forward(module: nn.Module, args: Any) -> None:
-                meet_once()
-
+            self._generate_call, self._generating = call, True
             model = self._model
-            hook = model.register_forward_pre_hook(meet_before_forward, prepend=True)
             # the synced_gpus all-reduce of the decoding loop (after the first forward in
             # transformers' greedy, sampling and beam search; before it in assisted decoding)
             unfinished = getattr(model, "_has_unfinished_sequences", None)
             if unfinished is not None:
 
                 def meet_before_all_reduce(*a: Any, **k: Any) -> Any:
-                    meet_once()
+                    if self._generate_call is not None:
+                        self._generate_call = None
+                        self._meet(_GENERATE, call, self.forwards)
                     return cast(Callable[..., Any], unfinished)(*a, **k)
 
                 vars(model)["_has_unfinished_sequences"] = meet_before_all_reduce
             try:
                 out = generate(*args, **kwargs)
             except Exception as err:
-                if not met:  # raised on this rank before any collective of the call
-                    met = True
-                    self._meet(_RAISED, call, f"{type(err).__name__}: {err}")
+                if self._generate_call is not None:  # raised before any collective of the call
+                    self._generate_call = None
+                    self._meet(_RAISED, call, self.forwards, f"{type(err).__name__}: {err}")
                 raise
             finally:
-                hook.remove()
+                self._generating = False
                 vars(model).pop("_has_unfinished_sequences", None)
                 self.calls = call
-            if not met:  # no collective ran: the others must not have run one either
-                self._meet(_GENERATE, call)
+            if self._generate_call is not None:  # no collective ran: nor may the others'
+                self._generate_call = None
+                self._meet(_GENERATE, call, self.forwards)
             return out
 
         return checked_generate
@@ -328,36 +341,36 @@ class _GenerateCalls:
     def leave(self, where: int) -> None:
         """Meet the other ranks at the block's exit, unless a meeting of the block failed."""
         if self._failure is None:
-            self._meet(where, self.calls)
+            self._meet(where, self.calls, self.forwards)
 
     def _refuse_after_failure(self) -> None:
         raise RuntimeError(
-            f"SkrullFSDPStrategy.generating() on global rank {self._rank}: generate was "
+            f"SkrullFSDPStrategy.generating() on global rank {self._rank}: the model was "
             f"called again after the block failed ({self._failure}); leave the block."
         )
 
-    def _meet(self, where: int, calls: int, error: str = "") -> None:
+    def _meet(self, where: int, calls: int, forwards: int, error: str = "") -> None:
         if self._failure is not None:
             self._refuse_after_failure()
         every: list[Any] = [None] * dist.get_world_size(self._group)
         try:
-            dist.all_gather_object(every, (where, calls, error), group=self._group)
+            dist.all_gather_object(every, (where, calls, forwards, error), group=self._group)
         except RuntimeError as err:
             self._failure = "a rank did not come"
             raise RuntimeError(
                 f"SkrullFSDPStrategy.generating() on global rank {self._rank} "
-                f"({_point(where, calls)}): not every rank came within {self._timeout:g} s "
-                f"({err}). Each "
-                "forward of generate all-gathers the sharded parameters from every rank, so "
-                "the ranks must reach each generate call and the end of the block together; a "
-                "rank is stuck or slow inside the block, or has died. A timeout closes the gloo "
+                f"({_point(where, calls, forwards)}): not every rank came within "
+                f"{self._timeout:g} s ({err}). Each forward of the model all-gathers the "
+                "sharded parameters from every rank, so the ranks must reach each generate "
+                "call, each forward called directly and the end of the block together; a rank "
+                "is stuck or slow inside the block, or has died. A timeout closes the gloo "
                 "group's connections, so this run cannot generate again: stop it, and raise "
                 "SkrullFSDPStrategy.generation_timeout if a rank is merely slow."
             ) from err
-        points = [(int(w), int(c), str(e)) for w, c, e in every]
-        raised = [(rank, e) for rank, (w, _, e) in enumerate(points) if w == _RAISED]
-        inside = {(w in (_GENERATE, _RAISED), c) for w, c, _ in points}
-        if len(inside) == 1 and raised:
+        points = [(int(w), int(c), int(f), str(e)) for w, c, f, e in every]
+        raised = [(rank, e) for rank, (w, _, _, e) in enumerate(points) if w == _RAISED]
+        keys = {(_kind(w), c, f) for w, c, f, _ in points}
+        if len(keys) == 1 and raised:
             if where == _RAISED:
                 return  # this rank raises its own error
             errors = "; ".join(f"rank {rank}: {e}" for rank, e in raised)
@@ -371,35 +384,50 @@ class _GenerateCalls:
                 "ranks stay paired: a run that catches this on every rank trains on "
                 "unchanged, and may call generate again inside the block."
             )
-        if len(inside) == 1:
+        if len(keys) == 1:
             return
-        self._failure = "the ranks called generate different numbers of times"
+        self._failure = "the ranks called the model different numbers of times"
         ranks: dict[str, list[str]] = {}
-        for rank, (w, c, _) in enumerate(points):
-            ranks.setdefault(_point(w, c), []).append(str(rank))
+        for rank, (w, c, f, _) in enumerate(points):
+            ranks.setdefault(_point(w, c, f), []).append(str(rank))
         where_ranks = "; ".join(
             f"rank{'s' * (len(r) > 1)} {', '.join(r)}: {p}" for p, r in ranks.items()
         )
         raise RuntimeError(
             f"SkrullFSDPStrategy.generating() on global rank {self._rank}: the ranks called "
-            f"generate different numbers of times ({where_ranks}). Each forward of generate "
-            "all-gathers the sharded parameters from every rank, so a rank calling generate "
-            "more often than the others would wait for them forever. Call generate the same "
-            "number of times on every rank inside the block (the prompts and max_new_tokens "
-            "may differ: give every rank the same number of prompt batches). Every rank "
-            "raises this before any forward of the call, so a run that catches it on every "
-            "rank trains on unchanged."
+            f"generate or the model different numbers of times ({where_ranks}). Each forward "
+            "all-gathers the sharded parameters from every rank, so a rank calling the model "
+            "more often than the others would wait for them forever. Call generate, and the "
+            "model itself, the same number of times and in the same order on every rank "
+            "inside the block (the prompts and max_new_tokens may differ: give every rank the "
+            "same number of prompt batches). Every rank raises this before any forward of "
+            "the call, so a run that catches it on every rank trains on unchanged."
         )
 
 
-def _point(where: int, calls: int) -> str:
+def _kind(where: int) -> int:
+    """What must agree between the ranks at a meeting: a ``generate`` call (raised or not), a
+    direct forward, or the exit (by an exception or not)."""
+    if where == _RAISED:
+        return _GENERATE
+    if where == _LEAVING_BY_EXCEPTION:
+        return _LEAVING
+    return where
+
+
+def _point(where: int, calls: int, forwards: int) -> str:
     """Where a rank is inside :meth:`SkrullFSDPStrategy.generating`, in words."""
     if where == _GENERATE:
         return f"generate call {calls}"
     if where == _RAISED:
         return f"generate call {calls}, raised before its first forward"
+    if where == _FORWARD:
+        return f"forward {forwards}, called directly"
     how = " by an exception" if where == _LEAVING_BY_EXCEPTION else ""
-    return f"leaving the block{how} after {calls} generate call{'s' * (calls != 1)}"
+    done = f"{calls} generate call{'s' * (calls != 1)}"
+    if forwards:
+        done += f" and {forwards} direct forward{'s' * (forwards != 1)}"
+    return f"leaving the block{how} after {done}"
 
 
 class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
@@ -579,7 +607,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             module._device_mesh = self._device_mesh
         if layout.world_size > 1:  # a collective: every rank builds it in the same order
             # the group's own timeout bounds what monitored_barrier leaves to it (the wait of
-            # ranks other than 0) and the all-gathers of _GenerateCalls; gloo's default is 30 min
+            # ranks other than 0) and the all-gathers of _ModelCalls; gloo's default is 30 min
             self._meeting_timeout = self.generation_timeout
             timeout = timedelta(seconds=self._meeting_timeout)
             self._generation_group = once_per_world(
@@ -715,26 +743,27 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     @override
     def generating(self) -> Iterator[PreTrainedModel]:
         """As :meth:`SkrullStrategy.generating`; every rank must enter the block and call
-        ``generate`` the same number of times.
+        ``generate``, and the model itself, the same number of times in the same order.
 
-        Each forward of ``generate`` all-gathers the sharded parameters, so a rank that
-        generates alone (``if trainer.is_global_zero: ...``) or once more than the others would
-        wait for them forever. On entry the ranks meet on a gloo group
-        (``torch.distributed.monitored_barrier``); inside the block each ``generate`` call, at
-        its first forward, and the exit first exchange where they are (``generate`` call *k*,
-        leaving after *k* calls, or call *k* raised before its first forward, with the error)
-        over the same group: one ``all_gather_object`` per meeting. A rank that is not there
-        within :attr:`generation_timeout` seconds, ranks at different points, or a call that
-        raised on some ranks (arguments ``generate`` refuses there) make every rank raise
+        Each forward all-gathers the sharded parameters, so a rank that generates alone
+        (``if trainer.is_global_zero: ...``) or once more than the others would wait for them
+        forever. On entry the ranks meet on a gloo group
+        (``torch.distributed.monitored_barrier``); inside the block each ``generate`` call (at
+        its first forward), each forward called on the model directly and the exit first
+        exchange where they are (``generate`` call *k*, direct forward *k*, leaving after so
+        many of each, or ``generate`` call *k* raised before its first forward, with the
+        error) over the same group: one ``all_gather_object`` per meeting. A rank that is not
+        there within :attr:`generation_timeout` seconds, ranks at different points, or a call
+        that raised on some ranks (arguments ``generate`` refuses there) make every rank raise
         before any forward of that call.
 
         Raises:
             RuntimeError: as :meth:`SkrullStrategy.generating`; a rank did not enter the block,
-                or reach a ``generate`` call or the exit, within :attr:`generation_timeout`
-                seconds; the ranks called ``generate`` different numbers of times (the
-                message names each rank's point and the fix); or another rank's ``generate``
-                call raised before its first forward (the message carries its error; that
-                rank raises its own).
+                or reach a call or the exit, within :attr:`generation_timeout` seconds; the
+                ranks called ``generate`` or the model different numbers of times (the message
+                names each rank's point and the fix); or another rank's ``generate`` call
+                raised before its first forward (the message carries its error; that rank
+                raises its own).
         """
         self._meet_to_generate()
         with super().generating() as model:
@@ -742,14 +771,16 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             if group is None:
                 yield model
                 return
-            calls = _GenerateCalls(group, self._meeting_timeout, self.global_rank, model)
+            calls = _ModelCalls(group, self._meeting_timeout, self.global_rank, model)
             # wraps plain_attention's generate (synced_gpus=True), which it takes off on exit
             vars(model)["generate"] = calls.wrap(cast(Any, model).generate)
+            hook = model.register_forward_pre_hook(calls.before_forward, prepend=True)
             leaving = _LEAVING_BY_EXCEPTION
             try:
                 yield model
                 leaving = _LEAVING
             finally:
+                hook.remove()
                 calls.leave(leaving)
 
     def _meet_to_generate(self) -> None:
