@@ -14,6 +14,8 @@ Two spawns:
   (``shard="cp"`` and ``shard="world"``: the sharded checkpoint is read onto another mesh, a
   2 x 2 one for ``"cp"``, 4 ranks for ``"world"`` where it was written on 2) continue; ZeRO-2,
   whose optimizer partitions belong to the process count they were written at, is refused.
+  The same processes resume the DDP file under FSDP, and give each strategy a checkpoint of
+  another that it cannot read (refused, naming what wrote it and the fix).
 
 DDP and FSDP (``shard="cp"``) run every layout in ``bf16-mixed`` too, held to the rule of
 tests/test_precision_matrix.py against single-process training in their dtypes.
@@ -133,6 +135,17 @@ def _resume(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         else:
             out[name] = _fit(name, 2, STEPS, ckpt_path=path)
     out["bf16_seconds"] = time.perf_counter() - started
+
+    # another strategy's checkpoint (written at DP=1 x CP=2): SkrullFSDPStrategy resumes
+    # SkrullStrategy's file; the folders, and a file given to ZeRO-2, are refused when loaded
+    def written(writer: str) -> str:
+        return os.path.join(tmp, writer, "dp1_cp2", "step=2.ckpt")
+
+    out["fsdp from ddp"] = _fit("fsdp", 2, STEPS, ckpt_path=written("ddp"))
+    for reader, writer in (("ddp", "fsdp"), ("ddp", "zero2"), ("fsdp", "zero2"), ("zero2", "ddp")):
+        with pytest.raises(ValueError) as refused:
+            _fit(reader, 2, STEPS, ckpt_path=written(writer))
+        out[f"{reader} from {writer}"] = str(refused.value)
     return out
 
 
@@ -227,6 +240,73 @@ def test_resume_with_another_cp_size_continues_the_run(runs: Runs, name: str) ->
     for out in written:
         if out[name]["cp_changed"][0]:
             assert max_diff(out[name]["cp_changed"][0], out[name]["whole"][0]) < LAYOUT_ATOL
+
+
+@pytest.mark.multiprocess
+def test_fsdp_resumes_the_ddp_checkpoint_file(runs: Runs) -> None:
+    """``SkrullFSDPStrategy`` resumes ``SkrullStrategy``'s checkpoint file (weights, momentum
+    and loader position), here on 4 processes from a 2-process run: the same batches and
+    parameters as the DDP run that never stopped (:data:`LAYOUT_ATOL`)."""
+    written, resumed = runs
+    whole = _global_batches([out["ddp"]["whole"][1] for out in written])
+    assert _global_batches([out["fsdp from ddp"][1] for out in resumed]) == whole[2:]
+    gathered = [out["fsdp from ddp"][0] for out in resumed if out["fsdp from ddp"][0]]
+    assert gathered  # FSDP gathers the full weights on rank 0
+    for params in gathered:
+        assert max_diff(params, written[0]["ddp"]["whole"][0]) < LAYOUT_ATOL
+    steps = resumed[0]["fsdp from ddp"][1]
+    assert all(s["max"] != s["min"] for s in steps)  # the DP ranks ran different counts
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("case", "strategy", "written_by", "fix"),
+    [
+        (
+            "ddp from fsdp",
+            "SkrullStrategy",
+            "a folder of torch.distributed.checkpoint shards",
+            "consolidate",
+        ),
+        ("ddp from zero2", "SkrullStrategy", "a DeepSpeed checkpoint folder", "convert_zero"),
+        ("fsdp from zero2", "SkrullFSDPStrategy", "a DeepSpeed checkpoint folder", "convert_zero"),
+        ("zero2 from ddp", "SkrullZero2Strategy", "a single checkpoint file", "Resume it with"),
+    ],
+)
+def test_another_strategys_checkpoint_is_refused_with_the_way_forward(
+    runs: Runs, case: str, strategy: str, written_by: str, fix: str
+) -> None:
+    """A checkpoint that the strategy cannot read is refused when loaded, on every rank, with
+    what wrote it and what to do (before: ``IsADirectoryError`` from ``torch.load``, or
+    DeepSpeed's and Lightning's messages without the strategy that wrote it)."""
+    _, resumed = runs
+    for out in resumed:
+        message = out[case]
+        assert message.startswith(f"{strategy} cannot read the checkpoint "), message
+        assert f"it is {written_by}" in message, message
+        assert fix in message, message
+
+
+def test_checkpoint_kinds_are_read_from_the_files(tmp_path: Any) -> None:
+    from lightning_skrull.strategies.checkpoint_kinds import checkpoint_kind, refuse_other_kind
+
+    (tmp_path / "model.ckpt").write_bytes(b"")
+    (tmp_path / "dcp").mkdir()
+    (tmp_path / "dcp" / ".metadata").write_bytes(b"")
+    (tmp_path / "ds").mkdir()
+    (tmp_path / "ds" / "latest").write_text("checkpoint")
+    (tmp_path / "other").mkdir()
+    kinds = {n: checkpoint_kind(tmp_path / n) for n in ("model.ckpt", "dcp", "ds", "other")}
+    assert kinds == {
+        "model.ckpt": "file",
+        "dcp": "distributed",
+        "ds": "deepspeed",
+        "other": "folder",
+    }
+    refuse_other_kind("SkrullStrategy", tmp_path / "model.ckpt", ("file",))
+    refuse_other_kind("SkrullStrategy", tmp_path / "missing.ckpt", ("file",))  # Lightning's error
+    with pytest.raises(ValueError, match=r"a folder that is neither .* Pass the checkpoint file"):
+        refuse_other_kind("SkrullStrategy", tmp_path / "other", ("file",))
 
 
 # bf16-mixed: docs/precision.md's rule (tests/test_precision_matrix.py). The distance of the

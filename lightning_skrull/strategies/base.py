@@ -72,6 +72,7 @@ from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, meta_tenso
 from lightning_skrull.runtime.process_groups import ParallelLayout, build_process_groups
 from lightning_skrull.scheduling import CostModel
 from lightning_skrull.strategies.calibration import CHECKPOINT_KEY, StepCalibration
+from lightning_skrull.strategies.checkpoint_kinds import CheckpointKind, refuse_other_kind
 from lightning_skrull.strategies.compiled import refuse_compiled
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 from lightning_skrull.strategies.weight_averaging import (
@@ -136,6 +137,10 @@ class SkrullStrategyMixin(ParallelStrategy):
     """Why Lightning's weight-averaging callbacks cannot run under this strategy (refused at
     setup, :func:`~lightning_skrull.strategies.weight_averaging.refuse_weight_averaging`), or
     ``None`` where they average exactly what one process would."""
+
+    checkpoint_kinds: tuple[CheckpointKind, ...] = ("file",)
+    """The checkpoints this strategy reads (:mod:`~lightning_skrull.strategies.checkpoint_kinds`);
+    another kind is refused when loaded, naming what wrote it and the fix."""
 
     compile_refusal: str | None = None
     """Why a compiled model (``torch.compile`` of the model, ``model.compile()``, or
@@ -962,6 +967,7 @@ class SkrullStrategyMixin(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        refuse_other_kind(type(self).__name__, checkpoint_path, self.checkpoint_kinds)
         checkpoint = super().load_checkpoint(checkpoint_path, *args, **kwargs)
         state = checkpoint.get(CHECKPOINT_KEY)
         if state is not None and self._skrull_config.calibration == "online":

@@ -186,6 +186,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
 
     strategy_name = "skrull_zero2"
     requires_equal_micro_batches = True
+    checkpoint_kinds = ("deepspeed",)
     weight_averaging_refusal = (
         "DeepSpeed keeps the weights the optimizer steps (float32 masters in its partitions) "
         "and the checkpoint apart from the module, so the average is lost from checkpoints "

@@ -470,6 +470,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     """
 
     strategy_name = "skrull_fsdp"
+    checkpoint_kinds = ("file", "distributed")
     weight_averaging_refusal = (
         "the callback copies the whole module before this strategy shards it, and then pairs "
         "the copy's full tensors with this rank's DTensor shards (torch stops at the first "
