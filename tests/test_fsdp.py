@@ -99,6 +99,10 @@ PARAM_ATOL = 1e-5
 # (which wrote sharded checkpoints): the same micro-batches, collectives and float32 momentum;
 # 1e-7 allows float32 rounding only (measured 0).
 FULL_RESUME_ATOL = 1e-7
+# The same file resumed by SkrullStrategy: DDP's gradient all-reduce sums the 4 ranks' terms in
+# another order than FSDP's reduce-scatter, and momentum carries the rounding; 1e-6 is float32
+# rounding over two steps (measured 7.5e-9); a resume without the momentum buffers is ~1e-1 off.
+LAYOUT_ATOL = 1e-6
 # Two named validation sets whose global batches of VAL_BATCH give the DP ranks different
 # micro-batch counts in some step of each (asserted): short samples of 3..40 tokens, and
 # samples of up to 80 tokens (cp_size * BUCKET, the longest a sequence may be).
@@ -410,6 +414,28 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         "resumed_steps": resumed_rec.steps,
     }
     out["full_resume_seconds"] = time.perf_counter() - started
+    # the same file resumed by SkrullStrategy (DDP), with calibration off as written
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    ddp_recorder = Recorder()
+    ddp_module = PlainLM(momentum=resume["momentum"])
+    cpu_trainer(
+        SkrullStrategy(cp_size=2, bucket_size=BUCKET, calibration="off"),
+        max_steps=4,
+        callbacks=[ddp_recorder],
+    ).fit(
+        ddp_module,
+        SkrullDataModule(
+            train_data=make_data(),
+            global_batch_size=GLOBAL_BATCH,
+            shuffle=True,
+            seed=resume["seed"],
+        ),
+        ckpt_path=os.path.join(full_dir, "step=2.ckpt"),
+    )
+    out["full_resume"]["ddp"] = _full_params(ddp_module.model)
+    out["full_resume"]["ddp_start"] = ddp_recorder.before
+    out["full_resume"]["ddp_steps"] = ddp_recorder.steps
 
     # in bf16-mixed: gradient clipping with activation checkpointing, and the resume above
     started = time.perf_counter()
@@ -871,8 +897,8 @@ def test_resume_from_full_checkpoint_file_equals_uninterrupted_run(
     """``save_distributed_checkpoint=False``: the step-2 checkpoint is one file of full weights
     and optimizer states, written by rank 0; ``trainer.fit(ckpt_path=file)`` resumes from it
     and trains steps 3 and 4 as the uninterrupted run does (the run with sharded checkpoints
-    above, the same data, shuffle and momentum), and a plain LightningModule loads it on one
-    process."""
+    above, the same data, shuffle and momentum), ``SkrullStrategy`` (DDP) resumes it alike, and
+    a plain LightningModule loads it on one process."""
     for out in runs:
         cell = out["full_resume"]
         assert cell["is_file"] and cell["written"] == ["step=2.ckpt"]
@@ -885,6 +911,14 @@ def test_resume_from_full_checkpoint_file_equals_uninterrupted_run(
         # rounding could differ (measured 0); momentum lost at the resume moves the parameters
         # by far more (the momentum term of step 2 alone is about 0.45 x its update)
         assert max_diff(cell["resumed"], out["whole"]) < FULL_RESUME_ATOL
+        # SkrullStrategy (DDP) resumes the same file: it starts from the weights the FSDP
+        # resume started from, exactly, and trains the same steps; DDP's all-reduce sums in
+        # another order than FSDP's reduce-scatter (LAYOUT_ATOL; measured 7.5e-9)
+        assert max_diff(cell["ddp_start"], cell["resumed_start"]) == 0.0
+        assert [(s["index"], s["samples"]) for s in cell["ddp_steps"]] == [
+            (s["index"], s["samples"]) for s in out["whole_steps"][2:]
+        ]
+        assert max_diff(cell["ddp"], out["whole"]) < LAYOUT_ATOL
     file = runs[0]["full_checkpoint"]
     model = PlainLM().model
     # full tensors under the LightningModule's keys, not DTensor shards
