@@ -24,6 +24,9 @@ tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
 - a callback that switches the attention by hand (``set_attn_implementation("sdpa")``) and
   forgets to switch back: step 2 raises on every rank.
 
+A second spawn of 2 processes (DP=1 x CP=2, FSDP) has rank 1's generation raise at its second
+token: both processes must end at once, with that error shown.
+
 The generated tokens equal plain transformers ``generate`` (greedy, one process, eager
 attention, float32; for bf16-mixed: sdpa under the same CPU autocast) on the parameters the
 callback saw; the parameters after step 2 equal those of the same run without the callback
@@ -550,6 +553,85 @@ def test_attention_left_switched_raises_at_the_next_step(runs: list[dict[str, An
         assert "runs the 'sdpa' attention inside a Skrull micro-batch" in message
         assert "set_attn_implementation('skrull')" in message
         assert "generating()" in message
+
+
+# ----------------------------------------------------------------------------- a fault
+GENERATION_FAULT = "injected fault in rank 1's generation, at its second token"
+FAULT_TIMEOUT = 120.0
+"""``generation_timeout`` of the fault run: an exit meeting would hold rank 1 this long."""
+FAULT_EXIT_BOUND_S = 60.0
+"""Both processes end within this many seconds of the fault (the process group's timeout is
+30 minutes, the generation timeout 2: only the error's propagation is fast)."""
+
+
+class _RaiseAtSecondToken:
+    """A logits processor that raises at the second generated token, after the call's first
+    forward (the other rank is then inside the parameter all-gathers)."""
+
+    def __init__(self, fault_file: str) -> None:
+        self.calls = 0
+        self.fault_file = fault_file
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 2:
+            with open(self.fault_file, "w") as f:
+                f.write(str(time.time()))
+            raise RuntimeError(GENERATION_FAULT)
+        return scores
+
+
+class FailsMidGeneration(L.Callback):
+    """After step 1 both ranks generate; rank 1's generation raises at its second token."""
+
+    def __init__(self, fault_file: str) -> None:
+        self.fault_file = fault_file
+
+    def on_train_batch_end(
+        self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        from transformers import LogitsProcessorList
+
+        processors = LogitsProcessorList()
+        if trainer.global_rank == 1:
+            processors.append(_RaiseAtSecondToken(self.fault_file))
+        with trainer.strategy.generating() as model:
+            model.generate(
+                torch.tensor([PROMPTS[0]]),
+                max_new_tokens=6,
+                do_sample=False,
+                pad_token_id=0,
+                logits_processor=processors,
+            )
+
+
+def _fault_case(rank: int, world_size: int, fault_file: str) -> str:
+    from lightning_skrull import SkrullFSDPStrategy
+
+    strategy = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET)
+    strategy.generation_timeout = FAULT_TIMEOUT
+    _fit(strategy, (FailsMidGeneration(fault_file),))
+    return "the injected fault did not stop the run"
+
+
+@pytest.mark.multiprocess
+def test_fsdp_generation_failing_on_one_rank_ends_every_process_at_once(tmp_path: Any) -> None:
+    """A ``generate`` that raises on rank 1 only, in the middle of its generation (the other
+    rank is in the parameter all-gathers, where no meeting reaches it): rank 1's error leaves
+    the block at once and ends its process, and rank 0's all-gather fails with it, well within
+    the generation timeout (before, rank 1 waited at the block's exit meeting for the whole
+    ``generation_timeout`` and then showed a timeout instead of its error)."""
+    from lightning_skrull.runtime.launch import DistributedRunError
+
+    fault_file = tmp_path / "fault_time"
+    with pytest.raises(DistributedRunError) as failed:
+        spawn(_fault_case, 2, str(fault_file), timeout=600)
+    end = time.time()
+    error = str(failed.value)
+    assert f"rank 1 failed:\nRuntimeError: {GENERATION_FAULT}" in error, error
+    assert "rank 0 failed:" in error, error  # its peer stopped too, on the broken all-gather
+    assert "not every rank came" not in error, error  # no exit meeting waited for a timeout
+    assert end - float(fault_file.read_text()) < FAULT_EXIT_BOUND_S
 
 
 # ----------------------------------------------------------------------------- one process

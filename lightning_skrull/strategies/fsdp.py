@@ -262,7 +262,9 @@ class _ModelCalls:
     different points (one at its second ``generate`` call, another leaving after one); the ranks
     stay paired, so a run that catches the error on every rank trains on as if the block had not
     run. After a disagreement the block meets no more (a later call raises at once); after a
-    ``generate`` that raised, the ranks agree on where they are and may call the model again. A
+    ``generate`` that raised, the ranks agree on where they are and may call the model again.
+    A ``generate`` that raises after its first collective leaves without meeting (the others
+    are inside its all-gathers): the error ends this process, and their collectives with it. A
     meeting that times out raises too; gloo then closes the group's connections, so later
     blocks of the run raise at once.
     """
@@ -283,6 +285,8 @@ class _ModelCalls:
         """The ``generate`` call running, until it met the others."""
         self._generating = False
         """Inside a ``generate`` call (its later forwards do not meet)."""
+        self._running = False
+        """The ``generate`` call met the others and went on into its collectives."""
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook of the model for the whole block (before FSDP2's own, which
@@ -291,6 +295,7 @@ class _ModelCalls:
         if call is not None:
             self._generate_call = None
             self._meet(_GENERATE, call, self.forwards)
+            self._running = True
         elif not self._generating:
             self._meet(_FORWARD, self.calls, self.forwards + 1)
             self.forwards += 1
@@ -306,7 +311,7 @@ class _ModelCalls:
             if self._failure is not None:
                 self._refuse_after_failure()
             call = self.calls + 1
-            self._generate_call, self._generating = call, True
+            self._generate_call, self._generating, self._running = call, True, False
             model = self._model
             # the synced_gpus all-reduce of the decoding loop (after the first forward in
             # transformers' greedy, sampling and beam search; before it in assisted decoding)
@@ -317,6 +322,7 @@ class _ModelCalls:
                     if self._generate_call is not None:
                         self._generate_call = None
                         self._meet(_GENERATE, call, self.forwards)
+                        self._running = True
                     return cast(Callable[..., Any], unfinished)(*a, **k)
 
                 vars(model)["_has_unfinished_sequences"] = meet_before_all_reduce
@@ -326,6 +332,12 @@ class _ModelCalls:
                 if self._generate_call is not None:  # raised before any collective of the call
                     self._generate_call = None
                     self._meet(_RAISED, call, self.forwards, f"{type(err).__name__}: {err}")
+                elif self._running:
+                    # raised in the middle of the call: the other ranks are inside its
+                    # all-gathers, which no meeting reaches. The block meets no more, so the
+                    # error leaves at once and ends this process, and with it the others'
+                    # collectives (an exit meeting would hold it for generation_timeout)
+                    self._failure = f"generate raised after its first forward ({err})"
                 raise
             finally:
                 self._generating = False
