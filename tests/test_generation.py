@@ -24,8 +24,9 @@ tokens from fixed prompts at the end of step 1 (``on_train_batch_end``), inside
 - a callback that switches the attention by hand (``set_attn_implementation("sdpa")``) and
   forgets to switch back: step 2 raises on every rank.
 
-A second spawn of 2 processes (DP=1 x CP=2, FSDP) has rank 1's generation raise at its second
-token: both processes must end at once, with that error shown.
+Two more spawns of 2 processes (DP=1 x CP=2, FSDP) have rank 1's generation raise at its
+second token, and rank 1's direct forward raise in its first decoder layer: both processes must
+end at once, with that error shown.
 
 The generated tokens equal plain transformers ``generate`` (greedy, one process, eager
 attention, float32; for bf16-mixed: sdpa under the same CPU autocast) on the parameters the
@@ -557,6 +558,7 @@ def test_attention_left_switched_raises_at_the_next_step(runs: list[dict[str, An
 
 # ----------------------------------------------------------------------------- a fault
 GENERATION_FAULT = "injected fault in rank 1's generation, at its second token"
+FORWARD_FAULT = "injected fault in rank 1's direct forward, in its first decoder layer"
 FAULT_TIMEOUT = 120.0
 """``generation_timeout`` of the fault run: an exit meeting would hold rank 1 this long."""
 FAULT_EXIT_BOUND_S = 60.0
@@ -581,10 +583,25 @@ class _RaiseAtSecondToken:
         return scores
 
 
-class FailsMidGeneration(L.Callback):
-    """After step 1 both ranks generate; rank 1's generation raises at its second token."""
+class _RaiseInTheFirstLayer:
+    """A forward pre-hook of the first decoder layer that raises: in the middle of the model's
+    forward, after the root module's all-gather (the other rank then waits in the next one)."""
 
     def __init__(self, fault_file: str) -> None:
+        self.fault_file = fault_file
+
+    def __call__(self, module: Any, args: Any) -> None:
+        with open(self.fault_file, "w") as f:
+            f.write(str(time.time()))
+        raise RuntimeError(FORWARD_FAULT)
+
+
+class FailsMidCall(L.Callback):
+    """After step 1 both ranks call the model (``generate``, or a direct forward); rank 1's call
+    raises in the middle."""
+
+    def __init__(self, kind: str, fault_file: str) -> None:
+        self.kind = kind
         self.fault_file = fault_file
 
     def on_train_batch_end(
@@ -592,43 +609,55 @@ class FailsMidGeneration(L.Callback):
     ) -> None:
         from transformers import LogitsProcessorList
 
-        processors = LogitsProcessorList()
-        if trainer.global_rank == 1:
-            processors.append(_RaiseAtSecondToken(self.fault_file))
+        faulty = trainer.global_rank == 1
+        prompt = torch.tensor([PROMPTS[0]])
         with trainer.strategy.generating() as model:
+            if self.kind == "forward":
+                if faulty:
+                    model.model.layers[0].register_forward_pre_hook(
+                        _RaiseInTheFirstLayer(self.fault_file)
+                    )
+                model(prompt)
+                return
+            processors = LogitsProcessorList()
+            if faulty:
+                processors.append(_RaiseAtSecondToken(self.fault_file))
             model.generate(
-                torch.tensor([PROMPTS[0]]),
-                max_new_tokens=6,
-                do_sample=False,
-                pad_token_id=0,
+                prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
                 logits_processor=processors,
-            )
+            )  # fmt: skip
 
 
-def _fault_case(rank: int, world_size: int, fault_file: str) -> str:
+def _fault_case(rank: int, world_size: int, kind: str, fault_file: str) -> str:
     from lightning_skrull import SkrullFSDPStrategy
 
     strategy = SkrullFSDPStrategy(cp_size=2, bucket_size=BUCKET)
     strategy.generation_timeout = FAULT_TIMEOUT
-    _fit(strategy, (FailsMidGeneration(fault_file),))
+    _fit(strategy, (FailsMidCall(kind, fault_file),))
     return "the injected fault did not stop the run"
 
 
 @pytest.mark.multiprocess
-def test_fsdp_generation_failing_on_one_rank_ends_every_process_at_once(tmp_path: Any) -> None:
-    """A ``generate`` that raises on rank 1 only, in the middle of its generation (the other
-    rank is in the parameter all-gathers, where no meeting reaches it): rank 1's error leaves
-    the block at once and ends its process, and rank 0's all-gather fails with it, well within
-    the generation timeout (before, rank 1 waited at the block's exit meeting for the whole
-    ``generation_timeout`` and then showed a timeout instead of its error)."""
+@pytest.mark.parametrize(
+    ("kind", "fault"), [("generate", GENERATION_FAULT), ("forward", FORWARD_FAULT)]
+)
+def test_fsdp_call_failing_on_one_rank_ends_every_process_at_once(
+    tmp_path: Any, kind: str, fault: str
+) -> None:
+    """A ``generate`` (or a forward called directly) that raises on rank 1 only, in the middle
+    of the call (the other rank is in the parameter all-gathers, where no meeting reaches it):
+    rank 1's error leaves the block at once and ends its process, and rank 0's all-gather fails
+    with it, well within the generation timeout (before, rank 1 waited at the block's exit
+    meeting for the whole ``generation_timeout`` and then showed a timeout instead of its
+    error)."""
     from lightning_skrull.runtime.launch import DistributedRunError
 
     fault_file = tmp_path / "fault_time"
     with pytest.raises(DistributedRunError) as failed:
-        spawn(_fault_case, 2, str(fault_file), timeout=600)
+        spawn(_fault_case, 2, kind, str(fault_file), timeout=600)
     end = time.time()
     error = str(failed.value)
-    assert f"rank 1 failed:\nRuntimeError: {GENERATION_FAULT}" in error, error
+    assert f"rank 1 failed:\nRuntimeError: {fault}" in error, error
     assert "rank 0 failed:" in error, error  # its peer stopped too, on the broken all-gather
     assert "not every rank came" not in error, error  # no exit meeting waited for a timeout
     assert end - float(fault_file.read_text()) < FAULT_EXIT_BOUND_S

@@ -263,8 +263,9 @@ class _ModelCalls:
     stay paired, so a run that catches the error on every rank trains on as if the block had not
     run. After a disagreement the block meets no more (a later call raises at once); after a
     ``generate`` that raised, the ranks agree on where they are and may call the model again.
-    A ``generate`` that raises after its first collective leaves without meeting (the others
-    are inside its all-gathers): the error ends this process, and their collectives with it. A
+    A ``generate`` or direct forward that raises after its first collective leaves without
+    meeting (the others are inside its all-gathers): the error ends this process, and their
+    collectives with it. A
     meeting that times out raises too; gloo then closes the group's connections, so later
     blocks of the run raise at once.
     """
@@ -286,7 +287,8 @@ class _ModelCalls:
         self._generating = False
         """Inside a ``generate`` call (its later forwards do not meet)."""
         self._running = False
-        """The ``generate`` call met the others and went on into its collectives."""
+        """The ``generate`` call or direct forward met the others and went on into its
+        collectives."""
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook of the model for the whole block (before FSDP2's own, which
@@ -299,6 +301,12 @@ class _ModelCalls:
         elif not self._generating:
             self._meet(_FORWARD, self.calls, self.forwards + 1)
             self.forwards += 1
+            self._running = True
+
+    def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of the model for the whole block: a direct forward ended."""
+        if not self._generating:
+            self._running = False
 
     def wrap(self, generate: Callable[..., Any]) -> Callable[..., Any]:
         """``generate`` meeting the other ranks at its first collective."""
@@ -340,7 +348,7 @@ class _ModelCalls:
                     self._failure = f"generate raised after its first forward ({err})"
                 raise
             finally:
-                self._generating = False
+                self._generating = self._running = False
                 vars(model).pop("_has_unfinished_sequences", None)
                 self.calls = call
             if self._generate_call is not None:  # no collective ran: nor may the others'
@@ -351,8 +359,10 @@ class _ModelCalls:
         return checked_generate
 
     def leave(self, where: int) -> None:
-        """Meet the other ranks at the block's exit, unless a meeting of the block failed."""
-        if self._failure is None:
+        """Meet the other ranks at the block's exit, unless a meeting of the block failed or a
+        direct forward raised after it met (the others are inside its all-gathers, which no
+        meeting reaches: the error ends this process, and their collectives with it)."""
+        if self._failure is None and not (where == _LEAVING_BY_EXCEPTION and self._running):
             self._meet(where, self.calls, self.forwards)
 
     def _refuse_after_failure(self) -> None:
@@ -787,13 +797,17 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             calls = _ModelCalls(group, self._meeting_timeout, self.global_rank, model)
             # wraps plain_attention's generate (synced_gpus=True), which it takes off on exit
             vars(model)["generate"] = calls.wrap(cast(Any, model).generate)
-            hook = model.register_forward_pre_hook(calls.before_forward, prepend=True)
+            hooks = (
+                model.register_forward_pre_hook(calls.before_forward, prepend=True),
+                model.register_forward_hook(calls.after_forward),
+            )
             leaving = _LEAVING_BY_EXCEPTION
             try:
                 yield model
                 leaving = _LEAVING
             finally:
-                hook.remove()
+                for hook in hooks:
+                    hook.remove()
                 calls.leave(leaving)
 
     def _meet_to_generate(self) -> None:
