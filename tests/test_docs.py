@@ -1,8 +1,9 @@
 """Every Python snippet in README.md and docs/*.md runs, so the docs cannot rot.
 
-Each ```python block is written to a file and run as its own script in a fresh process (so
-Lightning may launch its other ranks by re-running that script, exactly as it would for a user),
-two at a time.
+Each ```python block is written to a file and run as ``__main__`` in a process of its own,
+forked from a process that imported torch, transformers, Lightning and the package (so Lightning
+may launch its other ranks by re-running that script, exactly as it would for a user), two at a
+time.
 A block whose script ends with a non-zero exit status fails the test with its output.
 Blocks that belong together are written as one block; nothing is skipped. A block that appears
 verbatim in several places (the README's example is also the docs' front page) runs once, under
@@ -60,11 +61,52 @@ def test_relative_links_resolve(path: Path) -> None:
     assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
 
 
+def _exec_snippet(script: str, env: dict[str, str], log: str) -> None:
+    """The body of a snippet's process: ``script`` run as ``__main__`` from its folder, its
+    stdout and stderr (and those of any process it starts) written to ``log``."""
+    import runpy
+    import traceback
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(os.path.dirname(script))
+    sys.argv = [script]
+    sys.path[0:0] = [os.path.dirname(script)]
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        raise SystemExit(exit_.code) from None
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)
+    sys.stdout.flush()
+    sys.stderr.flush()
+
+
 def _run(code: str, directory: Path, port: int) -> subprocess.CompletedProcess[str]:
-    """Run ``code`` as the script ``snippet.py`` in ``directory``; a snippet launching several
-    ranks gets its own ``MASTER_PORT``, since two snippets run at once."""
+    """Run ``code`` as the script ``snippet.py`` in ``directory``, in a process of its own; a
+    snippet launching several ranks gets its own ``MASTER_PORT``, since two snippets run at
+    once.
+
+    The process is forked from the fork server of ``lightning_skrull.runtime.launch.spawn``,
+    which imported torch, transformers, Lightning and the package once (their imports are most
+    of a snippet's time: about 7 s a process on two cores); the snippet then runs as
+    ``__main__`` with ``sys.argv == [script]``, so Lightning starts any other ranks by running
+    ``python snippet.py`` afresh, as it would for a user.
+    """
+    from lightning_skrull.runtime.launch import _context
+
     script = directory / "snippet.py"
     script.write_text(code)
+    log = directory / "output.log"
     env = dict(
         os.environ,
         HF_HUB_OFFLINE="1",
@@ -72,14 +114,16 @@ def _run(code: str, directory: Path, port: int) -> subprocess.CompletedProcess[s
         MPLBACKEND="Agg",
         MASTER_PORT=str(port),
     )
-    return subprocess.run(
-        [sys.executable, str(script)],
-        cwd=directory,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    process = _context("forkserver").Process(
+        target=_exec_snippet, args=(str(script), env, str(log))
     )
+    process.start()
+    process.join(timeout=300)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    output = log.read_text() if log.exists() else ""
+    return subprocess.CompletedProcess([str(script)], process.exitcode or 0, output, output)
 
 
 @pytest.fixture(scope="module")
