@@ -63,9 +63,10 @@ def test_relative_links_resolve(path: Path) -> None:
 
 def _exec_snippet(script: str, env: dict[str, str], log: str) -> None:
     """The body of a snippet's process: ``script`` run as ``__main__`` from its folder, its
-    stdout and stderr (and those of any process it starts) written to ``log``."""
+    stdout and stderr (and those of any process it starts) written to ``log``. An exception's
+    traceback and the exit status are multiprocessing's (status 1, or the ``SystemExit``
+    code)."""
     import runpy
-    import traceback
 
     os.environ.clear()
     os.environ.update(env)
@@ -73,22 +74,9 @@ def _exec_snippet(script: str, env: dict[str, str], log: str) -> None:
     sys.argv = [script]
     sys.path[0:0] = [os.path.dirname(script)]
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    sys.stdout.flush()
-    sys.stderr.flush()
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exit_:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        raise SystemExit(exit_.code) from None
-    except BaseException:
-        traceback.print_exc()
-        sys.stderr.flush()
-        os._exit(1)
-    sys.stdout.flush()
-    sys.stderr.flush()
+    runpy.run_path(script, run_name="__main__")
 
 
 def _run(code: str, directory: Path, port: int) -> subprocess.CompletedProcess[str]:

@@ -109,7 +109,9 @@ class SampleGenerations(L.Callback):
         if batch_idx == 1 and len(self.ranks) > 1:
             # FSDP, after the last step: ranks 0 and 1 call the model directly twice, ranks 2
             # and 3 once; refused on every rank, and the parameters stay as trained
-            self.record["uneven_forwards"] = _forward_in_block(trainer, 2 if rank < 2 else 1)
+            self.record["uneven_forwards"] = _generate_in_block(
+                trainer, 2 if rank < 2 else 1, direct=True
+            )
         if batch_idx != 0:
             return
         self.record["params"] = _full_params(module.model)  # every rank: a collective for FSDP
@@ -155,36 +157,25 @@ class SampleGenerations(L.Callback):
         }
 
 
-def _forward_in_block(trainer: Any, forwards: int) -> dict[str, Any]:
-    """Enter ``generating()`` and call the model directly ``forwards`` times; what came of it:
-    the forwards that returned, the error and the seconds it took."""
-    out: dict[str, Any] = {"returned": 0}
-    start = time.perf_counter()
-    try:
-        with trainer.strategy.generating() as model:
-            for _ in range(forwards):
-                model(torch.tensor([PROMPTS[0]]))
-                out["returned"] += 1
-    except RuntimeError as err:
-        out["error"] = str(err)
-    out["seconds"] = time.perf_counter() - start
-    return out
-
-
 def _generate_in_block(
-    trainer: Any, calls: int, *, sleep: float = 0.0, again: bool = False
+    trainer: Any, calls: int, *, sleep: float = 0.0, again: bool = False, direct: bool = False
 ) -> dict[str, Any]:
-    """Enter ``generating()``, sleep ``sleep`` s, call ``generate`` ``calls`` times; what came
-    of it: the calls that returned, whether the block's body ran to its end, the error and the
-    seconds it took. ``again``: after a refused call, call ``generate`` once more inside."""
+    """Enter ``generating()``, sleep ``sleep`` s, call ``generate`` (``direct``: the model's
+    forward) ``calls`` times; what came of it: the calls that returned, whether the block's body
+    ran to its end, the error and the seconds it took. ``again``: after a refused call, call
+    ``generate`` once more inside."""
     out: dict[str, Any] = {"returned": 0, "body_done": False}
     start = time.perf_counter()
     try:
         with trainer.strategy.generating() as model:
             time.sleep(sleep)
             for _ in range(calls):
+                prompt = torch.tensor([PROMPTS[0]])
                 try:
-                    model.generate(torch.tensor([PROMPTS[0]]), max_new_tokens=1, pad_token_id=0)
+                    if direct:
+                        model(prompt)
+                    else:
+                        model.generate(prompt, max_new_tokens=1, pad_token_id=0)
                 except RuntimeError:
                     if again:
                         try:

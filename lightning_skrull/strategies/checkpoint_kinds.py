@@ -19,17 +19,19 @@ from typing import Literal
 
 CheckpointKind = Literal["file", "distributed", "deepspeed", "folder"]
 
-_WRITTEN_BY: dict[CheckpointKind, str] = {
-    "file": (
-        "a single checkpoint file, as SkrullStrategy and "
-        "SkrullFSDPStrategy(save_distributed_checkpoint=False) write"
-    ),
-    "distributed": (
-        "a folder of torch.distributed.checkpoint shards, as SkrullFSDPStrategy writes "
-        "(save_distributed_checkpoint=True, the default)"
-    ),
-    "deepspeed": "a DeepSpeed checkpoint folder, as SkrullZero2Strategy writes",
+_NAME: dict[CheckpointKind, str] = {
+    "file": "a single checkpoint file",
+    "distributed": "a folder of torch.distributed.checkpoint shards",
+    "deepspeed": "a DeepSpeed checkpoint folder",
     "folder": "a folder that is neither a torch.distributed.checkpoint nor a DeepSpeed one",
+}
+_WRITTEN_BY: dict[CheckpointKind, str] = {
+    "file": ", as SkrullStrategy and SkrullFSDPStrategy(save_distributed_checkpoint=False) write",
+    "distributed": (
+        ", as SkrullFSDPStrategy writes (save_distributed_checkpoint=True, the default)"
+    ),
+    "deepspeed": ", as SkrullZero2Strategy writes",
+    "folder": "",
 }
 _FIX: dict[CheckpointKind, str] = {
     "file": (
@@ -78,8 +80,8 @@ def refuse_other_kind(strategy: str, path: str | Path, reads: tuple[CheckpointKi
     kind = checkpoint_kind(path)
     if kind in reads:
         return
-    readable = " or ".join(_WRITTEN_BY[k].split(",")[0] for k in reads)
+    readable = " or ".join(_NAME[k] for k in reads)
     raise ValueError(
-        f"{strategy} cannot read the checkpoint {str(path)!r}: it is {_WRITTEN_BY[kind]}, and "
-        f"{strategy} reads {readable}. {_FIX[kind]}"
+        f"{strategy} cannot read the checkpoint {str(path)!r}: it is {_NAME[kind]}"
+        f"{_WRITTEN_BY[kind]}, and {strategy} reads {readable}. {_FIX[kind]}"
     )

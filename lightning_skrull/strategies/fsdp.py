@@ -265,9 +265,8 @@ class _ModelCalls:
     ``generate`` that raised, the ranks agree on where they are and may call the model again.
     A ``generate`` or direct forward that raises after its first collective leaves without
     meeting (the others are inside its all-gathers): the error ends this process, and their
-    collectives with it. A
-    meeting that times out raises too; gloo then closes the group's connections, so later
-    blocks of the run raise at once.
+    collectives with it. A meeting that times out raises too; gloo then closes the group's
+    connections, so later blocks of the run raise at once.
     """
 
     def __init__(
@@ -293,14 +292,20 @@ class _ModelCalls:
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook of the model for the whole block (before FSDP2's own, which
         all-gathers): the first forward of a ``generate`` call, or a direct forward, meets."""
+        if self._generate_call is not None:
+            self._begin_generate_call()
+        elif not self._generating:
+            self._meet(_FORWARD, self.calls, self.forwards + 1)
+            self.forwards += 1
+            self._running = True
+
+    def _begin_generate_call(self) -> None:
+        """The running ``generate`` call reached its first collective: meet the others there,
+        then let it run into its collectives."""
         call = self._generate_call
         if call is not None:
             self._generate_call = None
             self._meet(_GENERATE, call, self.forwards)
-            self._running = True
-        elif not self._generating:
-            self._meet(_FORWARD, self.calls, self.forwards + 1)
-            self.forwards += 1
             self._running = True
 
     def after_forward(self, module: nn.Module, args: Any, output: Any) -> None:
@@ -327,15 +332,13 @@ class _ModelCalls:
             if unfinished is not None:
 
                 def meet_before_all_reduce(*a: Any, **k: Any) -> Any:
-                    if self._generate_call is not None:
-                        self._generate_call = None
-                        self._meet(_GENERATE, call, self.forwards)
-                        self._running = True
+                    self._begin_generate_call()
                     return cast(Callable[..., Any], unfinished)(*a, **k)
 
                 vars(model)["_has_unfinished_sequences"] = meet_before_all_reduce
             try:
                 out = generate(*args, **kwargs)
+                self._begin_generate_call()  # no collective ran: nor may the others'
             except Exception as err:
                 if self._generate_call is not None:  # raised before any collective of the call
                     self._generate_call = None
@@ -351,9 +354,6 @@ class _ModelCalls:
                 self._generating = self._running = False
                 vars(model).pop("_has_unfinished_sequences", None)
                 self.calls = call
-            if self._generate_call is not None:  # no collective ran: nor may the others'
-                self._generate_call = None
-                self._meet(_GENERATE, call, self.forwards)
             return out
 
         return checked_generate
