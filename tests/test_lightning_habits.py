@@ -3,8 +3,8 @@ and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelChec
 ``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``),
 Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learning-rate finder,
 ``max_time`` and ``OnExceptionCheckpoint`` (and resuming from what they leave),
-``detect_anomaly``, ``deterministic``, the simple profiler and a ``CSVLogger``, with DP ranks that
-run different numbers of micro-batches.
+``detect_anomaly``, ``deterministic``, the simple profiler, a ``CSVLogger``, ``overfit_batches``
+and ``fast_dev_run``, with DP ranks that run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed`` (the callbacks, value clipping and short epochs in ``32-true``); the bytes the CP
@@ -89,6 +89,7 @@ VALUE_REL = 1e-5
 # no clipping; max_time runs out after TIMER_STOP steps, the module raises in step RAISE_AT
 # (0-based), and the CSVLogger writes every LOG_EVERY steps
 HABIT_STEPS, TIMER_STOP, RAISE_AT, LOG_EVERY = 4, 1, 2, 2
+OVERFIT_EPOCHS = 2  # Trainer(overfit_batches=1): the first global batch, once per epoch
 LR_FINDER_BETA = 0.98  # the smoothing of Lightning's learning-rate finder (its default)
 # a resumed run against the uninterrupted run of its precision: the same micro-batches on the
 # same float32 weights, but DDP rebuilds its gradient buckets after the first step of each run,
@@ -533,7 +534,29 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
     if trainer.is_global_zero:  # loggers write on rank 0
         with open(os.path.join(logged, "metrics.csv")) as f:
             out["flags"]["csv"] = list(csv.DictReader(f))
+    # overfit_batches on shuffled data: the first global batch in dataset order every epoch,
+    # and the first validation batch after each; fast_dev_run: one step and one validation
+    for habit, flags, shuffle in (
+        ("overfit", {"overfit_batches": 1, "max_epochs": OVERFIT_EPOCHS}, True),
+        ("fast_dev_run", {"fast_dev_run": True}, False),
+    ):
+        module, recorder = HabitsLM(), Recorder()
+        trainer_in(callbacks=[recorder], **flags).fit(module, _validated_data(shuffle))
+        out[habit] = {"params": _state(module), "train": recorder.train, "val": recorder.val}
     return out
+
+
+def _validated_data(shuffle: bool) -> Any:
+    """The other habits' training data, and a validation set of 2 global batches."""
+    from lightning_skrull import SkrullDataModule
+
+    return SkrullDataModule(
+        train_data=make_data(HABIT_STEPS, seed=0),
+        val_data=make_data(2, seed=1),
+        global_batch_size=len(LENGTHS),
+        val_global_batch_size=len(LENGTHS),
+        shuffle=shuffle,
+    )
 
 
 def _fsdp_max_time(root: str) -> dict[str, Any]:
@@ -617,22 +640,26 @@ def reference(autocast: bool = False) -> dict[str, Any]:
 
 
 @functools.cache
-def habit_reference(lrs: tuple[float, ...], autocast: bool = False) -> dict[str, Any]:
+def habit_reference(
+    lrs: tuple[float, ...], autocast: bool = False, batches: tuple[int, ...] | None = None
+) -> dict[str, Any]:
     """Plain HF SGD on one process over the first ``len(lrs)`` global batches of the other
-    habits' data, learning rate ``lrs[k]`` in step ``k``, no clipping, the forward under
-    ``torch.autocast("cpu", bfloat16)`` with ``autocast`` (what ``"bf16-mixed"`` runs on CPU,
-    float32 weights and SGD): the loss of each step, the parameters before the first step
-    (``start``) and after each, and the supervised and correctly predicted tokens of each."""
+    habits' data (or global batch ``batches[k]`` in step ``k``, in dataset order), learning rate
+    ``lrs[k]`` in step ``k``, no clipping, the forward under ``torch.autocast("cpu", bfloat16)``
+    with ``autocast`` (what ``"bf16-mixed"`` runs on CPU, float32 weights and SGD): the loss of
+    each step, the parameters before the first step (``start``) and after each, and the
+    supervised and correctly predicted tokens of each."""
     data = make_data(HABIT_STEPS, seed=0)
     model = reference_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     size = len(LENGTHS)
     start = {k: v.detach().numpy().copy() for k, v in model.state_dict().items()}
     losses, params, supervised, correct = [], [], [], []
+    order = range(len(lrs)) if batches is None else batches
     with one_thread():
-        for step, lr in enumerate(lrs):
+        for lr, b in zip(lrs, order, strict=True):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                total, tokens, right = _batch_terms(model, data[step * size : (step + 1) * size])
+                total, tokens, right = _batch_terms(model, data[b * size : (b + 1) * size])
             loss = total / tokens
             optimizer.zero_grad()
             loss.backward()
@@ -973,12 +1000,15 @@ def _smoothed(losses: list[float]) -> list[float]:
     return smoothed
 
 
-def _sixteen_bit_bounds(steps: int) -> tuple[dict[str, Any], np.ndarray, float, float]:
-    """The 16-bit rule for ``steps`` SGD steps of :data:`LR` of the other habits' data:
-    the float32 reference, its update, and the bounds of a run's update and logged losses
-    (``RATIO`` x single-process bf16 autocast's distance to float32, plus ``FLOOR``)."""
-    fp32 = habit_reference((LR,) * steps)
-    bf16 = habit_reference((LR,) * steps, autocast=True)
+def _sixteen_bit_bounds(
+    steps: int, batches: tuple[int, ...] | None = None
+) -> tuple[dict[str, Any], np.ndarray, float, float]:
+    """The 16-bit rule for ``steps`` SGD steps of :data:`LR` of the other habits' data (the
+    global batches ``batches``, see :func:`habit_reference`): the float32 reference, its update,
+    and the bounds of a run's update and logged losses (``RATIO`` x single-process bf16
+    autocast's distance to float32, plus ``FLOOR``)."""
+    fp32 = habit_reference((LR,) * steps, batches=batches)
+    bf16 = habit_reference((LR,) * steps, autocast=True, batches=batches)
     delta_fp32 = update(fp32["start"], fp32["params"][-1])
     own = relative_distance(update(bf16["start"], bf16["params"][-1]), delta_fp32)
     loss_bound = RATIO * _distance(bf16["losses"], fp32["losses"]) + FLOOR
@@ -1185,6 +1215,44 @@ def test_flags_csv_logger_and_log_dict_in_bf16_mixed(ranks: list[dict[str, Any]]
             assert flipped <= RATIO * abs(autocast_correct - correct) + 1
     runs = [[s["run"] for s in out["other_bf16"]["flags"]["train"]] for out in ranks]
     assert runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("habit", "batches"), [("overfit", (0,) * OVERFIT_EPOCHS), ("fast_dev_run", (0,))]
+)
+def test_overfit_batches_and_fast_dev_run(
+    ranks: list[dict[str, Any]], habit: str, batches: tuple[int, ...]
+) -> None:
+    """``Trainer(overfit_batches=1)`` on shuffled data trains the first global batch in dataset
+    order in every epoch (Lightning turns shuffling off for its own loaders, and failed to
+    rebuild Skrull's) and validates on the first validation batch after each epoch;
+    ``fast_dev_run=True`` runs one step and one validation batch (on data in dataset order:
+    Lightning keeps a shuffle there). In float32 the weights are
+    plain HF's on one process to :data:`PARAM_ATOL` and the logged losses to :data:`VALUE_REL`;
+    in ``"bf16-mixed"`` the update and the losses by the 16-bit rule (reference: the same
+    steps under bf16 autocast on one process)."""
+    steps = len(batches)
+    fp32, delta_fp32, update_bound, loss_bound = _sixteen_bit_bounds(steps, batches)
+    for out in ranks:
+        for key in ("other", "other_bf16"):
+            run = out[key][habit]
+            assert [(s["max"], s["min"]) for s in run["train"]] == [(2, 1)] * steps
+            assert [(s["max"], s["min"]) for s in run["val"]] == [(2, 1)] * steps
+            # the first global batch in every step (a shuffled one has other tokens)
+            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
+        run = out["other"][habit]
+        losses = [s["user_loss"] for s in run["train"]]
+        assert losses == pytest.approx(fp32["losses"], rel=VALUE_REL)
+        assert _max_diff(run["params"], fp32["params"][-1]) < PARAM_ATOL
+        run = out["other_bf16"][habit]
+        cell = update(fp32["start"], run["params"])
+        assert relative_distance(cell, delta_fp32) <= update_bound
+        losses = [s["user_loss"] for s in run["train"]]
+        assert _distance(losses, fp32["losses"]) <= loss_bound
+    for key in ("other", "other_bf16"):
+        runs = [[s["run"] for s in out[key][habit]["train"]] for out in ranks]
+        assert runs[0] != runs[2]
 
 
 # ----------------------------------------------------------------------------- one process

@@ -24,8 +24,14 @@ import lightning.pytorch as pl
 import numpy as np
 import torch
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch.utils.data import DataLoader, IterableDataset, Sampler, get_worker_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from torch.utils.data import (
+    DataLoader,
+    IterableDataset,
+    Sampler,
+    SequentialSampler,
+    get_worker_info,
+)
 
 from lightning_skrull.config import DataConfig
 from lightning_skrull.data.batch import (
@@ -172,6 +178,20 @@ class _EpochForwarder(Sampler[None]):
         self.target.set_epoch(epoch)
 
 
+# its __iter__ yields None forever, as the unordered one's; SequentialSampler's yields ints
+class _OrderedEpochForwarder(_EpochForwarder, SequentialSampler):  # type: ignore[misc]
+    """The forwarder of a loader whose global batches keep dataset order. It is a
+    ``SequentialSampler`` to Lightning, which (under ``Trainer(overfit_batches=...)``) otherwise
+    tries to rebuild the loader with one to turn shuffling off."""
+
+    def __len__(self) -> int:  # infinite, as the unordered forwarder
+        raise TypeError("the loader's sampler attribute has no length; len(loader) has")
+
+
+def _forwarder(sampler: GlobalBatchSampler) -> _EpochForwarder:
+    return _EpochForwarder(sampler) if sampler.shuffle else _OrderedEpochForwarder(sampler)
+
+
 class SkrullDataLoader(DataLoader):
     """DataLoader of :class:`SkrullBatch` per step, with a checkpointable position.
 
@@ -197,7 +217,7 @@ class SkrullDataLoader(DataLoader):
         persistent_workers: bool = False,
         trainer: pl.Trainer | None = None,
     ) -> None:
-        self._forwarder = _EpochForwarder(stream.sampler)
+        self._forwarder = _forwarder(stream.sampler)
         persistent_workers = persistent_workers and num_workers > 0
         stream.snapshot = IterationSnapshot() if persistent_workers else None
         super().__init__(
@@ -668,10 +688,19 @@ class SkrullDataModule(pl.LightningDataModule):
         """This rank's loader of training global batches."""
         if self.train_dataset is None:
             raise RuntimeError("train_dataloader() before setup('fit'); let the Trainer call it.")
+        shuffle = self.config.shuffle
+        overfit = getattr(self.trainer, "overfit_batches", 0)  # set by the Trainer's setup
+        if shuffle and overfit:
+            # what Lightning does to its own loaders: the same first batches every epoch
+            rank_zero_warn(
+                f"Trainer(overfit_batches={overfit}): the training global batches are drawn in "
+                "dataset order (shuffle=False), so every epoch trains the same first batches."
+            )
+            shuffle = False
         sampler = GlobalBatchSampler(
             len(self.train_dataset),
             self.config.global_batch_size,
-            shuffle=self.config.shuffle,
+            shuffle=shuffle,
             seed=self.config.seed,
             drop_last=self.config.drop_last,
         )
