@@ -3,8 +3,9 @@ and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelChec
 ``val_loss``, ``limit_train_batches`` and mid-epoch validation (``val_check_interval``),
 Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learning-rate finder,
 ``max_time`` and ``OnExceptionCheckpoint`` (and resuming from what they leave),
-``detect_anomaly``, ``deterministic``, the simple profiler, a ``CSVLogger``, ``overfit_batches``
-and ``fast_dev_run``, with DP ranks that run different numbers of micro-batches.
+``detect_anomaly``, ``deterministic``, the simple profiler, a ``CSVLogger``, ``overfit_batches``,
+``fast_dev_run`` and ``trainer.should_stop`` set on one rank, with DP ranks that run different
+numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed`` (the callbacks, value clipping and short epochs in ``32-true``); the bytes the CP
@@ -122,6 +123,8 @@ class HabitsLM(L.LightningModule):
             num_classes=VOCAB, average="micro", ignore_index=-100
         )
         self.gather = gather
+        # (rank, step): sets trainer.should_stop in training_step on that rank in that step
+        self.stop_at: tuple[int, int] | None = None
         self.before_backward: list[float] = []
         self.after_backward_norms: list[float] = []
         self.before_step_norms: list[float] = []
@@ -135,6 +138,8 @@ class HabitsLM(L.LightningModule):
         return acc, mask.sum().float(), pred, target
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> Any:
+        if (self.global_rank, self.global_step) == self.stop_at:  # a NaN guard, say, fired
+            self.trainer.should_stop = True
         out = self.model(**batch)
         acc, supervised, _, _ = self._token_stats(out, batch)
         if self.gather:
@@ -350,13 +355,15 @@ class ShardedHabitsLM(HabitsLM):
 
 def _sharded_habits(name: str) -> dict[str, Any]:
     """The 32-true habits fit under a sharding strategy (clipped, validated once, the module's
-    self.log calls), its logs, hook calls and the full weights (rank 0's, under FSDP)."""
+    self.log calls), its logs, hook calls and the full weights (rank 0's, under FSDP). Rank 1
+    alone sets ``trainer.should_stop`` in the last step's ``training_step`` of the STEPS the
+    tests expect: every rank must stop there, before ``max_steps``."""
     recorder, module = Recorder(), ShardedHabitsLM()
     strategy = skrull_strategy(name, cp_size=CP, bucket_size=BUCKET, chunked_loss=False)
     trainer = cpu_trainer(
         strategy,
-        max_steps=STEPS,
-        callbacks=[recorder],
+        max_steps=STEPS + 2,
+        callbacks=[recorder, StopOnOneRank("training_step", 1, STEPS - 1)],
         gradient_clip_val=CLIP,
         limit_val_batches=1,
         val_check_interval=STEPS,
@@ -447,6 +454,31 @@ class RaisingLM(HabitsLM):
         if self.global_step == RAISE_AT:
             raise RuntimeError("raised in training_step")
         return super().training_step(batch, batch_idx)
+
+
+class StopOnOneRank(L.Callback):
+    """Sets ``trainer.should_stop`` on global rank ``rank`` only, in step ``step`` (from 0): in
+    ``training_step`` (through the module's ``stop_at``), at the end of a validation after it, or
+    at the end of an epoch ending with it."""
+
+    def __init__(self, where: str, rank: int, step: int = 0) -> None:
+        self.where, self.rank, self.step = where, rank, step
+
+    def setup(self, trainer: Any, module: Any, stage: str) -> None:
+        if self.where == "training_step":
+            module.stop_at = (self.rank, self.step)
+
+    def _stop(self, trainer: Any, where: str) -> None:
+        here = (self.where, self.rank, self.step + 1)
+        if here == (where, trainer.global_rank, trainer.global_step):
+            trainer.should_stop = True
+
+    def on_validation_end(self, trainer: Any, module: Any) -> None:
+        if not trainer.sanity_checking:
+            self._stop(trainer, "validation_end")
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        self._stop(trainer, "epoch_end")
 
 
 class HourPasses(L.Callback):
@@ -543,6 +575,23 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
         module, recorder = HabitsLM(), Recorder()
         trainer_in(callbacks=[recorder], **flags).fit(module, _validated_data(shuffle))
         out[habit] = {"params": _state(module), "train": recorder.train, "val": recorder.val}
+    # trainer.should_stop set on one rank only, in the first step: every rank stops after it
+    for where, rank, flags in (
+        ("training_step", 1, {"val_check_interval": HABIT_STEPS}),
+        ("validation_end", 0, {"val_check_interval": 1}),
+        ("epoch_end", 3, {"limit_train_batches": 1, "limit_val_batches": 0}),
+    ):
+        module, recorder = HabitsLM(), Recorder()
+        trainer = trainer_in(
+            max_epochs=HABIT_STEPS, callbacks=[recorder, StopOnOneRank(where, rank)], **flags
+        )
+        trainer.fit(module, _validated_data(False))
+        out[f"stop_{where}"] = {
+            "params": _state(module),
+            "train": recorder.train,
+            "val": recorder.val,
+            "global_step": trainer.global_step,
+        }
     return out
 
 
@@ -777,7 +826,8 @@ def test_logs_and_hooks_under_the_sharding_strategies_equal_single_process(
 ) -> None:
     """The same module, logs and clipping under ZeRO-2 and FSDP (over the CP group and over the
     world) as under DDP: every synced log, the validation values and the weights equal one
-    process; the backward hooks run once per step. ZeRO-2 pads the DP ranks to equal
+    process; the backward hooks run once per step; ``trainer.should_stop`` set on one rank in
+    the last step stops every rank there. ZeRO-2 pads the DP ranks to equal
     micro-batch counts with empty micro-batches (they weigh nothing in the token means), so the
     planned counts differ (asserted) while both ranks run the larger."""
     ref = reference()
@@ -1252,6 +1302,34 @@ def test_overfit_batches_and_fast_dev_run(
         assert _distance(losses, fp32["losses"]) <= loss_bound
     for key in ("other", "other_bf16"):
         runs = [[s["run"] for s in out[key][habit]["train"]] for out in ranks]
+        assert runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("where", ["training_step", "validation_end", "epoch_end"])
+def test_should_stop_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]], where: str) -> None:
+    """``trainer.should_stop`` set on one rank only (in ``training_step``, in
+    ``on_validation_end``, in ``on_train_epoch_end``; each in the first step) stops every rank
+    after that step, as one process stops: before, the rank that stopped left the fit or
+    validated alone and the others waited in their collectives until the timeout. Stopping in
+    the step still validates once (Lightning validates on a stop), on every rank. The one step
+    trained equals plain HF's on one process (float32 to :data:`PARAM_ATOL`; ``"bf16-mixed"``
+    by the 16-bit rule)."""
+    fp32, delta_fp32, update_bound, _ = _sixteen_bit_bounds(1)
+    # the validation set holds 2 global batches (each recorded)
+    validated = {"training_step": 2, "validation_end": 2, "epoch_end": 0}[where]
+    for out in ranks:
+        for key in ("other", "other_bf16"):
+            run = out[key][f"stop_{where}"]
+            assert run["global_step"] == 1
+            assert [(s["max"], s["min"]) for s in run["train"]] == [(2, 1)]
+            assert len(run["val"]) == validated
+        run = out["other"][f"stop_{where}"]
+        assert _max_diff(run["params"], fp32["params"][0]) < PARAM_ATOL
+        cell = update(fp32["start"], out["other_bf16"][f"stop_{where}"]["params"])
+        assert relative_distance(cell, delta_fp32) <= update_bound
+    for key in ("other", "other_bf16"):
+        runs = [[s["run"] for s in out[key][f"stop_{where}"]["train"]] for out in ranks]
         assert runs[0] != runs[2]
 
 

@@ -75,6 +75,7 @@ from lightning_skrull.strategies.calibration import CHECKPOINT_KEY, StepCalibrat
 from lightning_skrull.strategies.checkpoint_kinds import CheckpointKind, refuse_other_kind
 from lightning_skrull.strategies.compiled import refuse_compiled
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
+from lightning_skrull.strategies.stopping import StopAgreement
 from lightning_skrull.strategies.weight_averaging import (
     check_averaged_pairs,
     refuse_batch_norm_update,
@@ -167,6 +168,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._calibration: StepCalibration | None = None
         self._calibration_state: dict[str, Any] | None = None
         self._global_loss_out = False
+        self._stop_agreement: StopAgreement | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -856,6 +858,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         if self._skrull_config.bucket_size == AUTO_BUCKET:
             self._measure_bucket_size()
         self._setup_calibration(trainer)
+        self._setup_stop_agreement(trainer)
 
     @override
     def batch_to_device(
@@ -903,6 +906,20 @@ class SkrullStrategyMixin(ParallelStrategy):
             self._calibration.attach(self._attached_module)
             if self._calibration_state is not None:
                 self._calibration.load_state_dict(self._calibration_state)
+
+    def _setup_stop_agreement(self, trainer: pl.Trainer) -> None:
+        """When fitting on several ranks, make them agree on ``trainer.should_stop``
+        (:class:`~lightning_skrull.strategies.stopping.StopAgreement`)."""
+        if trainer.state.fn == "fit" and self.world_size > 1:
+            self._stop_agreement = StopAgreement(trainer, self.root_device, type(self).__name__)
+            self._stop_agreement.attach()
+
+    @override
+    def on_validation_end(self) -> None:
+        # after the callbacks' and the module's on_validation_end and epoch-end hooks
+        if self._stop_agreement is not None:
+            self._stop_agreement.agree()
+        super().on_validation_end()
 
     @override
     def on_train_start(self) -> None:
@@ -986,6 +1003,9 @@ class SkrullStrategyMixin(ParallelStrategy):
     def teardown(self) -> None:
         if self._calibration is not None:
             self._calibration.detach()
+        if self._stop_agreement is not None:
+            self._stop_agreement.detach()
+            self._stop_agreement = None
         self._close_last_context()
         self._stashed_grads = []
         module = self.lightning_module

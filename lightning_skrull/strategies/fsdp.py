@@ -664,6 +664,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         if self._skrull_config.bucket_size == "auto":
             self._measure_bucket_size()
         self._setup_calibration(trainer)
+        self._setup_stop_agreement(trainer)
 
     def _rank_zero_weights_for_meta_ranks(self) -> dict[str, Tensor] | None:
         """Rank 0's full state dict (``{}`` on the other ranks) when some rank built the model on

@@ -1,0 +1,88 @@
+"""``trainer.should_stop`` set on some ranks only stops every rank.
+
+Lightning reads ``trainer.should_stop`` on each rank by itself: a rank that sets it (a NaN guard
+in ``training_step``, a callback deciding on rank 0 only) leaves the fit or starts a validation
+while the others go on to the next step, and every rank then waits in collectives the others
+never join. Lightning's own ``EarlyStopping`` agrees first (``reduce_boolean_decision``); user
+code often does not.
+
+:class:`StopAgreement` makes the ranks agree wherever the fit loop is about to read the flag:
+after each training step (before Lightning decides whether to validate), after each validation
+in a fit, and after each epoch's end hooks. Any rank's ``True`` becomes every rank's, so all
+ranks stop together, as one process would stop. Each agreement is one all-reduce of one integer
+per rank.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class StopAgreement:
+    """Agrees on ``trainer.should_stop`` over the default process group during a fit.
+
+    Args:
+        trainer: the fitting Trainer.
+        device: where the strategy's collectives run (its root device).
+        name: the strategy's name, for the message.
+    """
+
+    def __init__(self, trainer: pl.Trainer, device: torch.device, name: str) -> None:
+        self._trainer = trainer
+        self._device = device
+        self._name = name
+        self._told = False
+        self._wrapped: list[Any] = []  # the loops whose on_advance_end is wrapped
+
+    def attach(self) -> None:
+        """Agree after each training step and after each epoch's end hooks (the fit loop's
+        ``on_advance_end`` of the epoch and of the fit; Lightning has no hook after them)."""
+        fit_loop = self._trainer.fit_loop
+        self._wrap(fit_loop.epoch_loop, before=True)
+        self._wrap(fit_loop, before=False)
+
+    def detach(self) -> None:
+        for loop in self._wrapped:
+            del loop.on_advance_end  # the instance attribute; the class's method again
+        self._wrapped = []
+
+    def _wrap(self, loop: Any, *, before: bool) -> None:
+        original = loop.on_advance_end
+
+        def on_advance_end(*args: Any, **kwargs: Any) -> Any:
+            if before:
+                self.agree()
+                return original(*args, **kwargs)
+            out = original(*args, **kwargs)
+            self.agree()
+            return out
+
+        loop.on_advance_end = on_advance_end
+        self._wrapped.append(loop)
+
+    def agree(self) -> None:
+        """Every rank's ``trainer.should_stop`` becomes ``True`` if any rank's is."""
+        trainer = self._trainer
+        world = dist.get_world_size()
+        flags = torch.zeros(world, dtype=torch.int32, device=self._device)
+        flags[dist.get_rank()] = int(bool(trainer.should_stop))
+        dist.all_reduce(flags)
+        ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        if not ranks:
+            return
+        if len(ranks) < world and not self._told:
+            self._told = True
+            rank_zero_info(
+                f"{self._name}: trainer.should_stop was set on rank(s) "
+                f"{', '.join(map(str, ranks))} only, at global step {trainer.global_step}; "
+                "every rank stops (a rank stopping alone would leave the others waiting in "
+                "their collectives)."
+            )
+        trainer.should_stop = True
