@@ -456,6 +456,26 @@ class RaisingLM(HabitsLM):
         return super().training_step(batch, batch_idx)
 
 
+class OverridingLM(HabitsLM):
+    """Overrides ``optimizer_step`` (the form of Lightning's docs, e.g. for a hand-made warm-up:
+    ``optimizer.step(closure=optimizer_closure)``) and ``optimizer_zero_grad`` (zeros instead
+    of ``None``), counting their calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = {"optimizer_step": 0, "optimizer_zero_grad": 0}
+
+    def optimizer_step(
+        self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
+    ) -> None:
+        self.calls["optimizer_step"] += 1
+        optimizer.step(closure=optimizer_closure)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
+        self.calls["optimizer_zero_grad"] += 1
+        optimizer.zero_grad(set_to_none=False)
+
+
 class StopOnOneRank(L.Callback):
     """Sets ``trainer.should_stop`` on global rank ``rank`` only, in step ``step`` (from 0): in
     ``training_step`` (through the module's ``stop_at``), at the end of a validation after it, or
@@ -545,8 +565,9 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
         module, _habit_data(), ckpt_path=os.path.join(raised, "on_exception.ckpt")
     )
     out["exception"].update(params=_state(module), resumed=recorder.train)
-    # detect_anomaly, deterministic algorithms, the simple profiler and a CSVLogger in one run
-    module, recorder = HabitsLM(), Recorder()
+    # detect_anomaly, deterministic algorithms, the simple profiler and a CSVLogger in one run,
+    # with optimizer_step and optimizer_zero_grad overridden as Lightning's docs show
+    module, recorder = OverridingLM(), Recorder()
     logged = os.path.join(root, "csv")
     trainer = trainer_in(
         max_steps=HABIT_STEPS, callbacks=[recorder], detect_anomaly=True, deterministic=True,
@@ -560,6 +581,7 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
         "train": recorder.train,
         "training_steps": {k: len(v) for k, v in profiled.items() if k.endswith("training_step")},
         "deterministic": torch.are_deterministic_algorithms_enabled(),
+        "overrides": module.calls,
     }
     # Lightning leaves deterministic algorithms on: the next precision's runs start as these did
     torch.use_deterministic_algorithms(False)
@@ -1210,8 +1232,9 @@ def _csv_rows(out: dict[str, Any], key: str) -> list[dict[str, str]]:
 def test_anomaly_detection_determinism_profiler_and_csv_logger(
     ranks: list[dict[str, Any]],
 ) -> None:
-    """``detect_anomaly=True``, ``deterministic=True`` and ``profiler="simple"`` change nothing
-    in the training; the profiler times the strategy's training step once per step; a CSVLogger
+    """``detect_anomaly=True``, ``deterministic=True``, ``profiler="simple"`` and overridden
+    ``optimizer_step`` / ``optimizer_zero_grad`` (each called once per step) change nothing in
+    the training; the profiler times the strategy's training step once per step; a CSVLogger
     gets the global loss on the steps ``log_every_n_steps`` names."""
     ref = habit_reference((LR,) * HABIT_STEPS)
     for out in ranks:
@@ -1220,6 +1243,7 @@ def test_anomaly_detection_determinism_profiler_and_csv_logger(
             assert run["deterministic"]
             assert [(s["max"], s["min"]) for s in run["train"]] == [(2, 1)] * HABIT_STEPS
             assert run["training_steps"] == {"[Strategy]SkrullStrategy.training_step": HABIT_STEPS}
+            assert run["overrides"] == dict.fromkeys(run["overrides"], HABIT_STEPS)
         run = out["other"]["flags"]
         assert [s["user_loss"] for s in run["train"]] == pytest.approx(ref["losses"], rel=VALUE_REL)
         assert _max_diff(run["params"], ref["params"][-1]) < PARAM_ATOL
