@@ -589,7 +589,8 @@ class _RaiseInTheFirstLayer:
 
 class FailsMidCall(L.Callback):
     """After step 1 both ranks call the model (``generate``, or a direct forward); rank 1's call
-    raises in the middle."""
+    raises in the middle, and rank 1 catches the error (a direct forward's inside the block, a
+    ``generate`` call's outside it) and trains on."""
 
     def __init__(self, kind: str, fault_file: str) -> None:
         self.kind = kind
@@ -602,21 +603,32 @@ class FailsMidCall(L.Callback):
 
         faulty = trainer.global_rank == 1
         prompt = torch.tensor([PROMPTS[0]])
-        with trainer.strategy.generating() as model:
-            if self.kind == "forward":
+        if self.kind == "forward":
+            with trainer.strategy.generating() as model:
                 if faulty:
                     model.model.layers[0].register_forward_pre_hook(
                         _RaiseInTheFirstLayer(self.fault_file)
                     )
-                model(prompt)
-                return
-            processors = LogitsProcessorList()
-            if faulty:
-                processors.append(_RaiseAtSecondToken(self.fault_file))
-            model.generate(
-                prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
-                logits_processor=processors,
-            )  # fmt: skip
+                try:
+                    model(prompt)
+                except RuntimeError as err:
+                    if not faulty:
+                        raise
+                    assert str(err) == FORWARD_FAULT
+            return
+        processors = LogitsProcessorList()
+        if faulty:
+            processors.append(_RaiseAtSecondToken(self.fault_file))
+        try:
+            with trainer.strategy.generating() as model:
+                model.generate(
+                    prompt, max_new_tokens=6, do_sample=False, pad_token_id=0,
+                    logits_processor=processors,
+                )  # fmt: skip
+        except RuntimeError as err:
+            if not faulty:
+                raise
+            assert str(err) == GENERATION_FAULT
 
 
 def _fault_case(rank: int, world_size: int, kind: str, fault_file: str) -> str:
@@ -636,11 +648,15 @@ def test_fsdp_call_failing_on_one_rank_ends_every_process_at_once(
     tmp_path: Any, kind: str, fault: str
 ) -> None:
     """A ``generate`` (or a forward called directly) that raises on rank 1 only, in the middle
-    of the call (the other rank is in the parameter all-gathers, where no meeting reaches it):
-    rank 1's error leaves the block at once and ends its process, and rank 0's all-gather fails
-    with it, well within the generation timeout (before, rank 1 waited at the block's exit
-    meeting for the whole ``generation_timeout`` and then showed a timeout instead of its
-    error)."""
+    of the call (the other rank is in the parameter all-gathers, where no meeting reaches it),
+    caught by rank 1: the block ends without its exit meeting, and rank 1 is refused what
+    comes next (the direct forward caught inside the block: the block's exit; the ``generate``
+    error caught outside it: the next collective, the ranks' agreement on
+    ``trainer.should_stop`` after the step), naming the call (and the ``generate`` call's
+    error), which ends its process; rank 0's all-gather fails with it, well within the
+    generation timeout. Before, the caught forward held rank 1 at the exit meeting for the
+    whole ``generation_timeout`` and then showed a timeout, and the caught ``generate`` left
+    rank 1 to go on with collectives that did not pair with rank 0's."""
     from lightning_skrull.runtime.launch import DistributedRunError
 
     fault_file = tmp_path / "fault_time"
@@ -648,7 +664,11 @@ def test_fsdp_call_failing_on_one_rank_ends_every_process_at_once(
         spawn(_fault_case, 2, kind, str(fault_file), timeout=600)
     end = time.time()
     error = str(failed.value)
-    assert f"rank 1 failed:\nRuntimeError: {fault}" in error, error
+    call = "generate call 1" if kind == "generate" else "forward 1, called directly"
+    refused = f"SkrullFSDPStrategy on global rank 1: inside generating(), {call}"
+    assert f"rank 1 failed:\nRuntimeError: {refused}" in error, error
+    if kind == "generate":  # the call's own error, in the refusal
+        assert f"generate call 1 raised after its first forward (RuntimeError: {fault})" in error
     assert "rank 0 failed:" in error, error  # its peer stopped too, on the broken all-gather
     assert "not every rank came" not in error, error  # no exit meeting waited for a timeout
     assert end - float(fault_file.read_text()) < FAULT_EXIT_BOUND_S

@@ -169,6 +169,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._calibration_state: dict[str, Any] | None = None
         self._global_loss_out = False
         self._stop_agreement: StopAgreement | None = None
+        self._out_of_step: str | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -434,7 +435,14 @@ class SkrullStrategyMixin(ParallelStrategy):
             self._check_loss_rule = False
             warnings.warn(CUSTOM_LOSS_MESSAGE, CustomLossWarning, stacklevel=2)
 
+    def _refuse_out_of_step(self) -> None:
+        """Refuse anything with collectives after this rank's collectives fell out of step with
+        the other ranks' (a ``generate`` call that raised in the middle and was caught)."""
+        if self._out_of_step is not None:
+            raise RuntimeError(self._out_of_step)
+
     def _check_plan(self, rank_batch: RankBatch) -> None:
+        self._refuse_out_of_step()  # before the step's first collective
         if not self._skrull_config.verify_plans or rank_batch.world_size == 1:
             return
         device = self.root_device
@@ -911,7 +919,9 @@ class SkrullStrategyMixin(ParallelStrategy):
         """When fitting on several ranks, make them agree on ``trainer.should_stop``
         (:class:`~lightning_skrull.strategies.stopping.StopAgreement`)."""
         if trainer.state.fn == "fit" and self.world_size > 1:
-            self._stop_agreement = StopAgreement(trainer, self.root_device, type(self).__name__)
+            self._stop_agreement = StopAgreement(
+                trainer, self.root_device, type(self).__name__, self._refuse_out_of_step
+            )
             self._stop_agreement.attach()
 
     @override
@@ -978,6 +988,7 @@ class SkrullStrategyMixin(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
+        self._refuse_out_of_step()
         if self._calibration is not None:
             checkpoint[CHECKPOINT_KEY] = self._calibration.state_dict()
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -265,7 +265,8 @@ class _ModelCalls:
     ``generate`` that raised, the ranks agree on where they are and may call the model again.
     A ``generate`` or direct forward that raises after its first collective leaves without
     meeting (the others are inside its all-gathers): the error ends this process, and their
-    collectives with it. A meeting that times out raises too; gloo then closes the group's
+    collectives with it. Caught, it is recorded in :attr:`out_of_step`, and the strategy
+    refuses the rank anything with collectives from then on. A meeting that times out raises too; gloo then closes the group's
     connections, so later blocks of the run raise at once.
     """
 
@@ -288,6 +289,9 @@ class _ModelCalls:
         self._running = False
         """The ``generate`` call or direct forward met the others and went on into its
         collectives."""
+        self.out_of_step: str | None = None
+        """The call that raised in the middle of its collectives, leaving the others inside
+        them: this rank's collectives no longer pair with theirs."""
 
     def before_forward(self, module: nn.Module, args: Any) -> None:
         """Forward pre-hook of the model for the whole block (before FSDP2's own, which
@@ -349,6 +353,8 @@ class _ModelCalls:
                     # error leaves at once and ends this process, and with it the others'
                     # collectives (an exit meeting would hold it for generation_timeout)
                     self._failure = f"generate raised after its first forward ({err})"
+                    self.out_of_step = f"generate call {call} raised after its first forward"
+                    self.out_of_step += f" ({type(err).__name__}: {err})"
                 raise
             finally:
                 self._generating = self._running = False
@@ -360,9 +366,12 @@ class _ModelCalls:
 
     def leave(self, where: int) -> None:
         """Meet the other ranks at the block's exit, unless a meeting of the block failed or a
-        direct forward raised after it met (the others are inside its all-gathers, which no
-        meeting reaches: the error ends this process, and their collectives with it)."""
-        if self._failure is None and not (where == _LEAVING_BY_EXCEPTION and self._running):
+        call raised after its first collective (the others are inside its all-gathers, which
+        no meeting reaches: the error ends this process, and their collectives with it)."""
+        if self._running:  # a direct forward met the others and never returned
+            self.out_of_step = f"forward {self.forwards}, called directly, raised"
+            self._failure = "a direct forward raised after it met the others"
+        if self._failure is None:
             self._meet(where, self.calls, self.forwards)
 
     def _refuse_after_failure(self) -> None:
@@ -425,6 +434,19 @@ class _ModelCalls:
             "same number of prompt batches). Every rank raises this before any forward of "
             "the call, so a run that catches it on every rank trains on unchanged."
         )
+
+
+def _out_of_step_message(rank: int, call: str) -> str:
+    """Why a rank whose model call raised inside :meth:`SkrullFSDPStrategy.generating` in the
+    middle of its collectives may not train, validate, save or generate again."""
+    return (
+        f"SkrullFSDPStrategy on global rank {rank}: inside generating(), {call} on this rank "
+        "while the other ranks were inside its parameter all-gathers, and the error was "
+        "caught. This rank's collectives no longer pair with theirs: a step, a checkpoint or "
+        "another generate call would exchange the wrong tensors with them or wait forever, "
+        "so the run ends here. Let an error inside generating() end the run (do not catch "
+        "it), fix its cause, and resume from the last checkpoint."
+    )
 
 
 def _kind(where: int) -> int:
@@ -787,7 +809,9 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
                 ranks called ``generate`` or the model different numbers of times (the message
                 names each rank's point and the fix); or another rank's ``generate`` call
                 raised before its first forward (the message carries its error; that rank
-                raises its own).
+                raises its own); or, on exit, a call on this rank raised in the middle of its
+                collectives and the error was caught inside the block (nothing with
+                collectives is allowed on this rank afterwards: the run must end).
         """
         self._meet_to_generate()
         with super().generating() as model:
@@ -810,8 +834,13 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
                 for hook in hooks:
                     hook.remove()
                 calls.leave(leaving)
+                if calls.out_of_step is not None:
+                    self._out_of_step = _out_of_step_message(self.global_rank, calls.out_of_step)
+                    if leaving == _LEAVING:  # the error was caught inside the block
+                        self._refuse_out_of_step()
 
     def _meet_to_generate(self) -> None:
+        self._refuse_out_of_step()
         group = self._generation_group
         if group is None:
             return

@@ -15,6 +15,7 @@ per rank.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,12 +33,16 @@ class StopAgreement:
         trainer: the fitting Trainer.
         device: where the strategy's collectives run (its root device).
         name: the strategy's name, for the message.
+        check: called before each agreement's collective; raises to refuse it.
     """
 
-    def __init__(self, trainer: pl.Trainer, device: torch.device, name: str) -> None:
+    def __init__(
+        self, trainer: pl.Trainer, device: torch.device, name: str, check: Callable[[], None]
+    ) -> None:
         self._trainer = trainer
         self._device = device
         self._name = name
+        self._check = check
         self._told = False
         self._wrapped: list[Any] = []  # the loops whose on_advance_end is wrapped
 
@@ -69,6 +74,7 @@ class StopAgreement:
 
     def agree(self) -> None:
         """Every rank's ``trainer.should_stop`` becomes ``True`` if any rank's is."""
+        self._check()
         trainer = self._trainer
         world = dist.get_world_size()
         flags = torch.zeros(world, dtype=torch.int32, device=self._device)
