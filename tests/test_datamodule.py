@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.data import has_iterable_dataset
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule, SkrullStrategy
+from lightning_skrull.config import AUTO_BUCKET
 from lightning_skrull.data import GlobalBatchSampler, load_sft_data
 from lightning_skrull.data.batch import CostModelSchedule, RankPlanner, plan_stats
 from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader, split_dataset
@@ -464,3 +465,49 @@ def test_named_sets_are_checked_against_the_layout_and_need_dataloader_idx(
         cpu_trainer(SkrullStrategy(bucket_size=40)).validate(
             PlainLM(), SkrullDataModule(val_data=sets, truncate=True)
         )
+
+
+class _EstimatingLM(PlainLM):
+    """Reads ``trainer.estimated_stepping_batches`` in ``configure_optimizers``, as learning-rate
+    schedules do: Lightning then builds the training loader in the middle of the strategy's
+    setup."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.estimated = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
+
+
+MEASURED_BUCKET = 96  # the longest of make_samples() has 86 tokens
+
+
+class _AutoBucketOnCPU(SkrullStrategy):
+    """``bucket_size="auto"`` as on CUDA, on the CPU: the bucket is ``"auto"`` from the start of
+    setup until setup measures it (here: sets :data:`MEASURED_BUCKET`)."""
+
+    def _check_trainer(self, trainer: L.Trainer) -> None:
+        super()._check_trainer(trainer)  # built with an explicit bucket, which CPU accepts
+        self._skrull_config = dataclasses.replace(self._skrull_config, bucket_size=AUTO_BUCKET)
+
+    def _measure_bucket_size(self) -> None:
+        self._skrull_config = dataclasses.replace(self._skrull_config, bucket_size=MEASURED_BUCKET)
+
+
+def test_estimated_stepping_batches_before_the_auto_bucket_is_measured(
+    world_of_one: None,
+) -> None:
+    """``trainer.estimated_stepping_batches`` in ``configure_optimizers`` with
+    ``bucket_size="auto"``: the training loader Lightning builds then, before the bucket is
+    measured, plans with the measured bucket (before, building it raised that the bucket was not
+    measured yet); the estimate is the epoch's global batches."""
+    buckets: list[int] = []
+
+    class Buckets(L.Callback):
+        def on_train_batch_end(self, trainer: Any, module: Any, *args: Any) -> None:
+            buckets.append(args[1].rank_batch.plan.bucket_size)
+
+    module = _EstimatingLM()
+    trainer = cpu_trainer(_AutoBucketOnCPU(bucket_size=64), max_epochs=1, callbacks=[Buckets()])
+    samples = make_samples()
+    trainer.fit(module, SkrullDataModule(train_data=samples, global_batch_size=4))
+    assert module.estimated == -(-len(samples) // 4) == len(buckets)
+    assert set(buckets) == {MEASURED_BUCKET}

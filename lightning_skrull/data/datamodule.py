@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import pickle
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
 
 import lightning.pytorch as pl
@@ -33,7 +33,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_skrull.config import DataConfig
+from lightning_skrull.config import AUTO_BUCKET, DataConfig
 from lightning_skrull.data.batch import (
     LOSS_KEYS,
     CostModelSchedule,
@@ -73,7 +73,8 @@ class GlobalBatchStream(IterableDataset):
     Args:
         dataset: the samples.
         sampler: the global-batch sampler (position and epoch live there).
-        planner: this rank's planner.
+        planner: this rank's planner (``None``: set before the first iteration, by the loader's
+            ``prepare``).
         schedule: which cost model plans which batch (``None``: always the planner's).
         name: the name of a validation or test set, given to every batch as
             :attr:`SkrullBatch.dataset_name` (``None``: an unnamed set, or training).
@@ -83,7 +84,7 @@ class GlobalBatchStream(IterableDataset):
         self,
         dataset: SFTDataset | SampleView,
         sampler: GlobalBatchSampler,
-        planner: RankPlanner,
+        planner: RankPlanner | None,
         schedule: CostModelSchedule | None = None,
         name: str | None = None,
     ) -> None:
@@ -98,6 +99,8 @@ class GlobalBatchStream(IterableDataset):
     def build(self, indices: Sequence[int], epoch: int, index: int) -> SkrullBatch:
         """This rank's batch of the global batch ``indices`` at position ``(epoch, index)``."""
         planner = self.planner
+        if planner is None:
+            raise RuntimeError("a GlobalBatchStream without a planner was iterated")
         if self.schedule is not None:
             planner = planner.with_cost_model(self.schedule.model_for(epoch, index))
         samples = [self.dataset.arrays(i) for i in indices]
@@ -207,6 +210,8 @@ class SkrullDataLoader(DataLoader):
             workers would.
         trainer: the Trainer whose progress counts the batches actually trained (Lightning
             fetches ahead of training); without it, batches handed out are counted.
+        prepare: called at the start of every iteration, in the main process, before any
+            worker starts it: sets what the stream plans with from the strategy's state then.
     """
 
     def __init__(
@@ -216,6 +221,7 @@ class SkrullDataLoader(DataLoader):
         num_workers: int = 0,
         persistent_workers: bool = False,
         trainer: pl.Trainer | None = None,
+        prepare: Callable[[], None] | None = None,
     ) -> None:
         self._forwarder = _forwarder(stream.sampler)
         persistent_workers = persistent_workers and num_workers > 0
@@ -228,6 +234,7 @@ class SkrullDataLoader(DataLoader):
             persistent_workers=persistent_workers,
         )
         self._trainer = trainer
+        self._prepare = prepare
         self._handed_out: tuple[int, int] | None = None  # (epoch, batches) handed out
 
     # DataLoader sets ``self.sampler`` in __init__; this property keeps that value out of the
@@ -249,6 +256,8 @@ class SkrullDataLoader(DataLoader):
     # return type says; Lightning only iterates it.
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         stream: GlobalBatchStream = self.dataset  # type: ignore[assignment]
+        if self._prepare is not None:
+            self._prepare()
         schedule = stream.schedule
         if stream.snapshot is not None:  # before super().__iter__() tells the workers to begin
             stream.snapshot.write(stream.sampler, schedule)
@@ -795,23 +804,33 @@ class SkrullDataModule(pl.LightningDataModule):
                 f"{strategy.dp_size} (any number works; more sequences per DP rank balance "
                 "better), or use fewer processes or a larger cp_size."
             )
-        bucket = self._resolve_bucket_size(strategy)
-        try:
-            self._validate(dataset, strategy, bucket)
-        except (ValueError, TypeError) as err:
-            if name is None:
-                raise
-            argument = "val_data" if hook == "val_dataloader" else "test_data"
-            _raise_in_set(f"{argument}[{name!r}]", err)
-        planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
-        schedule = None
-        if hook == "train_dataloader":
-            schedule = getattr(strategy, "cost_model_schedule", None)
-        stream = GlobalBatchStream(dataset, sampler, planner, schedule, name)
+        stream = GlobalBatchStream(dataset, sampler, None, None, name)
+
+        def plan_with_the_strategy() -> None:
+            if stream.planner is None:
+                bucket = self._resolve_bucket_size(strategy)
+                try:
+                    self._validate(dataset, strategy, bucket)
+                except (ValueError, TypeError) as err:
+                    if name is None:
+                        raise
+                    argument = "val_data" if hook == "val_dataloader" else "test_data"
+                    _raise_in_set(f"{argument}[{name!r}]", err)
+                stream.planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
+            if hook == "train_dataloader":
+                stream.schedule = getattr(strategy, "cost_model_schedule", None)
+
+        # Lightning builds the training loader in the middle of the strategy's setup when
+        # configure_optimizers reads trainer.estimated_stepping_batches (as learning-rate
+        # schedules do), before a bucket_size="auto" is measured and online calibration starts:
+        # what the stream plans with is then settled when an iteration starts
+        if strategy.skrull_config.bucket_size != AUTO_BUCKET:
+            plan_with_the_strategy()  # refuse samples that do not fit now
         trainer = self.trainer if hook == "train_dataloader" else None
         return SkrullDataLoader(
             stream,
             num_workers=self.config.num_workers,
             persistent_workers=self.config.persistent_workers,
             trainer=trainer,
+            prepare=plan_with_the_strategy,
         )
