@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib
 import math
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
-from lightning.pytorch.utilities import rank_zero_only
+from lightning.pytorch.utilities import rank_zero_only, rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_skrull.data.batch import SkrullBatch
@@ -96,7 +96,14 @@ class SkrullCausalLM(pl.LightningModule):
         learning_rate: AdamW learning rate.
         weight_decay: AdamW weight decay.
         betas: AdamW betas.
-        warmup_steps: linear warm-up steps of the learning rate (then constant).
+        warmup_steps: linear warm-up steps of the learning rate.
+        lr_schedule: the learning rate after the warm-up, per optimizer step: ``"constant"``
+            (the warm-up multiplies step ``s`` by ``min(1, (s + 1) / warmup_steps)``), or
+            ``"linear"`` / ``"cosine"``, transformers' ``get_linear_schedule_with_warmup`` /
+            ``get_cosine_schedule_with_warmup`` (what ``lr_scheduler_type`` picks in
+            transformers' ``Trainer``), decaying to 0 over the fit's optimizer steps
+            (``trainer.estimated_stepping_batches``: the global batches of ``max_epochs``
+            epochs, or ``max_steps``).
         torch_dtype: dtype to load the weights in (``"bfloat16"``, ``"float32"``; ``None``: the
             checkpoint's).
         gradient_checkpointing: recompute activations in backward (long sequences).
@@ -137,6 +144,7 @@ class SkrullCausalLM(pl.LightningModule):
         weight_decay: float = 0.0,
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 0,
+        lr_schedule: Literal["constant", "linear", "cosine"] = "constant",
         torch_dtype: str | None = None,
         gradient_checkpointing: bool = False,
         load_on_rank_zero: bool | None = None,
@@ -153,6 +161,11 @@ class SkrullCausalLM(pl.LightningModule):
             raise ValueError(f"learning_rate must be > 0, got {learning_rate}.")
         if warmup_steps < 0:
             raise ValueError(f"warmup_steps must be >= 0, got {warmup_steps}.")
+        if lr_schedule not in LR_SCHEDULES:
+            raise ValueError(
+                f"lr_schedule must be one of {', '.join(map(repr, LR_SCHEDULES))}, got "
+                f"{lr_schedule!r}."
+            )
         self.save_hyperparameters()
         hf_model = self._build_model(
             model, torch_dtype, bool(load_on_rank_zero), dequantize_mxfp4=dequantize_mxfp4
@@ -248,23 +261,60 @@ class SkrullCausalLM(pl.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        """AdamW over the trainable parameters (the adapters under ``lora``), with an optional
-        linear warm-up."""
+        """AdamW over the trainable parameters (the adapters under ``lora``), with the
+        learning-rate schedule of ``warmup_steps`` and ``lr_schedule``, stepped per optimizer
+        step.
+
+        Raises:
+            ValueError: ``lr_schedule`` decays over a fit without a finite number of steps
+                (``max_epochs=-1`` and no ``max_steps``).
+        """
         hp = cast("AttributeDict", self.hparams)  # save_hyperparameters() made it one
         trainable = [p for p in self.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(
             trainable, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
         )
-        if not hp.warmup_steps:
-            return optimizer
         warmup = int(hp.warmup_steps)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
-        )
+        schedule = hp.get("lr_schedule", "constant")  # absent from older checkpoints
+        if schedule == "constant":
+            if not warmup:
+                return optimizer
+            scheduler: Any = torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lambda step: min(1.0, (step + 1) / warmup)
+            )
+        else:
+            scheduler = _decaying_schedule(optimizer, schedule, warmup, self.trainer)
         return {
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+LR_SCHEDULES = ("constant", "linear", "cosine")
+"""What :class:`SkrullCausalLM`'s ``lr_schedule`` takes."""
+
+
+def _decaying_schedule(optimizer: Any, schedule: str, warmup: int, trainer: pl.Trainer) -> Any:
+    """transformers' linear or cosine schedule with ``warmup`` steps, decaying to 0 over the
+    fit's optimizer steps."""
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    total = trainer.estimated_stepping_batches
+    if not math.isfinite(total):
+        raise ValueError(
+            f"lr_schedule={schedule!r} decays the learning rate over the fit's optimizer steps, "
+            "but this fit has no end (max_epochs=-1 and no max_steps). Set trainer.max_steps "
+            "or trainer.max_epochs, or use lr_schedule='constant'."
+        )
+    if int(total) <= warmup:  # a short trial of a recipe, say: transformers' schedule as is
+        rank_zero_warn(
+            f"lr_schedule={schedule!r}: the fit runs {int(total)} optimizer steps, within "
+            f"warmup_steps={warmup}, so the learning rate only warms up."
+        )
+    build = (
+        get_cosine_schedule_with_warmup if schedule == "cosine" else get_linear_schedule_with_warmup
+    )
+    return build(optimizer, warmup, int(total))
 
 
 def _mxfp4_dequantization(name_or_path: str, config: Any) -> Any:

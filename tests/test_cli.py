@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as L
 import pytest
 import torch
 import yaml
@@ -135,6 +136,74 @@ def test_module_builds_the_tiny_qwen2_5() -> None:
     assert module.model.config.num_key_value_heads == 2
     config = module.configure_optimizers()
     assert config["lr_scheduler"]["interval"] == "step"
+
+
+class _LearningRates(L.Callback):
+    """The learning rate each optimizer step ran with."""
+
+    def __init__(self) -> None:
+        self.lrs: list[float] = []
+
+    def on_before_optimizer_step(self, trainer: Any, module: Any, optimizer: Any) -> None:
+        self.lrs.append(float(optimizer.param_groups[0]["lr"]))
+
+
+SCHEDULE_BATCHES, SCHEDULE_EPOCHS, SCHEDULE_WARMUP, SCHEDULE_LR = 3, 2, 2, 1e-3
+
+
+@pytest.mark.parametrize("schedule", ["linear", "cosine"])
+def test_decaying_learning_rate_is_transformers_schedule_over_the_fit(
+    world_of_one: None, schedule: str
+) -> None:
+    """``lr_schedule="linear"`` / ``"cosine"``: the learning rate of every optimizer step is
+    transformers' own schedule over the fit's steps (the global batches of every epoch, what
+    ``trainer.estimated_stepping_batches`` gives; checked at DP=2 x CP=2 in
+    tests/test_lightning_habits.py)."""
+    from transformers import get_cosine_schedule_with_warmup, get_linear_schedule_with_warmup
+
+    from lightning_skrull import SkrullStrategy
+
+    recorder = _LearningRates()
+    trainer = L.Trainer(
+        strategy=SkrullStrategy(bucket_size=64), accelerator="cpu", devices=1,
+        max_epochs=SCHEDULE_EPOCHS, callbacks=[recorder], logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    module = SkrullCausalLM(
+        model=TINY_QWEN2_5, learning_rate=SCHEDULE_LR, warmup_steps=SCHEDULE_WARMUP,
+        lr_schedule=schedule,  # type: ignore[arg-type]
+    )  # fmt: skip
+    samples = [{"input_ids": list(range(1, 9 + k))} for k in range(2 * SCHEDULE_BATCHES)]
+    trainer.fit(module, SkrullDataModule(train_data=samples, global_batch_size=2))
+    steps = SCHEDULE_BATCHES * SCHEDULE_EPOCHS
+    assert trainer.estimated_stepping_batches == steps == len(recorder.lrs)
+    build = {"linear": get_linear_schedule_with_warmup, "cosine": get_cosine_schedule_with_warmup}
+    optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=SCHEDULE_LR)
+    reference = build[schedule](optimizer, SCHEDULE_WARMUP, steps)
+    expected = []
+    for _ in range(steps):
+        expected.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        reference.step()
+    assert recorder.lrs == pytest.approx(expected, rel=1e-12)
+    assert recorder.lrs[0] == 0.0 and recorder.lrs[SCHEDULE_WARMUP] == SCHEDULE_LR  # warm-up
+    assert recorder.lrs[-1] < recorder.lrs[SCHEDULE_WARMUP + 1] < SCHEDULE_LR  # decays
+
+
+def test_decaying_learning_rate_needs_a_finite_fit(world_of_one: None) -> None:
+    from lightning_skrull import SkrullStrategy
+
+    with pytest.raises(ValueError, match="lr_schedule"):
+        SkrullCausalLM(model=TINY_QWEN2_5, lr_schedule="step")  # type: ignore[arg-type]
+    samples = [{"input_ids": list(range(1, 9))} for _ in range(4)]
+    trainer = L.Trainer(
+        strategy=SkrullStrategy(bucket_size=64), accelerator="cpu", devices=1, max_epochs=-1,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    module = SkrullCausalLM(model=TINY_QWEN2_5, warmup_steps=2, lr_schedule="cosine")
+    with pytest.raises(ValueError, match=r"lr_schedule='cosine'.*no end \(max_epochs=-1"):
+        trainer.fit(module, SkrullDataModule(train_data=samples, global_batch_size=2))
 
 
 def test_short_fit_prints_speed_and_plan_statistics(

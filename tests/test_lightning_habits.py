@@ -459,11 +459,17 @@ class RaisingLM(HabitsLM):
 class OverridingLM(HabitsLM):
     """Overrides ``optimizer_step`` (the form of Lightning's docs, e.g. for a hand-made warm-up:
     ``optimizer.step(closure=optimizer_closure)``) and ``optimizer_zero_grad`` (zeros instead
-    of ``None``), counting their calls."""
+    of ``None``), counting their calls, and reads ``trainer.estimated_stepping_batches`` in
+    ``configure_optimizers`` (where schedules read it)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.calls = {"optimizer_step": 0, "optimizer_zero_grad": 0}
+        self.estimated_steps: float | None = None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        self.estimated_steps = self.trainer.estimated_stepping_batches
+        return super().configure_optimizers()
 
     def optimizer_step(
         self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None
@@ -570,7 +576,7 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
     module, recorder = OverridingLM(), Recorder()
     logged = os.path.join(root, "csv")
     trainer = trainer_in(
-        max_steps=HABIT_STEPS, callbacks=[recorder], detect_anomaly=True, deterministic=True,
+        max_epochs=1, callbacks=[recorder], detect_anomaly=True, deterministic=True,
         profiler="simple", logger=CSVLogger(logged, name="", version=""),
         log_every_n_steps=LOG_EVERY,
     )  # fmt: skip
@@ -582,6 +588,7 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
         "training_steps": {k: len(v) for k, v in profiled.items() if k.endswith("training_step")},
         "deterministic": torch.are_deterministic_algorithms_enabled(),
         "overrides": module.calls,
+        "estimated_steps": module.estimated_steps,
     }
     # Lightning leaves deterministic algorithms on: the next precision's runs start as these did
     torch.use_deterministic_algorithms(False)
@@ -1234,7 +1241,8 @@ def test_anomaly_detection_determinism_profiler_and_csv_logger(
 ) -> None:
     """``detect_anomaly=True``, ``deterministic=True``, ``profiler="simple"`` and overridden
     ``optimizer_step`` / ``optimizer_zero_grad`` (each called once per step) change nothing in
-    the training; the profiler times the strategy's training step once per step; a CSVLogger
+    the training; ``trainer.estimated_stepping_batches`` (read in ``configure_optimizers``, as
+    learning-rate schedules do) is the epoch's global batches; the profiler times the strategy's training step once per step; a CSVLogger
     gets the global loss on the steps ``log_every_n_steps`` names."""
     ref = habit_reference((LR,) * HABIT_STEPS)
     for out in ranks:
@@ -1244,6 +1252,8 @@ def test_anomaly_detection_determinism_profiler_and_csv_logger(
             assert [(s["max"], s["min"]) for s in run["train"]] == [(2, 1)] * HABIT_STEPS
             assert run["training_steps"] == {"[Strategy]SkrullStrategy.training_step": HABIT_STEPS}
             assert run["overrides"] == dict.fromkeys(run["overrides"], HABIT_STEPS)
+            # one epoch of HABIT_STEPS global batches, whatever each rank's share of them
+            assert run["estimated_steps"] == HABIT_STEPS
         run = out["other"]["flags"]
         assert [s["user_loss"] for s in run["train"]] == pytest.approx(ref["losses"], rel=VALUE_REL)
         assert _max_diff(run["params"], ref["params"][-1]) < PARAM_ATOL
