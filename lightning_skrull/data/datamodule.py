@@ -187,8 +187,9 @@ class _OrderedEpochForwarder(_EpochForwarder, SequentialSampler):  # type: ignor
     ``SequentialSampler`` to Lightning, which (under ``Trainer(overfit_batches=...)``) otherwise
     tries to rebuild the loader with one to turn shuffling off."""
 
-    def __len__(self) -> int:  # infinite, as the unordered forwarder
-        raise TypeError("the loader's sampler attribute has no length; len(loader) has")
+    def __init__(self, target: GlobalBatchSampler) -> None:
+        super().__init__(target)
+        self.data_source = target  # SequentialSampler's length: the epoch's global batches
 
 
 def _forwarder(sampler: GlobalBatchSampler) -> _EpochForwarder:
