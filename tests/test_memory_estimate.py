@@ -113,7 +113,9 @@ def _layer_per_token(
 
 
 class _Held:
-    """What the saved-tensors hook hands autograd: dies when autograd drops the tensor."""
+    """What the saved-tensors hook hands autograd: dies when autograd drops the tensor, by
+    reference counting (the graph holds no reference cycle, so the count needs no
+    ``gc.collect()``, which takes a second per call with the whole suite's objects alive)."""
 
     __slots__ = ("__weakref__", "tensor")
 
@@ -127,7 +129,6 @@ def _prepared_kept_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
     runs), each storage once, parameters left out. Also left out: the causal mask of an
     attention-sink call, a ``tokens x (tokens + 1)`` tensor that SDPA's CPU kernel saves (on
     CUDA the call takes a lower-right causal bias, no tensor); it is not per token."""
-    import gc
     import weakref
 
     from helpers import make_samples
@@ -158,7 +159,6 @@ def _prepared_kept_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
         torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor),
     ):
         out = model(**mb.inputs)
-    gc.collect()
     kept = {}
     for ref in held:
         h = ref()
