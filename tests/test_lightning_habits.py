@@ -4,8 +4,8 @@ and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelChec
 Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learning-rate finder,
 ``max_time`` and ``OnExceptionCheckpoint`` (and resuming from what they leave),
 ``detect_anomaly``, ``deterministic``, the simple profiler, a ``CSVLogger``, ``overfit_batches``,
-``fast_dev_run`` and ``trainer.should_stop`` set on one rank, with DP ranks that run different
-numbers of micro-batches.
+``fast_dev_run``, ``trainer.should_stop`` set on one rank and a second ``trainer.fit`` on the
+same Trainer, with DP ranks that run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed`` (the callbacks, value clipping and short epochs in ``32-true``); the bytes the CP
@@ -91,6 +91,11 @@ VALUE_REL = 1e-5
 # (0-based), and the CSVLogger writes every LOG_EVERY steps
 HABIT_STEPS, TIMER_STOP, RAISE_AT, LOG_EVERY = 4, 1, 2, 2
 OVERFIT_EPOCHS = 2  # Trainer(overfit_batches=1): the first global batch, once per epoch
+# a second trainer.fit on the same Trainer, one epoch more: SECOND_FIT_BATCHES global batches of
+# shuffled data per epoch (limit_train_batches)
+SECOND_FIT_BATCHES = 2
+Batch = int | tuple[int, ...]
+"""A step of :func:`habit_reference`: a global batch in dataset order, or sample indices."""
 LR_FINDER_BETA = 0.98  # the smoothing of Lightning's learning-rate finder (its default)
 # a resumed run against the uninterrupted run of its precision: the same micro-batches on the
 # same float32 weights, but DDP rebuilds its gradient buckets after the first step of each run,
@@ -604,6 +609,22 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
         module, recorder = HabitsLM(), Recorder()
         trainer_in(callbacks=[recorder], **flags).fit(module, _validated_data(shuffle))
         out[habit] = {"params": _state(module), "train": recorder.train, "val": recorder.val}
+    # a second fit on the same Trainer, as a notebook trains one epoch more: it goes on from the
+    # weights and the epoch the first left, with that epoch's shuffled order
+    module, recorder = HabitsLM(), Recorder()
+    trainer = trainer_in(
+        max_epochs=1, limit_train_batches=SECOND_FIT_BATCHES, limit_val_batches=0,
+        callbacks=[recorder],
+    )  # fmt: skip
+    data = _validated_data(True)
+    trainer.fit(module, data)
+    trainer.fit_loop.max_epochs = 2
+    trainer.fit(module, data)
+    out["second_fit"] = {
+        "params": _state(module),
+        "train": recorder.train,
+        "global_step": trainer.global_step,
+    }
     # trainer.should_stop set on one rank only, in the first step: every rank stops after it
     for where, rank, flags in (
         ("training_step", 1, {"val_check_interval": HABIT_STEPS}),
@@ -719,10 +740,11 @@ def reference(autocast: bool = False) -> dict[str, Any]:
 
 @functools.cache
 def habit_reference(
-    lrs: tuple[float, ...], autocast: bool = False, batches: tuple[int, ...] | None = None
+    lrs: tuple[float, ...], autocast: bool = False, batches: tuple[Batch, ...] | None = None
 ) -> dict[str, Any]:
     """Plain HF SGD on one process over the first ``len(lrs)`` global batches of the other
-    habits' data (or global batch ``batches[k]`` in step ``k``, in dataset order), learning rate
+    habits' data (or ``batches[k]`` in step ``k``: a global batch in dataset order, or the
+    samples of that index), learning rate
     ``lrs[k]`` in step ``k``, no clipping, the forward under ``torch.autocast("cpu", bfloat16)``
     with ``autocast`` (what ``"bf16-mixed"`` runs on CPU, float32 weights and SGD): the loss of
     each step, the parameters before the first step (``start``) and after each, and the
@@ -736,8 +758,11 @@ def habit_reference(
     order = range(len(lrs)) if batches is None else batches
     with one_thread():
         for lr, b in zip(lrs, order, strict=True):
+            chosen = (
+                [data[i] for i in b] if isinstance(b, tuple) else data[b * size : (b + 1) * size]
+            )
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                total, tokens, right = _batch_terms(model, data[b * size : (b + 1) * size])
+                total, tokens, right = _batch_terms(model, chosen)
             loss = total / tokens
             optimizer.zero_grad()
             loss.backward()
@@ -1080,7 +1105,7 @@ def _smoothed(losses: list[float]) -> list[float]:
 
 
 def _sixteen_bit_bounds(
-    steps: int, batches: tuple[int, ...] | None = None
+    steps: int, batches: tuple[Batch, ...] | None = None
 ) -> tuple[dict[str, Any], np.ndarray, float, float]:
     """The 16-bit rule for ``steps`` SGD steps of :data:`LR` of the other habits' data (the
     global batches ``batches``, see :func:`habit_reference`): the float32 reference, its update,
@@ -1364,6 +1389,50 @@ def test_should_stop_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]], w
         assert relative_distance(cell, delta_fp32) <= update_bound
     for key in ("other", "other_bf16"):
         runs = [[s["run"] for s in out[key][f"stop_{where}"]["train"]] for out in ranks]
+        assert runs[0] != runs[2]
+
+
+def _shuffled_batches(epochs: int, batches: int) -> tuple[tuple[int, ...], ...]:
+    """The samples of the first ``batches`` global batches of each epoch of the other habits'
+    data shuffled with ``SkrullDataModule``'s default seed 0: docs/data.md's order, a
+    permutation per epoch from numpy's generator seeded with ``(seed, epoch)``."""
+    size, count = len(LENGTHS), len(LENGTHS) * HABIT_STEPS
+    out = []
+    for epoch in range(epochs):
+        order = np.random.default_rng(np.random.SeedSequence([0, epoch])).permutation(count)
+        out += [tuple(int(i) for i in order[k * size : (k + 1) * size]) for k in range(batches)]
+    return tuple(out)
+
+
+@pytest.mark.multiprocess
+def test_a_second_fit_on_the_same_trainer_trains_the_next_epoch(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``trainer.fit`` again after raising ``trainer.fit_loop.max_epochs`` (one epoch more, as
+    in a notebook) trains the second epoch's shuffled global batches from the weights the first
+    fit left, as one process trains two epochs. Lightning builds the optimizer again for the
+    second fit (SGD without momentum here: no state to lose). The weights are plain HF's on one
+    process to :data:`PARAM_ATOL` in float32, and by the 16-bit rule in ``"bf16-mixed"``."""
+    batches = _shuffled_batches(2, SECOND_FIT_BATCHES)
+    first, second = batches[:SECOND_FIT_BATCHES], batches[SECOND_FIT_BATCHES:]
+    assert sorted(first) != sorted(second)  # the epochs' global batches differ
+    steps = len(batches)
+    fp32, delta_fp32, update_bound, loss_bound = _sixteen_bit_bounds(steps, batches)
+    for out in ranks:
+        for key in ("other", "other_bf16"):
+            run = out[key]["second_fit"]
+            assert run["global_step"] == steps
+            # the composition of the reference's global batches, step by step
+            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
+        run = out["other"]["second_fit"]
+        losses = [s["user_loss"] for s in run["train"]]
+        assert losses == pytest.approx(fp32["losses"], rel=VALUE_REL)
+        assert _max_diff(run["params"], fp32["params"][-1]) < PARAM_ATOL
+        run = out["other_bf16"]["second_fit"]
+        assert relative_distance(update(fp32["start"], run["params"]), delta_fp32) <= update_bound
+        assert _distance([s["user_loss"] for s in run["train"]], fp32["losses"]) <= loss_bound
+    for key in ("other", "other_bf16"):
+        runs = [[s["run"] for s in out[key]["second_fit"]["train"]] for out in ranks]
         assert runs[0] != runs[2]
 
 
