@@ -16,6 +16,9 @@ One spawn of 4 processes, DP=2 x CP=2, runs every case (each process start costs
   in float32 and in ``bf16-mixed``; so does resume from the one file of full weights that
   ``save_distributed_checkpoint=False`` writes, which a plain LightningModule loads on one
   process;
+- a second ``trainer.fit`` on the same Trainer (one epoch more) goes on from the first fit's
+  weights with the second epoch's shuffled data, as the uninterrupted run, in float32 and in
+  ``bf16-mixed``;
 - new Trainers (FSDP2 in bf16-true, on the other shard axis, a fit, DDP) refuse the module the
   first one sharded, at set-up, before casting anything; the first Trainer then validates it
   as one process does;
@@ -83,6 +86,7 @@ from test_precision_matrix import reference_training as matrix_reference
 from lightning_skrull.runtime.launch import spawn
 
 STEPS = 2
+SECOND_FIT_BATCHES = 2  # global batches per epoch of the second-fit runs (limit_train_batches)
 CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the update
 # gradient_clip_algorithm="value": between the smallest and the largest gradient entry of every
 # step (asserted), so the clip changes some entries and leaves others
@@ -393,6 +397,27 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["whole"], out["whole_steps"] = _full_params(whole.model), whole_rec.steps
     out["resumed"], out["resumed_steps"] = _full_params(resumed.model), resumed_rec.steps
     out["ckpt_is_dir"] = os.path.isdir(os.path.join(ckpt_dir, "step=2.ckpt"))
+
+    # a second fit on the same Trainer (one epoch more, as in a notebook): FSDP's setup runs
+    # again on the sharded module, which goes on from the first fit's weights with the second
+    # epoch's shuffled data, as the uninterrupted two-epoch run does (SGD without momentum: the
+    # optimizer Lightning builds again for the second fit has no state to lose)
+    for precision in ("32-true", "bf16-mixed"):
+        again = {"shuffle": True, "seed": 6, "calibration": "off", "precision": precision,
+                 "limit_train_batches": SECOND_FIT_BATCHES}  # fmt: skip
+        module, trainer, recorder = _fit(-1, max_epochs=1, **again)
+        first_end = _full_params(module.model)
+        trainer.fit_loop.max_epochs = 2
+        trainer.fit(module, trainer.datamodule)
+        whole, _, whole_rec = _fit(-1, max_epochs=2, **again)
+        out[f"second_fit/{precision}"] = {
+            "first_end": first_end,
+            "second_start": recorder.before,
+            "params": _full_params(module.model),
+            "steps": recorder.steps,
+            "whole": _full_params(whole.model),
+            "whole_steps": whole_rec.steps,
+        }
 
     # save_distributed_checkpoint=False: the step-2 checkpoint as one file of full weights and
     # optimizer states (rank 0 writes it), resumed to step 4 against the uninterrupted run above
@@ -867,6 +892,32 @@ def test_resume_from_sharded_checkpoint_equals_uninterrupted_run(
         # same data, same momentum: only the order of float32 operations could differ, and
         # it does not (measured difference 0)
         assert max_diff(out["resumed"], out["whole"]) < 1e-7
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("precision", ["32-true", "bf16-mixed"])
+def test_a_second_fit_on_the_same_trainer_goes_on_from_the_first(
+    runs: list[dict[str, Any]], precision: str
+) -> None:
+    """``trainer.fit`` again on the same Trainer after raising ``fit_loop.max_epochs``: FSDP's
+    setup runs again on the sharded module, the second fit starts from the weights the first
+    left and trains the second epoch's global batches, ending where the uninterrupted two-epoch
+    run ends. The same operations on the same values in the same order: measured equal (0.0)
+    in both precisions; 1e-7 leaves room for a reduction order only."""
+    for out in runs:
+        run = out[f"second_fit/{precision}"]
+        assert max_diff(run["second_start"], run["first_end"]) == 0.0
+        steps = [(s["index"], s["samples"]) for s in run["steps"]]
+        assert steps == [(s["index"], s["samples"]) for s in run["whole_steps"]]
+        assert len(steps) == 2 * SECOND_FIT_BATCHES
+        # the second epoch's shuffled global batches are not the first's
+        first = sorted(i for _, samples in steps[:SECOND_FIT_BATCHES] for i in samples)
+        assert first != sorted(i for _, samples in steps[SECOND_FIT_BATCHES:] for i in samples)
+        assert max_diff(run["params"], run["whole"]) < 1e-7
+    counts = [
+        [s["max"] != s["min"] for s in out[f"second_fit/{precision}"]["steps"]] for out in runs
+    ]
+    assert all(any(c) for c in counts)  # the DP ranks run different micro-batch counts
 
 
 # ----------------------------------------------------------------------------- bf16
