@@ -18,6 +18,10 @@ Both references are independent of the package: a plain Hugging Face model with 
 on one process, one sequence at a time, summed token cross-entropy over the global batch's
 supervised tokens, one backward per global batch; in float32, and in bf16 with float32 master
 weights (what DeepSpeed's bf16 does).
+
+On one process: a later fit of a model a ``bf16-mixed`` fit trained, which would start from the
+bf16 copies of the masters DeepSpeed kept in its optimizer, is refused unless it resumes a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -253,3 +257,45 @@ def test_held_zero_grad_keeps_gradients_until_released() -> None:
     assert "zero_grad" not in vars(optimizer) and "zero_grad" not in vars(wrapper)
     wrapper.zero_grad()
     assert param.grad is None
+
+
+def test_a_later_fit_from_the_16_bit_copies_of_the_masters_is_refused(
+    world_of_one: None, tmp_path: Any
+) -> None:
+    """After a ``bf16-mixed`` fit under ``SkrullZero2Strategy`` the float32 master weights stay
+    in DeepSpeed's optimizer and the model holds their bf16 copies: a second ``trainer.fit`` on
+    the same Trainer (one step more, as in a notebook) or a fit under another strategy would
+    start from weights rounded to bf16 (measured at DP=2 x CP=2: 7.8e-3 from the uninterrupted
+    run after 4 steps, 0.0 in ``32-true``). Both are refused before any step; resuming the
+    first fit's checkpoint, which holds the masters, trains on. In ``32-true`` the model's
+    parameters are the masters, and a second fit trains on."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_skrull import SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
+
+    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH)
+    module = PlainLM()
+    save = ModelCheckpoint(dirpath=tmp_path, filename="{step}", every_n_train_steps=1)
+    trainer = cpu_trainer(
+        SkrullZero2Strategy(bucket_size=ONE_MICRO_BATCH), max_steps=1, precision="bf16-mixed",
+        callbacks=[save], enable_checkpointing=True,
+    )  # fmt: skip
+    trainer.fit(module, data)
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    refusal = (
+        r"SkrullZero2Strategy in 'bf16-mixed' in this process\. DeepSpeed kept its float32 "
+        r"master weights .* rounded to 16 bits .* ckpt_path=.*strategy\.save_pretrained"
+    )
+    with pytest.raises(ValueError, match=rf"SkrullZero2Strategy: .*{refusal}"):
+        trainer.fit(module, data)
+    with pytest.raises(ValueError, match=rf"SkrullStrategy: .*{refusal}"):
+        cpu_trainer(SkrullStrategy(bucket_size=ONE_MICRO_BATCH), max_steps=1).fit(module, data)
+    assert trainer.global_step == 1  # no step was trained
+    trainer.fit(module, data, ckpt_path=str(tmp_path / "step=1.ckpt"))
+    assert trainer.global_step == 2
+    float32 = PlainLM()
+    trainer = cpu_trainer(SkrullZero2Strategy(bucket_size=ONE_MICRO_BATCH), max_steps=1)
+    trainer.fit(float32, data)
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    trainer.fit(float32, data)
+    assert trainer.global_step == 2

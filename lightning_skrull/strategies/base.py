@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import time
 import warnings
+import weakref
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from pathlib import Path
@@ -89,6 +90,14 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
+
+MASTERS_LEFT_IN_AN_OPTIMIZER: weakref.WeakKeyDictionary[torch.nn.Module, str] = (
+    weakref.WeakKeyDictionary()
+)
+"""Hugging Face models that a fit trained with its float32 master weights apart from the
+model (:attr:`SkrullStrategyMixin.masters_apart_in`: DeepSpeed's 16-bit optimizers), with that
+fit's strategy and precision. The masters stayed in that fit's optimizer; the model's parameters hold their
+16-bit copies, so a later fit would start from rounded weights unless it resumes a checkpoint."""
 """Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
 
 
@@ -129,6 +138,12 @@ class SkrullStrategyMixin(ParallelStrategy):
     _stashed_grads: list[tuple[torch.nn.Parameter, Tensor]]
     _step_start: float | None
     _step_tokens: int
+
+    masters_apart_in: tuple[str, ...] = ()
+    """The precisions in which the optimizer steps float32 master weights kept apart from the
+    model's parameters, which hold 16-bit copies of them (DeepSpeed's ``bf16`` and ``fp16``);
+    a later fit of the model without a checkpoint is refused (see
+    :data:`MASTERS_LEFT_IN_AN_OPTIMIZER`)."""
 
     requires_equal_micro_batches: bool = False
     """Whether every DP rank must run the same number of micro-batches per step (ZeRO-2
@@ -934,7 +949,36 @@ class SkrullStrategyMixin(ParallelStrategy):
     @override
     def on_train_start(self) -> None:
         self._check_loss_rule = True  # checked in the first training step of each fit
+        self._refuse_rounded_masters()
         super().on_train_start()
+
+    def _refuse_rounded_masters(self) -> None:
+        """Refuse a fit, without a checkpoint to resume, of a model whose float32 master weights
+        an earlier fit left in its optimizer (after the checkpoint, if any, is restored; every
+        rank alike, as every rank ran the same fits); note this fit's when it keeps them apart.
+
+        Raises:
+            ValueError: the model's parameters hold 16-bit copies of an earlier fit's masters.
+        """
+        hf_model = self._hf_model
+        if hf_model is None:
+            return
+        trainer = self._attached_module.trainer
+        earlier = MASTERS_LEFT_IN_AN_OPTIMIZER.get(hf_model)
+        if earlier is not None and trainer.ckpt_path is None:
+            raise ValueError(
+                f"{type(self).__name__}: this model was trained by an earlier fit of "
+                f"{earlier} in this process. DeepSpeed kept its float32 master weights in that fit's optimizer and the model's parameters "
+                "hold their 16-bit copies, so this fit would start from weights rounded to 16 "
+                "bits (up to 2^-8 of each, in bf16). Resume the earlier fit from one of its "
+                "checkpoints instead, which hold the masters (trainer.fit(module, data, "
+                "ckpt_path=...) with a larger max_epochs or max_steps), or write the trained "
+                "model with trainer.strategy.save_pretrained(path) after that fit and train a "
+                "module loaded from it."
+            )
+        precision = str(getattr(self.precision_plugin, "precision", ""))
+        if precision in self.masters_apart_in:
+            MASTERS_LEFT_IN_AN_OPTIMIZER[hf_model] = f"{type(self).__name__} in {precision!r}"
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:

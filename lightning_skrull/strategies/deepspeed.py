@@ -186,6 +186,7 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
 
     strategy_name = "skrull_zero2"
     requires_equal_micro_batches = True
+    masters_apart_in = ("bf16-mixed", "bf16-true", *FP16_PRECISIONS)
     checkpoint_kinds = ("deepspeed",)
     weight_averaging_refusal = (
         "DeepSpeed keeps the weights the optimizer steps (float32 masters in its partitions) "
