@@ -90,15 +90,16 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
+"""Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
 
 MASTERS_LEFT_IN_AN_OPTIMIZER: weakref.WeakKeyDictionary[torch.nn.Module, str] = (
     weakref.WeakKeyDictionary()
 )
 """Hugging Face models that a fit trained with its float32 master weights apart from the
 model (:attr:`SkrullStrategyMixin.masters_apart_in`: DeepSpeed's 16-bit optimizers), with that
-fit's strategy and precision. The masters stayed in that fit's optimizer; the model's parameters hold their
-16-bit copies, so a later fit would start from rounded weights unless it resumes a checkpoint."""
-"""Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
+fit's strategy and precision. The masters stayed in that fit's optimizer; the model's
+parameters hold their 16-bit copies, so a later fit would start from rounded weights unless it
+resumes a checkpoint."""
 
 
 def _refuse_metrics_synced_on_step(module: torch.nn.Module) -> None:
@@ -968,9 +969,10 @@ class SkrullStrategyMixin(ParallelStrategy):
         if earlier is not None and trainer.ckpt_path is None:
             raise ValueError(
                 f"{type(self).__name__}: this model was trained by an earlier fit of "
-                f"{earlier} in this process. DeepSpeed kept its float32 master weights in that fit's optimizer and the model's parameters "
-                "hold their 16-bit copies, so this fit would start from weights rounded to 16 "
-                "bits (up to 2^-8 of each, in bf16). Resume the earlier fit from one of its "
+                f"{earlier} in this process. DeepSpeed kept its float32 master weights in that "
+                "fit's optimizer and the model's parameters hold their 16-bit copies, so this "
+                "fit would start from weights rounded to 16 bits (up to 2^-8 of each, in bf16). "
+                "Resume the earlier fit from one of its "
                 "checkpoints instead, which hold the masters (trainer.fit(module, data, "
                 "ckpt_path=...) with a larger max_epochs or max_steps), or write the trained "
                 "model with trainer.strategy.save_pretrained(path) after that fit and train a "
