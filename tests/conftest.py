@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -50,12 +51,21 @@ def data_cache_in_tmp(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None
 
 @pytest.fixture
 def world_of_one() -> Iterator[None]:
-    """A Trainer run in this process makes a one-rank process group; remove it afterwards."""
+    """A Trainer run in this process makes a one-rank process group; remove it afterwards.
+
+    DeepSpeed keeps a clone of the world group for the life of the process
+    (``deepspeed.utils.groups._WORLD_GROUP``), which a destroyed world leaves unusable: the
+    next test's ZeRO-2 engine would fail with "Group ... is not registered". It is dropped with
+    the world, so DeepSpeed clones the next one.
+    """
     saved = dict(os.environ)
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        groups = sys.modules.get("deepspeed.utils.groups")
+        if groups is not None:
+            groups._WORLD_GROUP = None
         os.environ.clear()
         os.environ.update(saved)
