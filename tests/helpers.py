@@ -716,6 +716,28 @@ class PlainLM(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=LR, momentum=self.momentum)
 
 
+class UnfreezingLM(PlainLM):
+    """:class:`PlainLM` whose embeddings are frozen when it is built and unfrozen in a hook
+    before step :data:`UNFREEZE_AT` (from 0), with the model in ``dtype``; with ``freeze_head``
+    the LM head is frozen there too."""
+
+    def __init__(self, dtype: torch.dtype = torch.float32, freeze_head: bool = False) -> None:
+        super().__init__()
+        self.model.to(dtype)
+        self.model.model.embed_tokens.weight.requires_grad_(False)
+        self.freeze_head = freeze_head
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step == UNFREEZE_AT:
+            self.model.model.embed_tokens.weight.requires_grad_(True)
+            if self.freeze_head:
+                self.model.lm_head.weight.requires_grad_(False)
+
+
+UNFREEZE_AT = 1
+"""The step before which :class:`UnfreezingLM` unfreezes its embeddings."""
+
+
 WARMUP = 4
 """Steps of :class:`WarmupLM`'s linear warm-up: step ``s`` (from 0) runs
 ``LR * min(1, (s + 1) / WARMUP)``, the CLI's schedule."""

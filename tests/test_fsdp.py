@@ -60,11 +60,13 @@ from helpers import (
     LOSS_SCALE,
     LR,
     MIN_SLOWDOWN,
+    UNFREEZE_AT,
     WARMUP,
     BatchRecorder,
     LayerCallCounter,
     PlainLM,
     ScaledBackwardLM,
+    UnfreezingLM,
     WarmupLM,
     bf16_policy_training,
     cpu_trainer,
@@ -1358,6 +1360,34 @@ def test_refusals(world_of_one: None) -> None:
         _fit_one(_MetaLM())
     with pytest.raises(ValueError, match=r"some outside it \(\['scale'\]"):
         _fit_one(_MetaOutside())
+    # a parameter frozen at setup is sharded as loaded (bf16 here), not as a float32 master:
+    # unfreezing it mid-fit is refused before the step (torch would fail in the backward,
+    # assigning a float32 gradient to the bf16 shard)
+    with pytest.raises(
+        ValueError,
+        match=rf"unfrozen during the fit, before global step {UNFREEZE_AT}: "
+        r"\['model\.model\.embed_tokens\.weight \(bfloat16\)'\], frozen at setup.*"
+        r"dtype=torch\.float32.*SkrullStrategy",
+    ):
+        _fit_one(UnfreezingLM(torch.bfloat16), steps=UNFREEZE_AT + 1, precision="bf16-mixed")
+
+
+def test_a_parameter_unfrozen_mid_fit_trains_under_the_bf16_policy(world_of_one: None) -> None:
+    """Embeddings loaded in float32, frozen at setup and unfrozen in a hook: under
+    ``"bf16-mixed"`` (FSDP2's policy) they stay put until the step they are unfrozen before and
+    train from it (the DP=2 x CP=2 run in ``32-true`` equals one process:
+    tests/test_lightning_habits.py)."""
+    module = UnfreezingLM()
+    start = module.model.model.embed_tokens.weight.detach().clone()
+    moved: list[bool] = []
+
+    def record(*_: Any) -> None:
+        weight = module.model.model.embed_tokens.weight.detach().full_tensor()
+        moved.append(not torch.equal(weight, start))
+
+    module.on_train_batch_end = record  # type: ignore[method-assign]
+    _fit_one(module, steps=UNFREEZE_AT + 1, precision="bf16-mixed")
+    assert moved == [False] * UNFREEZE_AT + [True]
 
 
 def test_decoder_layers_are_the_no_split_modules() -> None:

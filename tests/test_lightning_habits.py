@@ -24,8 +24,10 @@ from __future__ import annotations
 
 import csv
 import functools
+import itertools
 import math
 import os
+import weakref
 from typing import Any
 
 import lightning.pytorch as L
@@ -47,6 +49,7 @@ from helpers import (
     trained_params,
 )
 from lightning.pytorch.callbacks import (
+    BaseFinetuning,
     EarlyStopping,
     ModelCheckpoint,
     OnExceptionCheckpoint,
@@ -96,6 +99,10 @@ OVERFIT_EPOCHS = 2  # Trainer(overfit_batches=1): the first global batch, once p
 SECOND_FIT_BATCHES = 2
 Batch = int | tuple[int, ...]
 """A step of :func:`habit_reference`: a global batch in dataset order, or sample indices."""
+# PhasedFinetuning: 2 epochs of the first 2 global batches in dataset order; the embeddings are
+# frozen in the first epoch, the LM head in the second
+PHASED_BATCHES: tuple[Batch, ...] = (0, 1, 0, 1)
+PHASED_FROZEN = (("model.embed_tokens.weight",),) * 2 + (("lm_head.weight",),) * 2
 LR_FINDER_BETA = 0.98  # the smoothing of Lightning's learning-rate finder (its default)
 # a resumed run against the uninterrupted run of its precision: the same micro-batches on the
 # same float32 weights, but DDP rebuilds its gradient buckets after the first step of each run,
@@ -437,7 +444,24 @@ def _habit_cases(rank: int, world_size: int, checkpoint_dir: str) -> dict[str, A
     out["fsdp_max_time"] = _fsdp_max_time(os.path.join(checkpoint_dir, "fsdp"))
     for name in SHARDED:
         out[name] = _sharded_habits(name)
+    out["fsdp_phased"] = _fsdp_phased()
     return out
+
+
+def _fsdp_phased() -> dict[str, Any]:
+    """The ``BaseFinetuning`` run of :func:`_other_habits` under ``SkrullFSDPStrategy`` in
+    ``32-true``: the full weights (rank 0's) and what the recorder saw."""
+    module, recorder = HabitsLM(), Recorder()
+    strategy = skrull_strategy("fsdp", cp_size=CP, bucket_size=BUCKET, chunked_loss=False)
+    trainer = cpu_trainer(
+        strategy,
+        max_epochs=2,
+        limit_train_batches=2,
+        limit_val_batches=0,
+        callbacks=[recorder, PhasedFinetuning()],
+    )
+    trainer.fit(module, _validated_data(False))
+    return {"params": trained_params(module.model, trainer.strategy), "train": recorder.train}
 
 
 def _habit_data() -> Any:
@@ -485,6 +509,37 @@ class OverridingLM(HabitsLM):
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: Any) -> None:
         self.calls["optimizer_zero_grad"] += 1
         optimizer.zero_grad(set_to_none=False)
+
+
+class PhasedFinetuning(BaseFinetuning):
+    """Lightning's ``BaseFinetuning`` as its docs use it: the embeddings frozen before the fit
+    and unfrozen into a parameter group of their own when epoch 1 starts, where the LM head is
+    frozen instead (:data:`PHASED_FROZEN`). Records, at that epoch's end, whether the module
+    runs in another DDP wrapper than in epoch 0 and whether the first one is gone."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first_wrapper: Any = None
+        self.wrappers: dict[str, bool] = {}
+
+    def freeze_before_training(self, pl_module: Any) -> None:
+        self.freeze(pl_module.model.model.embed_tokens)
+
+    def finetune_function(self, pl_module: Any, current_epoch: int, optimizer: Any) -> None:
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.model.model.embed_tokens, optimizer, lr=LR)
+            self.freeze(pl_module.model.lm_head)
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self.first_wrapper = weakref.ref(trainer.strategy.model)
+
+    def on_train_epoch_end(self, trainer: Any, pl_module: Any) -> None:
+        if trainer.current_epoch == 1:
+            first = self.first_wrapper()
+            self.wrappers = {
+                "first_alive": first is not None,
+                "rewrapped": first is not trainer.strategy.model,
+            }
 
 
 class StopOnOneRank(L.Callback):
@@ -625,6 +680,13 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
         "train": recorder.train,
         "global_step": trainer.global_step,
     }
+    # BaseFinetuning: the embeddings unfrozen and the LM head frozen when epoch 1 starts
+    module, recorder, phased = HabitsLM(), Recorder(), PhasedFinetuning()
+    trainer = trainer_in(
+        max_epochs=2, limit_train_batches=2, limit_val_batches=0, callbacks=[recorder, phased]
+    )
+    trainer.fit(module, _validated_data(False))
+    out["phased"] = {"params": _state(module), "train": recorder.train, **phased.wrappers}
     # trainer.should_stop set on one rank only, in the first step: every rank stops after it
     for where, rank, flags in (
         ("training_step", 1, {"val_check_interval": HABIT_STEPS}),
@@ -740,12 +802,16 @@ def reference(autocast: bool = False) -> dict[str, Any]:
 
 @functools.cache
 def habit_reference(
-    lrs: tuple[float, ...], autocast: bool = False, batches: tuple[Batch, ...] | None = None
+    lrs: tuple[float, ...],
+    autocast: bool = False,
+    batches: tuple[Batch, ...] | None = None,
+    frozen: tuple[tuple[str, ...], ...] | None = None,
 ) -> dict[str, Any]:
     """Plain HF SGD on one process over the first ``len(lrs)`` global batches of the other
     habits' data (or ``batches[k]`` in step ``k``: a global batch in dataset order, or the
     samples of that index), learning rate
-    ``lrs[k]`` in step ``k``, no clipping, the forward under ``torch.autocast("cpu", bfloat16)``
+    ``lrs[k]`` in step ``k``, the parameters named in ``frozen[k]`` frozen in step ``k`` (no
+    gradient: SGD leaves them), no clipping, the forward under ``torch.autocast("cpu", bfloat16)``
     with ``autocast`` (what ``"bf16-mixed"`` runs on CPU, float32 weights and SGD): the loss of
     each step, the parameters before the first step (``start``) and after each, and the
     supervised and correctly predicted tokens of each."""
@@ -757,7 +823,9 @@ def habit_reference(
     losses, params, supervised, correct = [], [], [], []
     order = range(len(lrs)) if batches is None else batches
     with one_thread():
-        for lr, b in zip(lrs, order, strict=True):
+        for step, (lr, b) in enumerate(zip(lrs, order, strict=True)):
+            for name, p in model.named_parameters():
+                p.requires_grad_(frozen is None or name not in frozen[step])
             chosen = (
                 [data[i] for i in b] if isinstance(b, tuple) else data[b * size : (b + 1) * size]
             )
@@ -1105,14 +1173,16 @@ def _smoothed(losses: list[float]) -> list[float]:
 
 
 def _sixteen_bit_bounds(
-    steps: int, batches: tuple[Batch, ...] | None = None
+    steps: int,
+    batches: tuple[Batch, ...] | None = None,
+    frozen: tuple[tuple[str, ...], ...] | None = None,
 ) -> tuple[dict[str, Any], np.ndarray, float, float]:
     """The 16-bit rule for ``steps`` SGD steps of :data:`LR` of the other habits' data (the
-    global batches ``batches``, see :func:`habit_reference`): the float32 reference, its update,
-    and the bounds of a run's update and logged losses (``RATIO`` x single-process bf16
-    autocast's distance to float32, plus ``FLOOR``)."""
-    fp32 = habit_reference((LR,) * steps, batches=batches)
-    bf16 = habit_reference((LR,) * steps, autocast=True, batches=batches)
+    global batches ``batches``, the parameters ``frozen``, see :func:`habit_reference`): the
+    float32 reference, its update, and the bounds of a run's update and logged losses
+    (``RATIO`` x single-process bf16 autocast's distance to float32, plus ``FLOOR``)."""
+    fp32 = habit_reference((LR,) * steps, batches=batches, frozen=frozen)
+    bf16 = habit_reference((LR,) * steps, autocast=True, batches=batches, frozen=frozen)
     delta_fp32 = update(fp32["start"], fp32["params"][-1])
     own = relative_distance(update(bf16["start"], bf16["params"][-1]), delta_fp32)
     loss_bound = RATIO * _distance(bf16["losses"], fp32["losses"]) + FLOOR
@@ -1434,6 +1504,57 @@ def test_a_second_fit_on_the_same_trainer_trains_the_next_epoch(
     for key in ("other", "other_bf16"):
         runs = [[s["run"] for s in out[key]["second_fit"]["train"]] for out in ranks]
         assert runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+def test_parameters_frozen_and_unfrozen_mid_fit_train_as_on_one_process(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """Lightning's ``BaseFinetuning`` unfreezes the embeddings (into a parameter group of
+    their own) and freezes the LM head when epoch 1 starts. DDP reduces the gradients of the
+    parameters trainable when it was built, and only those: before ``SkrullStrategy`` wrapped
+    the module again at such a change, the unfrozen embeddings stepped with each DP rank's own
+    gradient (with only the embeddings unfrozen: 0.039 from one process after 4 steps at DP=2
+    x CP=2, the DP ranks' copies 0.057 apart; plain Lightning's DDP does the same), and the
+    frozen head left DDP waiting for its gradient (a RuntimeError at the next step that asks
+    for ``find_unused_parameters``). Now the weights are plain HF's on one process,
+    with the same parameters frozen in each step, to :data:`PARAM_ATOL` in float32 and by the
+    16-bit rule in ``"bf16-mixed"``; each rank runs a new wrapper, and the first is gone. The
+    same run under ``SkrullFSDPStrategy`` equals the reference too."""
+    steps = len(PHASED_BATCHES)
+    fp32, delta_fp32, update_bound, loss_bound = _sixteen_bit_bounds(
+        steps, PHASED_BATCHES, PHASED_FROZEN
+    )
+    # the phases matter: the embeddings move in the second epoch only, the head in the first
+    for name, moves in (("model.embed_tokens.weight", (0, 0, 1, 1)),
+                        ("lm_head.weight", (1, 1, 0, 0))):  # fmt: skip
+        before = [fp32["start"], *fp32["params"]]
+        moved = tuple(
+            int(not np.array_equal(a[name], b[name])) for a, b in itertools.pairwise(before)
+        )
+        assert moved == moves
+    for out in ranks:
+        for key in ("other", "other_bf16"):
+            run = out[key]["phased"]
+            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
+            assert run["rewrapped"] and not run["first_alive"]
+        run = out["other"]["phased"]
+        assert [s["user_loss"] for s in run["train"]] == pytest.approx(
+            fp32["losses"], rel=VALUE_REL
+        )
+        assert _max_diff(run["params"], fp32["params"][-1]) < PARAM_ATOL
+        run = out["other_bf16"]["phased"]
+        assert relative_distance(update(fp32["start"], run["params"]), delta_fp32) <= update_bound
+        assert _distance([s["user_loss"] for s in run["train"]], fp32["losses"]) <= loss_bound
+    for key in ("other", "other_bf16"):
+        runs = [[s["run"] for s in out[key]["phased"]["train"]] for out in ranks]
+        assert runs[0] != runs[2]  # the DP ranks ran different micro-batch counts
+    # FSDP2 reduce-scatters whatever gradients the backward leaves: the same run under
+    # SkrullFSDPStrategy needs nothing more (full weights on rank 0)
+    fsdp = ranks[0]["fsdp_phased"]
+    assert _max_diff(fsdp["params"], fp32["params"][-1]) < PARAM_ATOL
+    runs = [[s["run"] for s in out["fsdp_phased"]["train"]] for out in ranks]
+    assert runs[0] != runs[2]
 
 
 # ----------------------------------------------------------------------------- one process

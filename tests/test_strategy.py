@@ -22,6 +22,7 @@ from helpers import (
     max_diff,
     reference_loss,
     reference_training,
+    tiny_qwen2,
 )
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import StrategyRegistry
@@ -321,3 +322,27 @@ def test_world_of_one_fit_equals_single_process(
     # trainer.test runs the test_step per micro-batch; test_loss is the token mean of the set
     test_loss = trainer.test(model, data, verbose=False)[0]["test_loss"]
     assert test_loss == pytest.approx(reference_loss(params, make_data(5, seed=2)), rel=1e-5)
+
+
+def test_trainable_parameters_name_what_changed() -> None:
+    from lightning_skrull.strategies.trainable import TrainableChange, TrainableParameters
+
+    model = tiny_qwen2()
+    watched = TrainableParameters(model)
+    assert watched.change() is None
+    model.model.embed_tokens.weight.requires_grad_(False)
+    for layer in model.model.layers:
+        layer.mlp.requires_grad_(False)
+    change = watched.change()
+    assert change is not None and change.unfrozen == ()
+    assert change.frozen[0] == "model.embed_tokens.weight" and len(change.frozen) == 7
+    assert change.describe() == (
+        "frozen 7 (model.embed_tokens.weight, model.layers.0.mlp.gate_proj.weight, "
+        "model.layers.0.mlp.up_proj.weight and 4 more)"
+    )
+    assert watched.change() is None  # noted
+    model.model.embed_tokens.weight.requires_grad_(True)
+    model.lm_head.weight.requires_grad_(False)
+    assert watched.change() == TrainableChange(
+        unfrozen=("model.embed_tokens.weight",), frozen=("lm_head.weight",)
+    )

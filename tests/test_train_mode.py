@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import PlainLM, cpu_trainer, make_data, tiny_qwen2
+from helpers import UNFREEZE_AT, PlainLM, UnfreezingLM, cpu_trainer, make_data, tiny_qwen2
 from lightning.pytorch.plugins.precision import MixedPrecision
 
 from lightning_skrull.models.modes import cast_trainable_parameters, train_mode_for_fit
@@ -160,3 +160,27 @@ def test_resumed_fit_loads_the_float32_master_weights_into_float32(
     final = dict(resumed.state_dict())
     for key, value in whole.state_dict().items():
         assert torch.equal(final[key], value), key
+
+
+def test_a_bf16_parameter_unfrozen_mid_fit_gets_float32_master_weights(world_of_one: None) -> None:
+    """A model loaded in bf16 whose embeddings, frozen at setup (and so left in bf16), are
+    unfrozen in a hook during a ``"bf16-mixed"`` fit: ``SkrullStrategy`` casts them to float32
+    before the step, as it casts the trainable weights at setup, so they train in float32 from
+    the loaded bf16 values (cast losslessly)."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    module = UnfreezingLM(torch.bfloat16)
+    embed = module.model.model.embed_tokens.weight
+    loaded = embed.detach().clone()
+    seen: list[tuple[torch.dtype, bool]] = []
+    module.on_train_batch_end = lambda *_: seen.append(  # type: ignore[method-assign]
+        (embed.dtype, torch.equal(embed.detach().float(), loaded.float()))
+    )
+    trainer = cpu_trainer(
+        SkrullStrategy(bucket_size=80), max_steps=UNFREEZE_AT + 1, precision="bf16-mixed"
+    )
+    data = SkrullDataModule(train_data=make_data(8), global_batch_size=4, shuffle=False)
+    trainer.fit(module, data)
+    assert module.model.model.embed_tokens.weight is embed  # the optimizer's parameter
+    # frozen in bf16 until step UNFREEZE_AT, trained in float32 from it
+    assert seen == [(torch.bfloat16, True)] * UNFREEZE_AT + [(torch.float32, False)]

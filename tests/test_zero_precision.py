@@ -36,8 +36,10 @@ import torch
 from helpers import (
     GLOBAL_BATCH,
     LR,
+    UNFREEZE_AT,
     BatchRecorder,
     PlainLM,
+    UnfreezingLM,
     cpu_trainer,
     make_data,
     reference_model,
@@ -299,3 +301,28 @@ def test_a_later_fit_from_the_16_bit_copies_of_the_masters_is_refused(
     trainer.fit_loop.epoch_loop.max_steps = 2
     trainer.fit(float32, data)
     assert trainer.global_step == 2
+
+
+def test_parameters_frozen_or_unfrozen_mid_fit_are_refused(world_of_one: None) -> None:
+    """DeepSpeed builds its optimizer's partitions from the parameters trainable when the fit
+    starts: embeddings unfrozen in a hook later were never trained (0.021 from one process after
+    4 steps at DP=2 x CP=2, exactly their starting values), and a head frozen later would still
+    be stepped. Both are refused before the step that would run with them, naming them.
+    (Lightning itself refuses its ``BaseFinetuning`` callbacks under DeepSpeed.) Both fits run
+    in one test: DeepSpeed keeps its process groups across a new default group."""
+    from lightning_skrull import SkrullDataModule, SkrullZero2Strategy
+
+    data = SkrullDataModule(train_data=make_data(), global_batch_size=GLOBAL_BATCH)
+    for freeze_head in (False, True):
+        trainer = cpu_trainer(SkrullZero2Strategy(bucket_size=ONE_MICRO_BATCH), max_steps=3)
+        change = r"unfrozen 1 \(model\.model\.embed_tokens\.weight\)"
+        if freeze_head:
+            change += r"; frozen 1 \(model\.lm_head\.weight\)"
+        refusal = (
+            rf"SkrullZero2Strategy: the trainable parameters changed during the fit, before "
+            rf"global step {UNFREEZE_AT} \({change}\)\..*never be trained.*still be stepped.*"
+            r"save_pretrained.*SkrullStrategy or SkrullFSDPStrategy"
+        )
+        with pytest.raises(ValueError, match=refusal):
+            trainer.fit(UnfreezingLM(freeze_head=freeze_head), data)
+        assert trainer.global_step == UNFREEZE_AT

@@ -77,6 +77,7 @@ from lightning_skrull.strategies.checkpoint_kinds import CheckpointKind, refuse_
 from lightning_skrull.strategies.compiled import refuse_compiled
 from lightning_skrull.strategies.step_logging import StepLogs, combine_outputs
 from lightning_skrull.strategies.stopping import StopAgreement
+from lightning_skrull.strategies.trainable import TrainableChange, TrainableParameters
 from lightning_skrull.strategies.weight_averaging import (
     check_averaged_pairs,
     refuse_batch_norm_update,
@@ -186,6 +187,7 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._global_loss_out = False
         self._stop_agreement: StopAgreement | None = None
         self._out_of_step: str | None = None
+        self._trainable: TrainableParameters | None = None
 
     # ------------------------------------------------------------------ properties
     @property
@@ -603,6 +605,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._step_start = time.perf_counter()
         self._close_last_context()
         self._stashed_grads = []
+        if self._trainable is not None and (change := self._trainable.change()) is not None:
+            self._follow_trainable_change(change)
         rank_batch, stats = self._as_rank_batch(args[0], "training_step")
         timer = None
         if self._calibration is not None:
@@ -883,6 +887,7 @@ class SkrullStrategyMixin(ParallelStrategy):
             self._measure_bucket_size()
         self._setup_calibration(trainer)
         self._setup_stop_agreement(trainer)
+        self._watch_trainable_parameters(trainer)
 
     @override
     def batch_to_device(
@@ -939,6 +944,18 @@ class SkrullStrategyMixin(ParallelStrategy):
                 trainer, self.root_device, type(self).__name__, self._refuse_out_of_step
             )
             self._stop_agreement.attach()
+
+    def _watch_trainable_parameters(self, trainer: pl.Trainer) -> None:
+        """When fitting, note which parameters are trainable now that the module is set up
+        (:class:`~lightning_skrull.strategies.trainable.TrainableParameters`); each training
+        step starts by following what changed since (:meth:`_follow_trainable_change`)."""
+        fitting = trainer.state.fn == "fit"
+        self._trainable = TrainableParameters(self._attached_module) if fitting else None
+
+    def _follow_trainable_change(self, change: TrainableChange) -> None:
+        """Make the gradient synchronisation follow parameters frozen or unfrozen since the
+        setup or the last step (``BaseFinetuning`` callbacks, ``requires_grad_`` in a hook),
+        before the step's first forward; or raise where the strategy cannot."""
 
     @override
     def on_validation_end(self) -> None:

@@ -31,6 +31,7 @@ from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.models.multimodal import text_only_unused_parameters
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
+from lightning_skrull.strategies.trainable import TrainableChange
 from lightning_skrull.strategies.weight_averaging import match_averaged_dtypes
 
 if TYPE_CHECKING:
@@ -265,6 +266,37 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
     @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:
         return self.block_backward_sync()
+
+    @override
+    def _follow_trainable_change(self, change: TrainableChange) -> None:
+        """Wrap the module in DDP again when parameters were frozen or unfrozen during the fit.
+
+        DDP's reducer hooks and all-reduces the parameters that were trainable when it was
+        built, and only those: a parameter unfrozen later (``BackboneFinetuning``) would step
+        with each DP rank's own gradient and the ranks' weights would drift apart (plain
+        Lightning's DDP does so, silently), and a parameter frozen later would leave the
+        reducer waiting for its gradient. The new wrapper is built without DDP's initial
+        broadcast (``init_sync=False``): every rank holds the same weights already. Newly
+        trainable 16-bit parameters get float32 master weights first, as at setup. Every rank
+        must make the same change before the same step, as Lightning's callbacks and hooks do.
+        """
+        self._use_float32_master_weights()
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            self.model = model.module
+            del model  # the old reducer's hooks go with it
+            kwargs = self._ddp_kwargs
+            self._ddp_kwargs = {**kwargs, "init_sync": False}
+            try:
+                super().configure_ddp()
+            finally:
+                self._ddp_kwargs = kwargs
+        trainer = self._attached_module.trainer
+        rank_zero_info(
+            f"{type(self).__name__}: the trainable parameters changed before global step "
+            f"{trainer.global_step} ({change.describe()}); DDP, which reduces the gradients of "
+            "the parameters trainable when it was built, is wrapped around the module again."
+        )
 
     @classmethod
     @override

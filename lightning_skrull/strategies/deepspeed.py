@@ -54,6 +54,7 @@ from lightning_skrull.config import Calibration, SkrullConfig
 from lightning_skrull.models.saving import cpu_state_dict
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
+from lightning_skrull.strategies.trainable import TrainableChange
 
 if TYPE_CHECKING:
     import deepspeed
@@ -438,6 +439,27 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         setter = getattr(engine, "set_gradient_accumulation_boundary", None)
         if setter is not None:
             setter(is_boundary)
+
+    @override
+    def _follow_trainable_change(self, change: TrainableChange) -> None:
+        """Refuse parameters frozen or unfrozen during the fit: DeepSpeed partitions the
+        parameters trainable when its engine is built into its optimizer and gradient buffers,
+        so one unfrozen later would never be stepped and one frozen later would keep being
+        stepped (by momentum and weight decay), both silently.
+
+        Raises:
+            ValueError: always; the message names the parameters and the fix.
+        """
+        step = self._attached_module.trainer.global_step
+        raise ValueError(
+            f"SkrullZero2Strategy: the trainable parameters changed during the fit, before "
+            f"global step {step} ({change.describe()}). DeepSpeed builds its optimizer from the "
+            "parameters trainable when the fit starts: a parameter unfrozen later would never "
+            "be trained, and one frozen later would still be stepped. Freeze or unfreeze before "
+            "trainer.fit (to train in phases, write each phase's model with "
+            "trainer.strategy.save_pretrained(path) and fit a module loaded from it), or use "
+            "SkrullStrategy or SkrullFSDPStrategy, which follow such changes."
+        )
 
     @override
     def _earlier_micro_batch_sync_context(self) -> AbstractContextManager[Any]:

@@ -65,6 +65,7 @@ from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_
 from lightning_skrull.runtime.process_groups import once_per_world
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
+from lightning_skrull.strategies.trainable import TrainableChange
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -687,6 +688,7 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             self._measure_bucket_size()
         self._setup_calibration(trainer)
         self._setup_stop_agreement(trainer)
+        self._watch_trainable_parameters(trainer)
 
     def _rank_zero_weights_for_meta_ranks(self) -> dict[str, Tensor] | None:
         """Rank 0's full state dict (``{}`` on the other ranks) when some rank built the model on
@@ -766,6 +768,46 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
                 "never be reduced across ranks. Move them into the model, freeze them "
                 "(requires_grad=False), or use SkrullStrategy (DDP)."
             )
+
+    @override
+    def _follow_trainable_change(self, change: TrainableChange) -> None:
+        """FSDP2 follows parameters frozen or unfrozen during the fit by itself: it
+        reduce-scatters whatever gradients the backward leaves. Refused: a parameter unfrozen
+        outside the sharded Hugging Face model (nothing would reduce its gradient), or one
+        unfrozen in a dtype other than the float32 (bf16 under ``"bf16-true"``) master weights
+        (it was left in its loaded dtype at setup, as frozen parameters are).
+
+        Raises:
+            ValueError: such a parameter was unfrozen; the message names it and the fix.
+        """
+        precision = self.precision_plugin
+        assert isinstance(precision, FSDPPrecision)
+        hf_model = self._hf_model
+        inside = {id(p) for p in hf_model.parameters()} if hf_model is not None else set()
+        named = dict(self._attached_module.named_parameters())
+        outside = [n for n in change.unfrozen if id(named[n]) not in inside]
+        other_dtype = [
+            f"{n} ({str(named[n].dtype).removeprefix('torch.')})"
+            for n in change.unfrozen
+            if named[n].is_floating_point() and named[n].dtype != precision.master_dtype
+        ]
+        if not outside and not other_dtype:
+            return
+        step = self._attached_module.trainer.global_step
+        problem = (
+            f"{outside[:3]} outside the Hugging Face model it shards, whose gradients nothing "
+            "would reduce across ranks"
+            if outside
+            else f"{other_dtype[:3]}, frozen at setup and so sharded in the dtype they were "
+            f"loaded in, not as {str(precision.master_dtype).removeprefix('torch.')} master "
+            "weights"
+        )
+        raise ValueError(
+            f"SkrullFSDPStrategy: parameters were unfrozen during the fit, before global step "
+            f"{step}: {problem}. Make them trainable before trainer.fit, load the model in "
+            "float32 (from_pretrained(..., dtype=torch.float32)), or use SkrullStrategy (DDP), "
+            "which follows such changes and casts what is unfrozen to float32."
+        )
 
     # ------------------------------------------------------------------ micro-batches
     @override
