@@ -70,6 +70,7 @@ from helpers import (
     WarmupLM,
     bf16_policy_training,
     cpu_trainer,
+    float32_arrays,
     hooked_reference_training,
     make_data,
     max_diff,
@@ -1388,6 +1389,43 @@ def test_a_parameter_unfrozen_mid_fit_trains_under_the_bf16_policy(world_of_one:
     module.on_train_batch_end = record  # type: ignore[method-assign]
     _fit_one(module, steps=UNFREEZE_AT + 1, precision="bf16-mixed")
     assert moved == [False] * UNFREEZE_AT + [True]
+
+
+def test_a_weights_only_checkpoint_folder_loads_and_is_refused_for_resuming(
+    world_of_one: None, tmp_path: Any
+) -> None:
+    """A folder ``ModelCheckpoint(save_weights_only=True)`` wrote holds no optimizer states:
+    resuming a fit from it is refused with Lightning's own words for this case (its
+    ``ModelParallelStrategy`` failed inside ``torch.distributed.checkpoint`` with "Missing key
+    in checkpoint state_dict: optimizer_0.param_groups.0.lr"). Validating from it works, and
+    consolidated it loads in a plain LightningModule with the weights the run trained."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
+
+    data = SkrullDataModule(
+        train_data=make_data(8), val_data=make_data(4), global_batch_size=GLOBAL_BATCH
+    )
+    module = PlainLM()
+    save = ModelCheckpoint(dirpath=tmp_path, filename="w", save_weights_only=True)
+    trainer = cpu_trainer(
+        SkrullFSDPStrategy(), max_steps=1, callbacks=[save], enable_checkpointing=True
+    )
+    trainer.fit(module, data)
+    trained = float32_arrays(trainer.strategy.full_state_dict())
+    folder = tmp_path / "w.ckpt"
+    assert folder.is_dir()
+    with pytest.raises(KeyError, match=r"contains only the model.*save_weights_only=True.*"
+                       r"consolidate_checkpoint"):  # fmt: skip
+        cpu_trainer(SkrullFSDPStrategy(), max_steps=2).fit(PlainLM(), data, ckpt_path=folder)
+    validated = cpu_trainer(SkrullFSDPStrategy()).validate(PlainLM(), data, ckpt_path=folder)
+    assert validated[0]["val_loss"] == pytest.approx(
+        reference_loss(trained, make_data(4)), rel=1e-5
+    )
+    file = tmp_path / "w.pt"
+    SkrullFSDPStrategy.consolidate_checkpoint(folder, file)
+    loaded = PlainLM.load_from_checkpoint(file, map_location="cpu")
+    assert max_diff(float32_arrays(loaded.model.state_dict()), trained) == 0.0
 
 
 def test_decoder_layers_are_the_no_split_modules() -> None:

@@ -918,6 +918,33 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
     def _trained_state_dict(self) -> dict[str, Tensor]:
         return self.full_state_dict()
 
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Load a checkpoint; refuse, naming the cause, to resume a fit from a folder without
+        optimizer states (``ModelCheckpoint(save_weights_only=True)``).
+
+        Lightning's ``ModelParallelStrategy`` asks ``torch.distributed.checkpoint`` for the
+        optimizer states too, which fails on such a folder with "Missing key in checkpoint
+        state_dict: optimizer_0.param_groups.0.lr"; Lightning's other strategies say what
+        happened instead, and so does this one.
+
+        Raises:
+            KeyError: a fit resumed from a folder that holds the weights only.
+        """
+        folder = Path(checkpoint_path)
+        if self.optimizers and folder.is_dir() and (folder / ".metadata").is_file():
+            keys = FileSystemReader(folder).read_metadata().state_dict_metadata
+            if not any(key.startswith("optimizer_") for key in keys):
+                raise KeyError(
+                    f"Trying to restore optimizer state but the checkpoint {str(folder)!r} "
+                    "contains only the model, probably because ModelCheckpoint(save_weights_only"
+                    "=True) wrote it. Resume from a checkpoint written without it, or start a "
+                    "new fit from its weights: SkrullFSDPStrategy.consolidate_checkpoint(folder, "
+                    "file) writes them as one file, which LightningModule.load_from_checkpoint "
+                    "loads."
+                )
+        return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+
     @staticmethod
     def consolidate_checkpoint(folder: str | Path, file: str | Path) -> None:
         """Write the checkpoint folder ``folder`` (``save_distributed_checkpoint=True``) as one
