@@ -1,7 +1,8 @@
 """The Trainer's other entry points under every Skrull strategy: ``trainer.validate`` before any
 ``fit`` (the baseline loss of the pretrained model), ``trainer.test(ckpt_path="best")`` after a
 fit that kept its best checkpoint on ``val_loss``, and ``trainer.fit(ckpt_path="last")`` from a
-``ModelCheckpoint(save_last=True)``, the usual way to continue an interrupted run; and every
+``ModelCheckpoint(save_last=True)``, the usual way to continue an interrupted run (its module
+building the model in ``configure_model``, as Lightning's docs for sharded training do); and every
 checkpoint the runs write (by ``ModelCheckpoint`` and by ``trainer.save_checkpoint``) loaded into
 the plain LightningModule with ``load_from_checkpoint`` on one process, without lightning_skrull.
 
@@ -33,6 +34,7 @@ from helpers import (
     momentum_training,
     reference_model,
     skrull_strategy,
+    tiny_qwen2,
     trained_params,
 )
 
@@ -107,15 +109,29 @@ def _checkpoints(directory: str) -> list[Any]:
     ]
 
 
+class ConfiguredLM(PlainLM):
+    """:class:`PlainLM` whose model is built in ``configure_model``, as Lightning's docs for
+    sharded training build it (Lightning calls the hook under the strategy's and the
+    precision's initialisation contexts, before the strategy's setup)."""
+
+    def __init__(self, momentum: float = 0.0) -> None:
+        super().__init__(momentum)
+        self.model = None  # type: ignore[assignment]
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = tiny_qwen2()
+
+
 def _continued(
     name: str, precision: str, directory: str, ckpt_path: str | None = "last"
 ) -> tuple[Any, ...]:
     """``(recorded steps, parameters)`` of a new run to step :data:`RESUMED_STEPS`, continued
-    from ``ckpt_path`` (``None``: from the start)."""
+    from ``ckpt_path`` (``None``: from the start), its model built in ``configure_model``."""
     recorder, strategy, module = (
         BatchRecorder(),
         skrull_strategy(name, cp_size=2, bucket_size=40),
-        PlainLM(momentum=MOMENTUM),
+        ConfiguredLM(momentum=MOMENTUM),
     )
     cpu_trainer(
         strategy,

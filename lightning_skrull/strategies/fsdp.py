@@ -717,7 +717,10 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
                 "are no weights to fill them from (it would otherwise start from random values). "
                 "Load the weights on rank 0: build the model with "
                 "lightning_skrull.models.from_pretrained_on_rank_zero(name_or_path), or with "
-                "AutoModelForCausalLM.from_pretrained on every rank."
+                "AutoModelForCausalLM.from_pretrained on every rank, outside "
+                "trainer.init_module(empty_init=True) (which builds it on the meta device on "
+                "every rank; a resumed checkpoint would not fill the buffers it does not hold, "
+                "such as RoPE's inv_freq)."
             )
         return hf_model.state_dict() if self.global_rank == 0 else {}
 
