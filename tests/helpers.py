@@ -20,7 +20,7 @@ import dataclasses
 import functools
 import math
 import random
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -1056,6 +1056,7 @@ def bf16_policy_training(
     momentum: float = 0.0,
     clip: float | None = None,
     norms: list[float] | None = None,
+    frozen: Sequence[Collection[str]] | None = None,
 ) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
     """``(parameters before, after)`` of what FSDP2's ``MixedPrecisionPolicy(param_dtype=bf16,
     reduce_dtype=float32)`` does, on one process: float32 parameters (the optimizer's) of
@@ -1063,8 +1064,9 @@ def bf16_policy_training(
     casts parameters only), the bf16 gradients upcast to float32, float32 SGD of :data:`LR`
     with ``momentum``, the gradient's norm clipped to ``clip`` first; the bf16 copy made again
     from the float32 parameters each step. Global batches and loss as :func:`sgd_training`, or
-    ``batches`` (indices into ``data``, one tuple per step); each step's gradient norm before
-    clipping appended to ``norms``."""
+    ``batches`` (indices into ``data``, one tuple per step); the parameters named in
+    ``frozen[k]`` frozen in step ``k`` (no gradient: SGD leaves them); each step's gradient norm
+    before clipping appended to ``norms``."""
     master, compute = build(), build()
     for p in compute.parameters():
         p.data = p.data.to(torch.bfloat16)
@@ -1083,17 +1085,24 @@ def bf16_policy_training(
 
     def upcast_grads(step: int) -> None:
         for c, m in pairs:
-            m.grad = c.grad.float()
+            m.grad = None if c.grad is None else c.grad.float()
+
+    def freeze(step: int) -> None:
+        if frozen is not None and step < len(frozen):
+            for name, c in compute.named_parameters():
+                c.requires_grad_(name not in frozen[step])
 
     before = float64_params(master)
     load_compute()
+    freeze(0)
     with one_thread():
-        for step in sgd_steps(
-            compute, optimizer, run_batches, clip=clip, after_backward=upcast_grads
+        for k, step in enumerate(
+            sgd_steps(compute, optimizer, run_batches, clip=clip, after_backward=upcast_grads)
         ):
             if norms is not None:
                 norms.append(step.grad_norm)
             load_compute()
+            freeze(k + 1)
     return before, float64_params(master)
 
 
