@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 import math
+import re
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning.pytorch as pl
@@ -94,7 +95,9 @@ class SkrullCausalLM(pl.LightningModule):
             dict (``model_type`` plus fields, e.g. :data:`TINY_QWEN2_5`) for a randomly
             initialised model.
         learning_rate: AdamW learning rate.
-        weight_decay: AdamW weight decay.
+        weight_decay: AdamW weight decay, of every trainable weight but biases and
+            normalisation weights (as transformers' ``Trainer`` groups them), unless
+            ``decay_norms_and_biases``.
         betas: AdamW betas.
         warmup_steps: linear warm-up steps of the learning rate.
         lr_schedule: the learning rate after the warm-up, per optimizer step: ``"constant"``
@@ -122,6 +125,8 @@ class SkrullCausalLM(pl.LightningModule):
             built; ``self.model`` is then the ``PeftModel``, and only the adapters train. Keep
             ``lm_head`` out of ``target_modules`` under the chunked loss (docs/models.md).
             Needs peft (``pip install "lightning-skrull[peft]"``). ``None``: full fine-tuning.
+        decay_norms_and_biases: apply ``weight_decay`` to biases and normalisation weights too
+            (one parameter group); by default they form a second group without decay.
         dequantize_mxfp4: load a checkpoint whose experts are stored in MXFP4 (gpt-oss; its
             ``config.json`` has ``quantization_config.quant_method: mxfp4``) dequantized to
             ``torch_dtype``, with ``from_pretrained(..., quantization_config=Mxfp4Config(
@@ -150,6 +155,7 @@ class SkrullCausalLM(pl.LightningModule):
         load_on_rank_zero: bool | None = None,
         lora: dict[str, Any] | None = None,
         dequantize_mxfp4: bool = False,
+        decay_norms_and_biases: bool = False,
     ) -> None:
         super().__init__()
         if not isinstance(model, (str, dict)):
@@ -270,9 +276,19 @@ class SkrullCausalLM(pl.LightningModule):
                 (``max_epochs=-1`` and no ``max_steps``).
         """
         hp = cast("AttributeDict", self.hparams)  # save_hyperparameters() made it one
-        trainable = [p for p in self.parameters() if p.requires_grad]
+        trainable = [(n, p) for n, p in self.named_parameters() if p.requires_grad]
+        # absent from older checkpoints, which decayed every weight (and resume with one group)
+        if hp.weight_decay and not hp.get("decay_norms_and_biases", True):
+            decayed = set(decay_parameter_names(self))
+            groups: list[dict[str, Any]] = [
+                {"params": [p for n, p in trainable if n in decayed]},
+                {"params": [p for n, p in trainable if n not in decayed], "weight_decay": 0.0},
+            ]
+            params: Any = [g for g in groups if g["params"]]
+        else:
+            params = [p for _, p in trainable]
         optimizer = torch.optim.AdamW(
-            trainable, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
+            params, lr=hp.learning_rate, weight_decay=hp.weight_decay, betas=hp.betas
         )
         warmup = int(hp.warmup_steps)
         schedule = hp.get("lr_schedule", "constant")  # absent from older checkpoints
@@ -288,6 +304,32 @@ class SkrullCausalLM(pl.LightningModule):
             "optimizer": optimizer,
             "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
+
+
+NO_DECAY_NAME_PATTERNS = (
+    r"bias",
+    r"layernorm",
+    r"rmsnorm",
+    r"(?:^|\.)norm(?:$|\.)",
+    r"_norm(?:$|\.)",
+)
+"""Parameter names (lower-cased) that get no weight decay: transformers' ``Trainer`` rule."""
+
+
+def decay_parameter_names(module: torch.nn.Module) -> list[str]:
+    """The names of ``module``'s parameters that weight decay applies to, as transformers'
+    ``Trainer.get_decay_parameter_names`` picks them: every parameter but those inside a
+    ``torch.nn.LayerNorm`` and those whose name matches :data:`NO_DECAY_NAME_PATTERNS` (biases,
+    RMSNorm and other normalisation weights)."""
+    patterns = [re.compile(p) for p in NO_DECAY_NAME_PATTERNS]
+    inside_layer_norms = {
+        id(p) for m in module.modules() if isinstance(m, torch.nn.LayerNorm) for p in m.parameters()
+    }
+    return [
+        name
+        for name, p in module.named_parameters()
+        if id(p) not in inside_layer_norms and not any(r.search(name.lower()) for r in patterns)
+    ]
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")

@@ -269,3 +269,31 @@ def test_named_validation_sets_from_a_recipe(tmp_path: Path) -> None:
     # the recipe's order is the loaders' order; the module names its perplexities after them
     assert cli.datamodule.val_set_names == ("short", "long")
     assert "dataloader_idx" in inspect.signature(cli.model.validation_step).parameters
+
+
+def test_weight_decay_spares_biases_and_norms_as_transformers_trainer_does() -> None:
+    """AdamW's parameter groups are transformers' ``Trainer``'s: weight decay on the names its
+    ``get_decay_parameter_names`` gives, none on biases and RMSNorm weights. With
+    ``decay_norms_and_biases`` (and for a checkpoint's hyperparameters written before the
+    argument existed, which resume with their one group) every weight decays."""
+    from transformers import Trainer
+
+    module = SkrullCausalLM(model=TINY_QWEN2_5, weight_decay=0.1)
+    optimizer = module.configure_optimizers()
+    names = {id(p): n.removeprefix("model.") for n, p in module.named_parameters()}
+    decayed, spared = optimizer.param_groups
+    own = {n for n, _ in module.model.named_parameters()}
+    assert {names[id(p)] for p in decayed["params"]} == set(
+        Trainer.get_decay_parameter_names(None, module.model)  # type: ignore[arg-type]
+    ) & own
+    spared_names = {names[id(p)] for p in spared["params"]}
+    assert "model.layers.0.self_attn.q_proj.bias" in spared_names
+    assert {"model.norm.weight", "model.layers.0.input_layernorm.weight"} <= spared_names
+    assert (decayed["weight_decay"], spared["weight_decay"]) == (0.1, 0.0)
+    assert len(decayed["params"]) + len(spared["params"]) == len(own)
+    every = SkrullCausalLM(model=TINY_QWEN2_5, weight_decay=0.1, decay_norms_and_biases=True)
+    older = SkrullCausalLM(model=TINY_QWEN2_5, weight_decay=0.1)
+    del older.hparams["decay_norms_and_biases"]
+    for module in (every, older):
+        (group,) = module.configure_optimizers().param_groups
+        assert group["weight_decay"] == 0.1 and len(group["params"]) == len(own)
