@@ -4,8 +4,9 @@ and by value), callbacks' outputs, torchmetrics, ``EarlyStopping`` / ``ModelChec
 Lightning's ``ThroughputMonitor`` with model FLOPs, ``self.log_dict``, the learning-rate finder,
 ``max_time`` and ``OnExceptionCheckpoint`` (and resuming from what they leave),
 ``detect_anomaly``, ``deterministic``, the simple profiler, a ``CSVLogger``, ``overfit_batches``,
-``fast_dev_run``, ``trainer.should_stop`` set on one rank and a second ``trainer.fit`` on the
-same Trainer, with DP ranks that run different numbers of micro-batches.
+``fast_dev_run``, ``trainer.should_stop`` set on one rank, ``on_train_batch_start`` returning
+``-1`` on one rank, a second ``trainer.fit`` on the same Trainer and ``BaseFinetuning``, with DP
+ranks that run different numbers of micro-batches.
 
 One spawn of 4 processes (DP=2 x CP=2) runs every multi-process case, in ``32-true`` and
 ``bf16-mixed`` (the callbacks, value clipping and short epochs in ``32-true``); the bytes the CP
@@ -100,6 +101,8 @@ OVERFIT_EPOCHS = 2  # Trainer(overfit_batches=1): the first global batch, once p
 SECOND_FIT_BATCHES = 2
 Batch = int | tuple[int, ...]
 """A step of :func:`habit_reference`: a global batch in dataset order, or sample indices."""
+# SkippingLM: rank SKIP_RANK ends epoch 0 after its first batch; 2 batches per epoch after it
+SKIP_RANK, SKIPPED_BATCHES = 3, (0, 0, 1)
 # PhasedFinetuning: 2 epochs of the first 2 global batches in dataset order; the embeddings are
 # frozen in the first epoch, the LM head in the second
 PHASED_BATCHES: tuple[Batch, ...] = (0, 1, 0, 1)
@@ -545,6 +548,17 @@ class PhasedFinetuning(BaseFinetuning):
             }
 
 
+class SkippingLM(HabitsLM):
+    """Returns ``-1`` from ``on_train_batch_start`` (skip the rest of the epoch) on global rank
+    :data:`SKIP_RANK` only, at batch 1 of epoch 0."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        super().on_train_batch_start(batch, batch_idx)
+        if (self.global_rank, self.current_epoch, batch_idx) == (SKIP_RANK, 0, 1):
+            return -1
+        return None
+
+
 class StopOnOneRank(L.Callback):
     """Sets ``trainer.should_stop`` on global rank ``rank`` only, in step ``step`` (from 0): in
     ``training_step`` (through the module's ``stop_at``), at the end of a validation after it, or
@@ -690,6 +704,18 @@ def _other_habits(root: str, precision: str) -> dict[str, Any]:
     )
     trainer.fit(module, _validated_data(False))
     out["phased"] = {"params": _state(module), "train": recorder.train, **phased.wrappers}
+    # on_train_batch_start returns -1 on one rank only: every rank skips the rest of the epoch
+    module, recorder = SkippingLM(), Recorder()
+    trainer = trainer_in(
+        max_epochs=2, limit_train_batches=2, limit_val_batches=0, callbacks=[recorder]
+    )
+    trainer.fit(module, _validated_data(False))
+    out["skip"] = {
+        "params": _state(module),
+        "train": recorder.train,
+        "global_step": trainer.global_step,
+        "hook_left_wrapped": "on_train_batch_start" in vars(module),
+    }
     # trainer.should_stop set on one rank only, in the first step: every rank stops after it
     for where, rank, flags in (
         ("training_step", 1, {"val_check_interval": HABIT_STEPS}),
@@ -1462,6 +1488,32 @@ def test_should_stop_on_one_rank_stops_every_rank(ranks: list[dict[str, Any]], w
         assert relative_distance(cell, delta_fp32) <= update_bound
     for key in ("other", "other_bf16"):
         runs = [[s["run"] for s in out[key][f"stop_{where}"]["train"]] for out in ranks]
+        assert runs[0] != runs[2]
+
+
+@pytest.mark.multiprocess
+def test_a_batch_skipped_on_one_rank_skips_the_epoch_on_every_rank(
+    ranks: list[dict[str, Any]],
+) -> None:
+    """``on_train_batch_start`` returning ``-1`` (skip the rest of the epoch) on one rank only:
+    every rank skips it, as one process would. Before, that rank went on to the next epoch
+    while the others trained the batch, and their collectives no longer paired (a gloo error
+    once the rank finished; on NCCL, a hang or mismatched collectives). The steps trained
+    (epoch 0's first global batch, then epoch 1's two) equal plain HF's on one process (float32
+    to :data:`PARAM_ATOL`; ``"bf16-mixed"`` by the 16-bit rule)."""
+    steps = len(SKIPPED_BATCHES)
+    fp32, delta_fp32, update_bound, _ = _sixteen_bit_bounds(steps, SKIPPED_BATCHES)
+    for out in ranks:
+        for key in ("other", "other_bf16"):
+            run = out[key]["skip"]
+            assert run["global_step"] == steps
+            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
+            assert not run["hook_left_wrapped"]  # the module's own hook again after the fit
+        assert _max_diff(out["other"]["skip"]["params"], fp32["params"][-1]) < PARAM_ATOL
+        cell = update(fp32["start"], out["other_bf16"]["skip"]["params"])
+        assert relative_distance(cell, delta_fp32) <= update_bound
+    for key in ("other", "other_bf16"):
+        runs = [[s["run"] for s in out[key]["skip"]["train"]] for out in ranks]
         assert runs[0] != runs[2]
 
 

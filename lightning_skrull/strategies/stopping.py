@@ -11,19 +11,23 @@ after each training step (before Lightning decides whether to validate), after e
 in a fit, and after each epoch's end hooks. Any rank's ``True`` becomes every rank's, so all
 ranks stop together, as one process would stop. Each agreement is one all-reduce of one integer
 per rank.
+
+``LightningModule.on_train_batch_start`` returning ``-1`` ends the epoch the same way, on the
+rank that returns it: where the module overrides the hook, the ranks agree on its answer too
+(one more all-reduce per step, for those modules only), and any rank's ``-1`` skips the rest of
+the epoch on every rank.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
-if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
 
 class StopAgreement:
@@ -45,6 +49,8 @@ class StopAgreement:
         self._check = check
         self._told = False
         self._wrapped: list[Any] = []  # the loops whose on_advance_end is wrapped
+        self._told_skip = False
+        self._hook: tuple[Any, Any] | None = None  # (module, its own instance attribute or None)
 
     def attach(self) -> None:
         """Agree after each training step and after each epoch's end hooks (the fit loop's
@@ -52,11 +58,28 @@ class StopAgreement:
         fit_loop = self._trainer.fit_loop
         self._wrap(fit_loop.epoch_loop, before=True)
         self._wrap(fit_loop, before=False)
+        module = self._trainer.lightning_module
+        if is_overridden("on_train_batch_start", module, pl.LightningModule):
+            self._hook = (module, vars(module).get("on_train_batch_start"))
+            original = module.on_train_batch_start
+
+            def on_train_batch_start(*args: Any, **kwargs: Any) -> Any:
+                response = original(*args, **kwargs)
+                return -1 if self._agree_on_skip(response == -1) else response
+
+            module.on_train_batch_start = on_train_batch_start  # type: ignore[method-assign]
 
     def detach(self) -> None:
         for loop in self._wrapped:
             del loop.on_advance_end  # the instance attribute; the class's method again
         self._wrapped = []
+        if self._hook is not None:
+            module, own = self._hook
+            if own is None:
+                del module.on_train_batch_start
+            else:
+                module.on_train_batch_start = own
+            self._hook = None
 
     def _wrap(self, loop: Any, *, before: bool) -> None:
         original = loop.on_advance_end
@@ -71,6 +94,24 @@ class StopAgreement:
 
         loop.on_advance_end = on_advance_end
         self._wrapped.append(loop)
+
+    def _agree_on_skip(self, skip: bool) -> bool:
+        """Whether any rank's ``on_train_batch_start`` returned ``-1`` for this batch."""
+        self._check()
+        world = dist.get_world_size()
+        flags = torch.zeros(world, dtype=torch.int32, device=self._device)
+        flags[dist.get_rank()] = int(skip)
+        dist.all_reduce(flags)
+        ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        if ranks and len(ranks) < world and not self._told_skip:
+            self._told_skip = True
+            rank_zero_info(
+                f"{self._name}: on_train_batch_start returned -1 on rank(s) "
+                f"{', '.join(map(str, ranks))} only, at global step "
+                f"{self._trainer.global_step}; every rank skips the rest of the epoch (a rank "
+                "skipping alone would leave the others waiting in their collectives)."
+            )
+        return bool(ranks)
 
     def agree(self) -> None:
         """Every rank's ``trainer.should_stop`` becomes ``True`` if any rank's is."""
