@@ -142,6 +142,15 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
                     "collective, and DP ranks run different numbers of micro-batches per step. "
                     "Buffers are synced once when DDP wraps the model; leave it unset."
                 )
+        if ddp_kwargs.get("static_graph"):
+            raise ValueError(
+                "static_graph=True is not supported: SkrullStrategy runs every micro-batch but a "
+                "step's last under DDP's no_sync, and DDP's static graph with no_sync fails in "
+                f"the first backward in torch {torch.__version__} (expect_autograd_hooks_ INTERNAL "
+                "ASSERT, pytorch/pytorch#143580), and stops all-reducing gradients where that "
+                "is worked around; the number of micro-batches also changes from step to step. "
+                "Leave static_graph unset."
+            )
         ddp_kwargs[_NO_FORWARD_BUFFER_SYNC] = False
         super().__init__(
             accelerator=accelerator,
