@@ -184,3 +184,29 @@ def test_a_bf16_parameter_unfrozen_mid_fit_gets_float32_master_weights(world_of_
     assert module.model.model.embed_tokens.weight is embed  # the optimizer's parameter
     # frozen in bf16 until step UNFREEZE_AT, trained in float32 from it
     assert seen == [(torch.bfloat16, True)] * UNFREEZE_AT + [(torch.float32, False)]
+
+
+def test_embeddings_frozen_mid_fit_under_reentrant_checkpointing_are_refused(
+    world_of_one: None,
+) -> None:
+    """Reentrant activation checkpointing without transformers' input-gradient hook passes the
+    setup's check while the input embeddings train; frozen in a hook later, they would leave
+    every checkpointed layer without a gradient, silently. The check runs again when the
+    trainable parameters change, before the step."""
+    from lightning_skrull import SkrullDataModule, SkrullStrategy
+
+    class FreezingLM(PlainLM):
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            if self.global_step == UNFREEZE_AT:
+                self.model.model.embed_tokens.weight.requires_grad_(False)
+
+    module = FreezingLM()
+    module.model.gradient_checkpointing_enable(
+        gradient_checkpointing_kwargs={"use_reentrant": True}
+    )
+    module.model.disable_input_require_grads()
+    trainer = cpu_trainer(SkrullStrategy(bucket_size=80), max_steps=UNFREEZE_AT + 1)
+    data = SkrullDataModule(train_data=make_data(8), global_batch_size=4, shuffle=False)
+    with pytest.raises(ValueError, match=r"reentrant activation checkpointing.*no gradient"):
+        trainer.fit(module, data)
+    assert trainer.global_step == UNFREEZE_AT

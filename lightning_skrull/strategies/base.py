@@ -606,6 +606,8 @@ class SkrullStrategyMixin(ParallelStrategy):
         self._close_last_context()
         self._stashed_grads = []
         if self._trainable is not None and (change := self._trainable.change()) is not None:
+            if self._hf_model is not None:  # embeddings frozen now: the setup's check again
+                check_checkpointing_gradients(self._hf_model)
             self._follow_trainable_change(change)
         rank_batch, stats = self._as_rank_batch(args[0], "training_step")
         timer = None
