@@ -291,15 +291,16 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         """
         self._use_float32_master_weights()
         model = self.model
-        if isinstance(model, DistributedDataParallel):
-            self.model = model.module
-            del model  # the old reducer's hooks go with it
-            kwargs = self._ddp_kwargs
-            self._ddp_kwargs = {**kwargs, "init_sync": False}
-            try:
-                super().configure_ddp()
-            finally:
-                self._ddp_kwargs = kwargs
+        if not isinstance(model, DistributedDataParallel):
+            return  # one process without a communication hook: nothing reduces gradients
+        self.model = model.module
+        del model  # the old reducer's hooks go with it
+        kwargs = self._ddp_kwargs
+        self._ddp_kwargs = {**kwargs, "init_sync": False}
+        try:
+            super().configure_ddp()
+        finally:
+            self._ddp_kwargs = kwargs
         trainer = self._attached_module.trainer
         rank_zero_info(
             f"{type(self).__name__}: the trainable parameters changed before global step "
