@@ -1502,18 +1502,35 @@ def test_a_batch_skipped_on_one_rank_skips_the_epoch_on_every_rank(
     (epoch 0's first global batch, then epoch 1's two) equal plain HF's on one process (float32
     to :data:`PARAM_ATOL`; ``"bf16-mixed"`` by the 16-bit rule)."""
     steps = len(SKIPPED_BATCHES)
-    fp32, delta_fp32, update_bound, _ = _sixteen_bit_bounds(steps, SKIPPED_BATCHES)
+    _trained_as_one_process(ranks, "skip", _sixteen_bit_bounds(steps, SKIPPED_BATCHES))
     for out in ranks:
         for key in ("other", "other_bf16"):
-            run = out[key]["skip"]
-            assert run["global_step"] == steps
-            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
-            assert not run["hook_left_wrapped"]  # the module's own hook again after the fit
-        assert _max_diff(out["other"]["skip"]["params"], fp32["params"][-1]) < PARAM_ATOL
-        cell = update(fp32["start"], out["other_bf16"]["skip"]["params"])
-        assert relative_distance(cell, delta_fp32) <= update_bound
+            assert out[key]["skip"]["global_step"] == steps
+            # the module's own hook again after the fit
+            assert not out[key]["skip"]["hook_left_wrapped"]
+
+
+def _trained_as_one_process(
+    ranks: list[dict[str, Any]], case: str, bounds: tuple[dict[str, Any], np.ndarray, float, float]
+) -> None:
+    """The other habits' run ``case`` on every rank, in both precisions, against
+    :func:`_sixteen_bit_bounds`' reference ``bounds``: the reference's global batches step by
+    step, the loss of each step and the weights plain HF's on one process (float32 to
+    :data:`VALUE_REL` and :data:`PARAM_ATOL`, ``"bf16-mixed"`` by the 16-bit rule), and the DP
+    ranks ran different micro-batch counts."""
+    fp32, delta_fp32, update_bound, loss_bound = bounds
+    for out in ranks:
+        for key in ("other", "other_bf16"):
+            assert [s["supervised"] for s in out[key][case]["train"]] == fp32["tokens"]
+        run = out["other"][case]
+        losses = [s["user_loss"] for s in run["train"]]
+        assert losses == pytest.approx(fp32["losses"], rel=VALUE_REL)
+        assert _max_diff(run["params"], fp32["params"][-1]) < PARAM_ATOL
+        run = out["other_bf16"][case]
+        assert relative_distance(update(fp32["start"], run["params"]), delta_fp32) <= update_bound
+        assert _distance([s["user_loss"] for s in run["train"]], fp32["losses"]) <= loss_bound
     for key in ("other", "other_bf16"):
-        runs = [[s["run"] for s in out[key]["skip"]["train"]] for out in ranks]
+        runs = [[s["run"] for s in out[key][case]["train"]] for out in ranks]
         assert runs[0] != runs[2]
 
 
@@ -1542,23 +1559,10 @@ def test_a_second_fit_on_the_same_trainer_trains_the_next_epoch(
     first, second = batches[:SECOND_FIT_BATCHES], batches[SECOND_FIT_BATCHES:]
     assert sorted(first) != sorted(second)  # the epochs' global batches differ
     steps = len(batches)
-    fp32, delta_fp32, update_bound, loss_bound = _sixteen_bit_bounds(steps, batches)
+    _trained_as_one_process(ranks, "second_fit", _sixteen_bit_bounds(steps, batches))
     for out in ranks:
         for key in ("other", "other_bf16"):
-            run = out[key]["second_fit"]
-            assert run["global_step"] == steps
-            # the composition of the reference's global batches, step by step
-            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
-        run = out["other"]["second_fit"]
-        losses = [s["user_loss"] for s in run["train"]]
-        assert losses == pytest.approx(fp32["losses"], rel=VALUE_REL)
-        assert _max_diff(run["params"], fp32["params"][-1]) < PARAM_ATOL
-        run = out["other_bf16"]["second_fit"]
-        assert relative_distance(update(fp32["start"], run["params"]), delta_fp32) <= update_bound
-        assert _distance([s["user_loss"] for s in run["train"]], fp32["losses"]) <= loss_bound
-    for key in ("other", "other_bf16"):
-        runs = [[s["run"] for s in out[key]["second_fit"]["train"]] for out in ranks]
-        assert runs[0] != runs[2]
+            assert out[key]["second_fit"]["global_step"] == steps
 
 
 @pytest.mark.multiprocess
@@ -1592,22 +1596,10 @@ def test_parameters_frozen_and_unfrozen_mid_fit_train_as_on_one_process(
             int(not np.array_equal(a[name], b[name])) for a, b in itertools.pairwise(before)
         )
         assert moved == moves
+    _trained_as_one_process(ranks, "phased", (fp32, delta_fp32, update_bound, loss_bound))
     for out in ranks:
         for key in ("other", "other_bf16"):
-            run = out[key]["phased"]
-            assert [s["supervised"] for s in run["train"]] == fp32["tokens"]
-            assert run["rewrapped"] and not run["first_alive"]
-        run = out["other"]["phased"]
-        assert [s["user_loss"] for s in run["train"]] == pytest.approx(
-            fp32["losses"], rel=VALUE_REL
-        )
-        assert _max_diff(run["params"], fp32["params"][-1]) < PARAM_ATOL
-        run = out["other_bf16"]["phased"]
-        assert relative_distance(update(fp32["start"], run["params"]), delta_fp32) <= update_bound
-        assert _distance([s["user_loss"] for s in run["train"]], fp32["losses"]) <= loss_bound
-    for key in ("other", "other_bf16"):
-        runs = [[s["run"] for s in out[key]["phased"]["train"]] for out in ranks]
-        assert runs[0] != runs[2]  # the DP ranks ran different micro-batch counts
+            assert out[key]["phased"]["rewrapped"] and not out[key]["phased"]["first_alive"]
     # FSDP2 reduce-scatters whatever gradients the backward leaves: the same run under
     # SkrullFSDPStrategy needs nothing more (full weights on rank 0). In bf16-mixed FSDP2's
     # policy is judged against the same policy on one process with the same phases
