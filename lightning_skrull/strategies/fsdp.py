@@ -785,31 +785,25 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         """
         precision = self.precision_plugin
         assert isinstance(precision, FSDPPrecision)
-        hf_model = self._hf_model
-        inside = {id(p) for p in hf_model.parameters()} if hf_model is not None else set()
+        if self._hf_model is not None:  # the setup's check again
+            self._refuse_parameters_outside(self._attached_module, self._hf_model)
         named = dict(self._attached_module.named_parameters())
-        outside = [n for n in change.unfrozen if id(named[n]) not in inside]
         other_dtype = [
             f"{n} ({str(named[n].dtype).removeprefix('torch.')})"
             for n in change.unfrozen
             if named[n].is_floating_point() and named[n].dtype != precision.master_dtype
         ]
-        if not outside and not other_dtype:
+        if not other_dtype:
             return
         step = self._attached_module.trainer.global_step
-        problem = (
-            f"{outside[:3]} outside the Hugging Face model it shards, whose gradients nothing "
-            "would reduce across ranks"
-            if outside
-            else f"{other_dtype[:3]}, frozen at setup and so sharded in the dtype they were "
-            f"loaded in, not as {str(precision.master_dtype).removeprefix('torch.')} master "
-            "weights"
-        )
+        master = str(precision.master_dtype).removeprefix("torch.")
         raise ValueError(
             f"SkrullFSDPStrategy: parameters were unfrozen during the fit, before global step "
-            f"{step}: {problem}. Make them trainable before trainer.fit, load the model in "
-            "float32 (from_pretrained(..., dtype=torch.float32)), or use SkrullStrategy (DDP), "
-            "which follows such changes and casts what is unfrozen to float32."
+            f"{step}: {other_dtype[:3]}, frozen at setup and so sharded in the dtype they were "
+            f"loaded in, not as {master} master weights. Make them trainable before "
+            "trainer.fit, load the model in float32 (from_pretrained(..., dtype=torch.float32)), "
+            "or use SkrullStrategy (DDP), which follows such changes and casts what is unfrozen "
+            "to float32."
         )
 
     # ------------------------------------------------------------------ micro-batches

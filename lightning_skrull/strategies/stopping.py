@@ -95,15 +95,18 @@ class StopAgreement:
         loop.on_advance_end = on_advance_end
         self._wrapped.append(loop)
 
+    def _ranks_with(self, flag: bool) -> list[int]:
+        """The ranks whose ``flag`` is set, from one all-reduce of an integer per rank."""
+        self._check()
+        flags = torch.zeros(dist.get_world_size(), dtype=torch.int32, device=self._device)
+        flags[dist.get_rank()] = int(flag)
+        dist.all_reduce(flags)
+        return [rank for rank, set_ in enumerate(flags.tolist()) if set_]
+
     def _agree_on_skip(self, skip: bool) -> bool:
         """Whether any rank's ``on_train_batch_start`` returned ``-1`` for this batch."""
-        self._check()
-        world = dist.get_world_size()
-        flags = torch.zeros(world, dtype=torch.int32, device=self._device)
-        flags[dist.get_rank()] = int(skip)
-        dist.all_reduce(flags)
-        ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
-        if ranks and len(ranks) < world and not self._told_skip:
+        ranks = self._ranks_with(skip)
+        if ranks and len(ranks) < dist.get_world_size() and not self._told_skip:
             self._told_skip = True
             rank_zero_info(
                 f"{self._name}: on_train_batch_start returned -1 on rank(s) "
@@ -115,16 +118,11 @@ class StopAgreement:
 
     def agree(self) -> None:
         """Every rank's ``trainer.should_stop`` becomes ``True`` if any rank's is."""
-        self._check()
         trainer = self._trainer
-        world = dist.get_world_size()
-        flags = torch.zeros(world, dtype=torch.int32, device=self._device)
-        flags[dist.get_rank()] = int(bool(trainer.should_stop))
-        dist.all_reduce(flags)
-        ranks = [rank for rank, flag in enumerate(flags.tolist()) if flag]
+        ranks = self._ranks_with(bool(trainer.should_stop))
         if not ranks:
             return
-        if len(ranks) < world and not self._told:
+        if len(ranks) < dist.get_world_size() and not self._told:
             self._told = True
             rank_zero_info(
                 f"{self._name}: trainer.should_stop was set on rank(s) "
