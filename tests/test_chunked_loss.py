@@ -203,8 +203,22 @@ def test_logit_transforms_equal_plain_transformers(
     assert every < FP32_REL
 
 
-def test_pre_shifted_labels_are_used_as_given() -> None:
+class _LmKwargsQwen2(Qwen2ForCausalLM):
+    """Names its ``**`` parameter ``lm_kwargs``, as ``Gemma3ForConditionalGeneration`` of
+    transformers 5.17 does: ``shift_labels`` and ``num_items_in_batch`` arrive in it."""
+
+    def forward(self, input_ids: Any = None, labels: Any = None, **lm_kwargs: Any) -> Any:
+        return super().forward(input_ids=input_ids, labels=labels, **lm_kwargs)
+
+
+@pytest.mark.parametrize("named", ["kwargs", "lm_kwargs"])
+def test_pre_shifted_labels_are_used_as_given(named: str) -> None:
+    """Shifted again, or normalised by the local count, the loss would differ by far more than
+    float32 rounding (it did, for the lm_kwargs forward, before the routed forward looked the
+    ``**`` parameter's name up)."""
     plain, routed = _model(False), _model(False)
+    if named == "lm_kwargs":
+        routed.__class__ = _LmKwargsQwen2
     use_chunked_loss(routed, chunk_tokens=4)
     batch = _batch()
     shift = torch.nn.functional.pad(batch["labels"], (0, 1), value=-100)[:, 1:]

@@ -414,9 +414,10 @@ def _chunked_forward(
     refused with ``labels``: the returned loss would lack the router auxiliary loss."""
     from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    bound = _signature(original).bind(*args, **kwargs)
-    arguments = dict(bound.arguments)
-    extra = dict(arguments.pop("kwargs", {}))
+    signature = _signature(original)
+    arguments = dict(signature.bind(*args, **kwargs).arguments)
+    var_keyword = _var_keyword_name(signature)
+    extra = dict(arguments.pop(var_keyword, {})) if var_keyword else {}
     labels = arguments.pop("labels", None)
     if labels is None:
         return original(*args, **kwargs)
@@ -479,6 +480,13 @@ def _forward_reads(forward: Callable[..., Any], name: str) -> bool:
 @functools.cache
 def _signature(fn: Callable[..., Any]) -> inspect.Signature:
     return inspect.signature(fn)
+
+
+def _var_keyword_name(signature: inspect.Signature) -> str | None:
+    """The name of the forward's ``**`` parameter, where ``shift_labels`` and
+    ``num_items_in_batch`` arrive: ``kwargs`` in most models, ``lm_kwargs`` in
+    ``Gemma3ForConditionalGeneration`` of transformers 5.17; ``None`` without one."""
+    return next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
 
 def _from_peft(module: nn.Module) -> bool:
