@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 import random
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
@@ -677,6 +678,38 @@ def max_grad_diff(model: nn.Module, grads: dict[str, torch.Tensor]) -> tuple[flo
         if d >= worst:
             worst, where = d, n
     return worst, where, scale
+
+
+def model_flops(counter: Any) -> int:
+    """What a ``torch.utils.flop_counter.FlopCounterMode`` counted, less the rotary embedding's
+    frequency table: transformers 5.17 forms it with a matmul (``head_dim * tokens`` FLOPs once
+    per forward, nothing in backward), 5.25 without one, and the cost model charges neither."""
+    table = sum(
+        sum(counts.values())
+        for name, counts in counter.get_flop_counts().items()
+        if name.endswith("rotary_emb")
+    )
+    return int(counter.get_total_flops()) - int(table)
+
+
+def sentinel_mask_bytes(shape: Any, experts: str | None) -> int:
+    """Bytes per token that a sparse layer's ``grouped_mm`` experts keep beyond the memory
+    estimate: the boolean mask of expert-parallel sentinel rows (one byte per routed row, so
+    ``experts_per_token``), which transformers 5.17 applies, and autograd keeps, in every run and
+    5.25 only under expert parallelism. The estimate follows 5.25 (the mask is under 0.1% of a
+    layer); ``eager`` experts keep no such mask."""
+    if experts != "grouped_mm":
+        return 0
+    from transformers.integrations import moe
+
+    source = inspect.getsource(moe.grouped_mm_experts_forward)
+    return 0 if "if self._is_expert_parallel" in source else int(shape.experts_per_token)
+
+
+def output_cache(output: Any) -> Any:
+    """The KV cache a transformers output carries: ``cache`` in transformers 5.25,
+    ``past_key_values`` in 5.17."""
+    return output.cache if hasattr(output, "cache") else output.past_key_values
 
 
 def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:

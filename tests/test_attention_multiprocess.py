@@ -33,6 +33,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers import count_exchanged_bytes
 from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from lightning_skrull.attention import (
@@ -248,21 +249,8 @@ def _run_all(rank: int, world_size: int, cases: dict[int, list[Case]]) -> dict[i
 
 
 def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[dict[str, Any]]:
-    calls = {"all_gather": 0, "reduce_scatter": 0}
-    real_gather, real_scatter = dist.all_gather_single, dist.reduce_scatter_single
-
-    def counting_gather(*args: Any, **kwargs: Any) -> Any:
-        calls["all_gather"] += 1
-        return real_gather(*args, **kwargs)
-
-    def counting_scatter(*args: Any, **kwargs: Any) -> Any:
-        calls["reduce_scatter"] += 1
-        return real_scatter(*args, **kwargs)
-
-    dist.all_gather_single = counting_gather
-    dist.reduce_scatter_single = counting_scatter
     results = []
-    try:
+    with count_exchanged_bytes() as log:  # the collectives' calls, whatever torch names them
         for case in cases:
             layout = build_rank_layout(
                 case.sequence_ids,
@@ -281,7 +269,7 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
             used = _broken(layout) if case.broken else layout
             ctx = SkrullAttentionContext.build(used, group=group, backend="sdpa")
             sink = _sink(case).requires_grad_() if case.sink else None
-            before = dict(calls)
+            before = log.calls
             with attention_context(ctx):
                 out, weights = skrull_attention_forward(
                     None,
@@ -308,12 +296,10 @@ def _run_cases(rank: int, cp_size: int, group: Any, cases: list[Case]) -> list[d
                     "dsink": None
                     if sink is None
                     else (sink.grad if sink.grad is not None else torch.zeros_like(sink)).numpy(),
-                    "all_gather": calls["all_gather"] - before["all_gather"],
-                    "reduce_scatter": calls["reduce_scatter"] - before["reduce_scatter"],
+                    "all_gather": log.calls["all_gather"] - before["all_gather"],
+                    "reduce_scatter": log.calls["reduce_scatter"] - before["reduce_scatter"],
                 }
             )
-    finally:
-        dist.all_gather_single, dist.reduce_scatter_single = real_gather, real_scatter
     return results
 
 

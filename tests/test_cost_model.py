@@ -7,6 +7,7 @@ import random
 
 import pytest
 import torch
+from helpers import model_flops
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -77,10 +78,10 @@ def test_flops_match_torch_flop_counter_on_a_real_qwen2() -> None:
             model(input_ids=ids, use_cache=False)
         full_square = s * s - s * (s + 1) // 2
         expected = shape.forward_flops(s) + full_square * shape.attention_flops_per_pair()
-        assert forward.get_total_flops() == expected
+        assert model_flops(forward) == expected
         with FlopCounterMode(display=False) as train:
             model(input_ids=ids, use_cache=False).logits.sum().backward()
-        assert train.get_total_flops() == 3 * expected  # the train_flops_factor
+        assert model_flops(train) == 3 * expected  # the train_flops_factor
 
 
 def test_from_hf_config_reads_gqa_and_defaults() -> None:
@@ -391,10 +392,10 @@ def test_moe_flops_match_torch_flop_counter(family: str) -> None:
                 assert hit == [k] * len(gates) if concentrated else min(hit) == shape.num_experts
             full_square = s * s - s * (s + 1) // 2
             expected = shape.forward_flops(s) + full_square * shape.attention_flops_per_pair()
-            assert forward.get_total_flops() == expected, (family, concentrated, s)
+            assert model_flops(forward) == expected, (family, concentrated, s)
             with FlopCounterMode(display=False) as train:
                 model(input_ids=ids, use_cache=False).logits.sum().backward()
-            assert train.get_total_flops() == 3 * expected  # the train_flops_factor
+            assert model_flops(train) == 3 * expected  # the train_flops_factor
 
 
 def test_moe_shape_reads_the_configs() -> None:

@@ -58,6 +58,7 @@ from helpers import (
     make_data,
     make_samples,
     max_diff,
+    output_cache,
     reference_model,
     reference_training,
     tiny_model,
@@ -149,7 +150,7 @@ class SampleGenerations(L.Callback):
                 )
             self.record["tokens"] = out.sequences[0].tolist()
             self.record["logits"] = torch.stack(out.logits).float().numpy()
-            self.record["cache"] = out.cache is not None
+            self.record["cache"] = output_cache(out) is not None
         self.record["after"] = {
             "attention": module.model.config._attn_implementation,
             "training": module.model.training,

@@ -43,6 +43,7 @@ from helpers import (
     bf16_policy_training,
     count_exchanged_bytes,
     cpu_trainer,
+    model_flops,
     one_thread,
     reference_logits,
     reference_model,
@@ -922,7 +923,7 @@ def reference_forward_flops(model: Qwen2ForCausalLM, length: int) -> float:
         if name.endswith("self_attn")
     )
     assert attention > 0  # the attention matmuls were found and are replaced below
-    return counter.get_total_flops() - attention + attention * (length + 1) / (2 * length)
+    return model_flops(counter) - attention + attention * (length + 1) / (2 * length)
 
 
 def _max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:

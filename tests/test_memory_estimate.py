@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import tiny_config
+from helpers import sentinel_mask_bytes, tiny_config
 from transformers import Qwen2Config
 
 from benchmarks import memory_cpu
@@ -200,14 +200,15 @@ def test_moe_layer_estimate_is_what_autograd_saves(family: str, experts: str) ->
         max(layer_bytes_per_token(s, bytes_per_element=4, experts_implementation=experts))  # type: ignore[arg-type]
         for s in (moe_shape, dense_shape)
     ]
-    assert moe - dense == counted[0] - counted[1]
+    mask = sentinel_mask_bytes(moe_shape, experts)
+    assert moe - dense - mask == counted[0] - counted[1]
     if family == "qwen3_moe" and experts == "grouped_mm":
         # bf16: the routing weight of each of the k rows is bf16 (2 B), counted at its float32
         # upper bound (4 B, Mixtral's): 2 B x 2 rows over.
         moe = _layer_per_token(family, torch.bfloat16, experts, **expert_fields)
         dense = _layer_per_token(dense_type, torch.bfloat16, None)
         counted = [max(layer_bytes_per_token(s)) for s in (moe_shape, dense_shape)]
-        assert counted[0] - counted[1] - (moe - dense) == 2 * 2
+        assert counted[0] - counted[1] - (moe - dense - mask) == 2 * 2
 
 
 def test_moe_estimate_matches_cpu_steps_measured_here() -> None:

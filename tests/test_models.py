@@ -17,6 +17,7 @@ from helpers import (
     MOE_ARCHITECTURES,
     make_samples,
     max_grad_diff,
+    output_cache,
     reference_loss_and_grads,
     tiny_config,
     tiny_model,
@@ -348,7 +349,7 @@ def test_prepared_forward_builds_no_cache_although_the_config_asks_for_one() -> 
     samples = make_samples([7, 5, 3], seed=2)
     train_step(model, optimizer, samples, layout=WORLD_OF_ONE, bucket_size=16)
     assert len(outputs) >= 2
-    assert all(out.cache is None for out in outputs)
+    assert all(output_cache(out) is None for out in outputs)
     # an explicit use_cache=True is overridden the same way
     plan = GlobalBatchPlan(
         micro_batches=((MicroBatchPlan((0, 1), (0, 0)),),),
@@ -360,7 +361,7 @@ def test_prepared_forward_builds_no_cache_although_the_config_asks_for_one() -> 
     mb = collate_rank(samples[:2], plan, dp_rank=0, cp_rank=0, world_size=1).micro_batches[0]
     with torch.no_grad(), micro_batch_context(mb, None, "sdpa"):
         model(**mb.inputs, use_cache=True)
-    assert outputs[-1].cache is None
+    assert output_cache(outputs[-1]) is None
 
 
 def test_save_pretrained_after_training_keeps_the_users_config(tmp_path: Path) -> None:
@@ -389,7 +390,8 @@ def test_save_pretrained_after_training_keeps_the_users_config(tmp_path: Path) -
         output_logits=True,
         pad_token_id=0,
     )
-    assert out.cache is not None and out.cache.get_seq_length() == prompt.shape[1] + 2
+    cache = output_cache(out)
+    assert cache is not None and cache.get_seq_length() == prompt.shape[1] + 2
     # reference: the trained weights in a plain model (eager attention), greedy, no cache
     ref = tiny_model("qwen2")
     ref.load_state_dict(model.state_dict())
@@ -403,7 +405,7 @@ def test_save_pretrained_after_training_keeps_the_users_config(tmp_path: Path) -
 
     # the trained model itself generates with its cache again once it leaves the Skrull attention
     model.set_attn_implementation("sdpa")
-    assert model(input_ids=prompt).cache is not None
+    assert output_cache(model(input_ids=prompt)) is not None
 
 
 def test_write_pretrained_records_the_written_dtype_and_casts_on_request(tmp_path: Path) -> None:
