@@ -150,6 +150,19 @@ def build_process_groups(cp_size: int) -> ParallelLayout:
     return once_per_world(("layout", cp_size), lambda: _new_layout(cp_size))
 
 
+def as_member(group: object) -> ProcessGroup:
+    """A group ``dist.new_group`` returned to a rank inside it. torch 2.14 types the result
+    ``ProcessGroup | Literal[-100]`` (-100: what ranks outside the group get); callers keep only
+    the groups of their own rank.
+
+    Raises:
+        RuntimeError: ``group`` is not a ``ProcessGroup``.
+    """
+    if not isinstance(group, ProcessGroup):
+        raise RuntimeError(f"dist.new_group gave {group!r} to a rank inside the group")
+    return group
+
+
 def _new_layout(cp_size: int) -> ParallelLayout:
     """New CP and DP groups of the current world (:func:`build_process_groups`)."""
     world_size = dist.get_world_size()
@@ -162,13 +175,13 @@ def _new_layout(cp_size: int) -> ParallelLayout:
         ranks = list(range(d * cp_size, (d + 1) * cp_size))
         group = dist.new_group(ranks)
         if d == dp_rank:
-            cp_group = group
+            cp_group = as_member(group)
     dp_group: ProcessGroup | None = None
     for c in range(cp_size):
         ranks = list(range(c, world_size, cp_size))
         group = dist.new_group(ranks)
         if c == cp_rank:
-            dp_group = group
+            dp_group = as_member(group)
     return ParallelLayout(
         rank=rank,
         world_size=world_size,

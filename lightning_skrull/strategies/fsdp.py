@@ -62,7 +62,7 @@ from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
 from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_rank_zero
-from lightning_skrull.runtime.process_groups import once_per_world
+from lightning_skrull.runtime.process_groups import as_member, once_per_world
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 from lightning_skrull.strategies.trainable import TrainableChange
@@ -657,7 +657,8 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             self._meeting_timeout = self.generation_timeout
             timeout = timedelta(seconds=self._meeting_timeout)
             self._generation_group = once_per_world(
-                ("gloo", timeout), lambda: dist.new_group(backend="gloo", timeout=timeout)
+                ("gloo", timeout),
+                lambda: as_member(dist.new_group(backend="gloo", timeout=timeout)),
             )
 
     @override
