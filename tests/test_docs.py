@@ -143,3 +143,25 @@ def test_snippet_runs(
         f"snippet {name} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
         f"\n--- stderr ---\n{proc.stderr[-4000:]}"
     )
+
+
+_FLOOR = re.compile(r"^\s+([A-Za-z0-9_-]+)(?:\[[^\]]*\])?>=([0-9][0-9a-z.]*)", re.MULTILINE)
+
+
+def test_version_floors_are_the_lowest_tested() -> None:
+    """Every lower bound of setup.cfg's install_requires is the release series of the
+    'lowest' column of docs/quickstart.md's version table, where the whole suite passed: a
+    floor moved without that run (or the table without the floor) fails here."""
+    requires = (ROOT / "setup.cfg").read_text().split("install_requires =", 1)[1]
+    floors = dict(_FLOOR.findall(requires.split("\n\n", 1)[0]))
+    assert {"torch", "transformers", "lightning"} <= floors.keys()
+    section = (ROOT / "docs" / "quickstart.md").read_text().split("## Versions", 1)[1]
+    rows = {
+        cells[0]: cells
+        for line in section.split("\n## ", 1)[0].splitlines()
+        if line.startswith("| ")
+        for cells in [[c.strip() for c in line.strip("|").split("|")]]
+    }
+    for package, floor in floors.items():
+        lowest = rows[package][3]
+        assert lowest == floor or lowest.startswith(floor + "."), (package, floor, lowest)
