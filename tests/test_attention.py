@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import random
+import sys
 import types
 from typing import Any
 
@@ -691,15 +692,12 @@ def _varlen_reference(bottom_right: bool = True):
 
 def _torch_varlen_reference(signature: str):
     """``torch.nn.attention.varlen.varlen_attn`` as PyTorch documents it, on top of
-    :func:`_varlen_reference`, with either of its signatures: ``"window_size"`` (PyTorch >= 2.11:
-    causal is ``window_size=(-1, 0)``, a tuple; ``scale`` and ``enable_gqa`` exist) or
-    ``"is_causal"`` (2.9/2.10: ``is_causal``, no ``scale``, no GQA). It asserts the arguments
-    a wrong call would get wrong silently: causality, and equal head counts without GQA."""
+    :func:`_varlen_reference`, with each of its signatures in the supported releases:
+    ``"window_size"`` (PyTorch >= 2.13: causal is ``window_size=(-1, 0)``, a tuple; ``scale`` and
+    ``enable_gqa`` exist) or ``"window_size_no_gqa"`` (2.11, the GPU machines' torch: the same
+    without ``enable_gqa``). It asserts the arguments a wrong call would get wrong silently:
+    causality, and equal head counts without GQA."""
     varlen = _varlen_reference()
-
-    def call(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-        return varlen(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
-                      max_seqlen_k=max_k, softmax_scale=scale, causal=True)  # fmt: skip
 
     def new(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
             window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
@@ -710,11 +708,11 @@ def _torch_varlen_reference(signature: str):
                       max_seqlen_k=max_k, softmax_scale=scale, causal=True,
                       window_size=window_size)  # fmt: skip
 
-    def old(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, is_causal=False, return_aux=None):
-        assert is_causal and q.shape[1] == k.shape[1]
-        return call(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k)
+    def without_gqa(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
+                    window_size=(-1, -1)):  # fmt: skip
+        return new(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, scale=scale, window_size=window_size)
 
-    return new if signature == "window_size" else old
+    return {"window_size": new, "window_size_no_gqa": without_gqa}[signature]
 
 
 def _flash_contract(cp_size: int, hq: int, hkv: int, window: int | None = None) -> None:
@@ -758,29 +756,41 @@ def test_flash_backend_call_contract_on_cpu(
     _flash_contract(cp_size, hq, hkv, window)
 
 
-@pytest.mark.parametrize("signature", ["window_size", "is_causal"])
+@pytest.mark.parametrize("signature", ["window_size", "window_size_no_gqa"])
 @pytest.mark.parametrize("cp_size", [1, 3])
 @pytest.mark.parametrize(("hq", "hkv"), [(4, 2), (2, 2)])
 def test_flash_backend_on_torch_varlen_call_contract_on_cpu(
     monkeypatch, signature: str, cp_size: int, hq: int, hkv: int
 ) -> None:
-    # Without flash-attn the backend calls torch.nn.attention.varlen.varlen_attn; both of its
-    # signatures (scale and GQA native, or folded into q and repeated K/V) give the same
-    # results as whole-sequence SDPA, forward and gradients (the scale folded into q included).
-    # A window runs on the window_size signature and is refused on the older one.
+    # Without flash-attn the backend calls torch.nn.attention.varlen.varlen_attn; with each of
+    # its signatures (GQA native, or K/V repeated on torch 2.11) it gives the same results as
+    # whole-sequence SDPA, forward and gradients, sliding windows included.
     import torch.nn.attention.varlen as torch_varlen
 
     monkeypatch.setattr(backends, "flash_attn_available", lambda: False)
     monkeypatch.setattr(torch_varlen, "varlen_attn", _torch_varlen_reference(signature))
     assert backends.flash_kernel() == "torch"
     _flash_contract(cp_size, hq, hkv)
-    assert flash_backend.window_supported() == (signature == "window_size")
-    if signature == "window_size":
-        _flash_contract(cp_size, hq, hkv, window=3)
-        return
+    assert flash_backend.window_supported()
+    _flash_contract(cp_size, hq, hkv, window=3)
+
+
+def test_flash_attn_without_window_size_refuses_a_window(monkeypatch) -> None:
+    # flash-attn < 2.3 has no window_size: a windowed layer is refused with the fix, not run
+    # as full causal attention.
+    def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p=0.0, softmax_scale=None, causal=False):  # fmt: skip
+        raise AssertionError("a windowed layer must not reach a kernel without window_size")
+
+    module = types.ModuleType("flash_attn")
+    module.flash_attn_varlen_func = flash_attn_varlen_func  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "flash_attn", module)
+    monkeypatch.setattr(backends, "flash_attn_available", lambda: True)
+    assert backends.flash_kernel() == "flash-attn"
+    assert not flash_backend.window_supported()
     layout = build_rank_layout([0], [0], [5], cp_rank=0, cp_size=1)
-    q = torch.zeros(5, hq, HEAD_DIM)
-    kv = torch.zeros(5, hkv, HEAD_DIM)
+    q = torch.zeros(5, 4, HEAD_DIM)
+    kv = torch.zeros(5, 2, HEAD_DIM)
     with pytest.raises(ValueError, match=r"takes no window_size; install flash-attn >= 2\.3"):
         flash_backend.flash_attention(q, kv, kv, SkrullAttentionContext.build(layout), window=3)
 

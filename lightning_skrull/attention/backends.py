@@ -36,7 +36,7 @@ KERNEL_BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
 """The names of :data:`KernelBackend`, in order."""
 
 FLASH_FIX = (
-    "install flash-attn (`pip install flash-attn`) or a CUDA build of PyTorch >= 2.9 (which "
+    "install flash-attn (`pip install flash-attn`) or a CUDA build of PyTorch (which "
     "ships torch.nn.attention.varlen), or use backend='sdpa' (pure PyTorch, any device)"
 )
 """How to get a kernel for the ``flash`` backend, for error messages."""

@@ -6,8 +6,8 @@ both imported lazily so this module imports everywhere:
 * ``flash_attn_varlen_func`` from the flash-attn package (an optional GPU extra,
   ``pip install flash-attn``), used whenever it is installed;
 * otherwise PyTorch's own ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention-2 varlen
-  with autograd, in PyTorch >= 2.9 CUDA builds), called through :func:`_torch_varlen`, which
-  maps flash-attn's arguments onto whichever of its signatures the installed PyTorch has.
+  with autograd, in CUDA builds), called through :func:`_torch_varlen`, which maps flash-attn's
+  arguments onto its signature (with or without ``enable_gqa``, by PyTorch release).
 
 Local sequences run as one varlen call with ``cu_seqlens_q == cu_seqlens_k``. The distributed
 chunks run as a second call whose keys are, per chunk, the prefix ``[0, chunk.end)`` of its
@@ -19,8 +19,8 @@ which is exactly "query ``i`` of the chunk sees keys up to ``chunk.start + i``".
 A layer with a sliding window ``W`` passes ``window_size=(W - 1, 0)`` to both calls: with the
 same bottom-right alignment the query at position ``p`` of a sequence sees keys
 ``[p - W + 1, p]``, transformers' window, and the kernel skips the key blocks outside it.
-flash-attn has ``window_size`` since 2.3, PyTorch's ``varlen_attn`` since its ``window_size``
-signature; a kernel without it is refused (:func:`require_window_support`).
+flash-attn has ``window_size`` since 2.3, PyTorch's ``varlen_attn`` in every release the package
+supports (2.11 on); a flash-attn without it is refused (:func:`require_window_support`).
 
 FlashAttention-2 kernels take one head dim for q, k and v. Multi-head Latent Attention
 (DeepSeek-V3: keys 192 wide, values 128) has a narrower value: both calls pad v with zero
@@ -64,28 +64,23 @@ def window_supported() -> bool:
         from flash_attn import flash_attn_varlen_func
 
         return "window_size" in _parameter_names(flash_attn_varlen_func)
-    if kernel == "torch":
-        from torch.nn.attention.varlen import varlen_attn
-
-        return "window_size" in _parameter_names(varlen_attn)
-    return False
+    return kernel == "torch"
 
 
 def require_window_support() -> None:
     """Raise unless the installed varlen kernel runs sliding-window layers.
 
     Raises:
-        ValueError: no kernel, or one without ``window_size`` (flash-attn < 2.3, PyTorch 2.9 /
-            2.10's ``varlen_attn``).
+        ValueError: no kernel, or flash-attn < 2.3 (no ``window_size``).
     """
     if not window_supported():
         kernel = flash_kernel()
         raise ValueError(
             f"attention backend 'flash' cannot run a sliding-window layer: the installed varlen "
             f"kernel ({kernel or 'none'}) takes no window_size; install flash-attn >= 2.3 "
-            "(pip install flash-attn) or a PyTorch whose torch.nn.attention.varlen.varlen_attn "
-            "takes window_size, or use attention_backend='sdpa' (or 'auto', which falls back to "
-            "it for these layers)."
+            "(pip install flash-attn), or uninstall flash-attn so that PyTorch's own "
+            "torch.nn.attention.varlen.varlen_attn runs, or use attention_backend='sdpa' (or "
+            "'auto', which falls back to it for these layers)."
         )
 
 
@@ -127,34 +122,22 @@ def _torch_varlen(
 ) -> torch.Tensor:
     """``flash_attn_varlen_func``'s causal call through ``torch.nn.attention.varlen``.
 
-    PyTorch's signature changed between releases: 2.9/2.10 take ``is_causal`` and have neither
-    ``scale`` nor ``enable_gqa``; later ones express causality as ``window_size=(-1, 0)`` and
-    take both. A sliding window (flash-attn's ``window_size=(left, 0)``) needs the later one.
-    A missing ``scale`` is folded into the queries (softmax of ``(c q) k^T / sqrt(D)``
-    equals that of ``q k^T * scale`` for ``c = scale * sqrt(D)``, gradients included); missing
-    GQA support repeats each K/V head for its query heads, as SDPA's GQA does.
+    Causality, and a sliding window (flash-attn's ``window_size=(left, 0)``), go as
+    ``window_size=(left, 0)`` with ``left = -1`` for none. PyTorch 2.11 has no ``enable_gqa``:
+    there each K/V head is repeated for its query heads, as SDPA's GQA does; later releases
+    take ``enable_gqa``.
     """
     from torch.nn.attention.varlen import varlen_attn
 
     if not causal:  # pragma: no cover - every call in this module is causal
         raise ValueError("the skrull flash backend only runs causal attention")
-    params = _parameter_names(varlen_attn)
-    kwargs: dict[str, Any] = {}
-    if "window_size" in params:
-        # a tuple: varlen_attn compares it with (-1, 0)
-        kwargs["window_size"] = (int(window_size[0]), 0)
-    elif window_size[0] >= 0:
-        require_window_support()
-    else:
-        kwargs["is_causal"] = True
+    # a tuple: varlen_attn compares it with (-1, 0)
+    kwargs: dict[str, Any] = {"window_size": (int(window_size[0]), 0)}
     if softmax_scale is not None:
-        if "scale" in params:
-            kwargs["scale"] = softmax_scale
-        else:
-            q = q * (softmax_scale * q.shape[-1] ** 0.5)
+        kwargs["scale"] = softmax_scale
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
-        if "enable_gqa" in params:
+        if "enable_gqa" in _parameter_names(varlen_attn):
             kwargs["enable_gqa"] = True
         else:
             k = k.repeat_interleave(groups, dim=1)
