@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import inspect
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from torch import nn
 
@@ -405,15 +405,19 @@ def check_model(model: nn.Module, *, max_sequence_length: int | None = None) -> 
         )
 
 
+ModelT = TypeVar("ModelT", bound=nn.Module)
+"""The class of the model :func:`prepare_model` is given, and returns (the same object)."""
+
+
 def prepare_model(
-    model: nn.Module,
+    model: ModelT,
     *,
     backend: str = "auto",
     max_sequence_length: int | None = None,
     chunked_loss: bool = False,
     chunk_tokens: int | None = None,
     loss_kernel: str = "auto",
-) -> nn.Module:
+) -> ModelT:
     """Check a Hugging Face decoder and switch it to the Skrull attention, in place.
 
     Registers ``"skrull"`` with transformers' ``AttentionInterface``, calls
@@ -445,7 +449,8 @@ def prepare_model(
             (:data:`~lightning_skrull.models.chunked_loss.LossKernel`).
 
     Returns:
-        The same model object.
+        The same model object, typed as given (``Qwen2ForCausalLM`` in, ``Qwen2ForCausalLM``
+        out).
 
     Raises:
         TypeError: ``model`` is not a ``PreTrainedModel``.
