@@ -32,9 +32,6 @@ ATTENTION_BACKENDS: tuple[AttentionBackend, ...] = get_args(AttentionBackend)
 KernelBackend = Literal["sdpa", "flash"]
 """Backends an attention context runs (``"auto"`` resolved)."""
 
-KERNEL_BACKENDS: tuple[KernelBackend, ...] = get_args(KernelBackend)
-"""The names of :data:`KernelBackend`, in order."""
-
 FLASH_FIX = (
     "install flash-attn (`pip install flash-attn`) or a CUDA build of PyTorch (which "
     "ships torch.nn.attention.varlen), or use backend='sdpa' (pure PyTorch, any device)"
