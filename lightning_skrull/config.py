@@ -28,6 +28,18 @@ def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def check_bools(**options: object) -> None:
+    """Refuse an on/off option given anything but ``True`` or ``False`` (``"no"`` would be
+    truthy, ``0`` / ``1`` hide a swapped argument).
+
+    Raises:
+        TypeError: naming the option and the type it got.
+    """
+    for name, value in options.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r}.")
+
+
 @dataclass(kw_only=True)
 class SkrullConfig:
     """What the strategy needs to plan, shard and run one global batch per optimizer step."""
@@ -41,8 +53,8 @@ class SkrullConfig:
     memory and must be at least ``cp_size``. A sequence longer than ``cp_size * bucket_size``
     cannot be placed and raises ``ValueError`` naming it. ``None``: the smallest budget that
     holds the longest sequence of the data, ``ceil(longest / cp_size)``, chosen by the data
-    module (no memory bound: set it for real runs). ``"auto"`` (CUDA, ``SkrullStrategy``):
-    measured at setup from the peak memory of a few probe steps, the largest budget that keeps
+    module (no memory bound: set it for real runs). ``"auto"`` (CUDA; ``SkrullStrategy`` and
+    ``SkrullFSDPStrategy``, refused by ``SkrullZero2Strategy``): measured at setup from the peak memory of a few probe steps, the largest budget that keeps
     10% of the device free; the fit is logged."""
 
     policy: Policy = "skrull"
@@ -127,9 +139,9 @@ class SkrullConfig:
                 )
         if not isinstance(self.loss_kernel, str):
             raise TypeError(f"loss_kernel must be a str, got {type(self.loss_kernel).__name__}.")
-        for name in ("verify_plans", "log_stats", "chunked_loss"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")
+        check_bools(
+            verify_plans=self.verify_plans, log_stats=self.log_stats, chunked_loss=self.chunked_loss
+        )
         if self.model_attribute is not None and not isinstance(self.model_attribute, str):
             raise TypeError(
                 f"model_attribute must be a str or None, got {type(self.model_attribute).__name__}."
@@ -204,9 +216,11 @@ class DataConfig:
             raise ValueError(
                 f"num_workers={self.num_workers!r} is invalid; it must be an int >= 0."
             )
-        for name in ("shuffle", "drop_last", "persistent_workers"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {type(getattr(self, name)).__name__}.")
+        check_bools(
+            shuffle=self.shuffle,
+            drop_last=self.drop_last,
+            persistent_workers=self.persistent_workers,
+        )
 
     @property
     def validation_batch_size(self) -> int:

@@ -31,6 +31,7 @@ import lightning_skrull
 from lightning_skrull import (
     SkrullConfig,
     SkrullDataModule,
+    SkrullFSDPStrategy,
     SkrullStrategy,
     SkrullZero2Strategy,
 )
@@ -66,6 +67,46 @@ def test_config_rejects_bad_values(kwargs: dict[str, Any], error: type, match: s
         SkrullStrategy(**{"bucket_size": 64, **kwargs})
     with pytest.raises(error, match=match):
         SkrullZero2Strategy(**{"bucket_size": 64, **kwargs})
+    with pytest.raises(error, match=match):
+        SkrullFSDPStrategy(**{"bucket_size": 64, **kwargs})
+
+
+def test_a_misspelt_loss_kernel_is_refused_even_with_the_dense_loss() -> None:
+    for strategy in (SkrullStrategy, SkrullZero2Strategy, SkrullFSDPStrategy):
+        with pytest.raises(ValueError, match="loss kernel 'ligre' is unknown"):
+            strategy(bucket_size=64, chunked_loss=False, loss_kernel="ligre")
+        # a fused kernel's package is needed only where the chunked loss runs
+        assert strategy(bucket_size=64, chunked_loss=False, loss_kernel="liger")
+
+
+@pytest.mark.parametrize(
+    ("build", "name"),
+    [
+        (lambda v: SkrullFSDPStrategy(activation_checkpointing=v), "activation_checkpointing"),
+        (lambda v: SkrullFSDPStrategy(reshard_after_forward=v), "reshard_after_forward"),
+        (
+            lambda v: SkrullFSDPStrategy(save_distributed_checkpoint=v),
+            "save_distributed_checkpoint",
+        ),
+        (lambda v: _data(truncate=v), "truncate"),
+        (lambda v: SkrullDataModule(make_data(), shuffle=v), "shuffle"),
+    ],
+    ids=[
+        "activation_checkpointing",
+        "reshard_after_forward",
+        "save_distributed_checkpoint",
+        "truncate",
+        "shuffle",
+    ],
+)
+def test_on_off_options_take_only_bools(build: Any, name: str) -> None:
+    # "no" is truthy and 0 / 1 hide a swapped argument: refused when the object is built
+    for value in ("no", 1):
+        with pytest.raises(
+            TypeError, match=f"{name} must be a bool \\(True or False\\), got {value!r}"
+        ):
+            build(value)
+    build(False)
 
 
 def test_bucket_size_resolution() -> None:

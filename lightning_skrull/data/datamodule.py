@@ -33,7 +33,7 @@ from torch.utils.data import (
     get_worker_info,
 )
 
-from lightning_skrull.config import AUTO_BUCKET, DataConfig
+from lightning_skrull.config import AUTO_BUCKET, DataConfig, check_bools
 from lightning_skrull.data.batch import (
     LOSS_KEYS,
     CostModelSchedule,
@@ -487,8 +487,8 @@ class SkrullDataModule(pl.LightningDataModule):
         persistent_workers: keep those workers alive across epochs and validation runs
             rather than starting them anew at each (no effect with ``num_workers=0``). On by
             default: a restart costs every epoch and every validation run the workers' start,
-            0.2 to 0.5 s with ``fork`` and tens of seconds with ``spawn`` or ``forkserver`` (Python
-            3.14's default on Linux), docs/data.md. The batches, and a resume, are those of
+            about 0.1 s with ``fork`` and about 10 s with ``spawn`` or ``forkserver`` (Python
+            3.14's default on Linux; more on a busy machine), docs/data.md. The batches, and a resume, are those of
             fresh workers; ``False`` starts them anew each time.
         tokenizer: HF tokenizer (or its name / path) for chat, text and prompt-completion
             samples; chat samples are rendered with its chat template and only assistant tokens
@@ -560,6 +560,7 @@ class SkrullDataModule(pl.LightningDataModule):
         self.tokenizer = tokenizer
         self.chat_template_kwargs = chat_template_kwargs
         self.chat_turns = check_chat_turns(chat_turns)
+        check_bools(truncate=truncate)
         self.truncate = truncate
         if num_proc is not None and (isinstance(num_proc, bool) or not isinstance(num_proc, int)):
             raise TypeError(f"num_proc must be an int or None, got {num_proc!r}.")

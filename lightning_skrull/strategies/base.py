@@ -48,7 +48,11 @@ from lightning_skrull.data.batch import LOSS_KEYS, CostModelSchedule, PlanStats,
 from lightning_skrull.data.collate import MicroBatch, RankBatch
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.models.adapters import check_checkpointing_gradients
-from lightning_skrull.models.chunked_loss import check_loss_kernel, note_missing_logits
+from lightning_skrull.models.chunked_loss import (
+    FUSED_KERNEL_MODULES,
+    check_loss_kernel,
+    note_missing_logits,
+)
 from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.modes import train_mode_for_fit
 from lightning_skrull.models.multimodal import refuse_image_token, text_config
@@ -167,8 +171,12 @@ class SkrullStrategyMixin(ParallelStrategy):
     as the eager model does."""
 
     def _init_skrull(self, config: SkrullConfig) -> None:
-        if config.chunked_loss:
-            check_loss_kernel(config.loss_kernel)
+        # the name always (a misspelt kernel is refused even while the loss is dense);
+        # whether a fused kernel's package is installed only where the chunked loss runs
+        check_loss_kernel(
+            config.loss_kernel,
+            installed=None if config.chunked_loss else tuple(FUSED_KERNEL_MODULES),
+        )
         self._skrull_config = config
         self._skrull_layout = None
         self._skrull_cost_model = None

@@ -92,8 +92,11 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
             (its all-reduce would be the identity) unless a DDP communication hook is given.
 
     Raises:
-        ValueError: a bad option (see :class:`~lightning_skrull.config.SkrullConfig`), or
-            ``broadcast_buffers=True`` / ``forward_sync_buffers=True``.
+        ValueError: a bad option (see :class:`~lightning_skrull.config.SkrullConfig`),
+            ``broadcast_buffers=True`` / ``forward_sync_buffers=True``, or
+            ``static_graph=True``.
+        TypeError: an on/off option that is not a bool, or a ``cost_model`` that is not a
+            :class:`~lightning_skrull.scheduling.CostModel`.
     """
 
     strategy_name = "skrull"

@@ -163,7 +163,10 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
     """DeepSpeed ZeRO-2 with Skrull scheduling; runs on CUDA (NCCL) and on CPU (gloo).
 
     Args:
-        cp_size, bucket_size, policy, attention_backend, cost_model, calibration,
+        bucket_size: as for :class:`~lightning_skrull.SkrullStrategy`, but ``"auto"`` is
+            refused: give a number of tokens (measured once with ``SkrullStrategy`` on the same
+            GPU and model, for example).
+        cp_size, policy, attention_backend, cost_model, calibration,
             model_attribute, verify_plans, log_stats, chunked_loss, loss_kernel: as for
             :class:`~lightning_skrull.SkrullStrategy`. Under ZeRO-2 every DP rank runs the same
             number of micro-batches and the gradient reduction runs inside each backward, so
@@ -240,10 +243,10 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
         )
         if bucket_size == "auto":
             raise ValueError(
-                "bucket_size='auto' is measured by SkrullStrategy (DDP) only: ZeRO-2 reduces "
+                "bucket_size='auto' is measured by SkrullStrategy and SkrullFSDPStrategy only: ZeRO-2 reduces "
                 "gradients inside every backward, so its probe steps cannot run apart from the "
                 "engine. Give bucket_size as a number of tokens per CP rank (measure it once "
-                "with SkrullStrategy(bucket_size='auto') on the same GPU)."
+                "with SkrullStrategy(bucket_size='auto') on the same GPU and model)."
             )
         stage = deepspeed_kwargs.pop("stage", 2)
         if stage != 2:

@@ -59,7 +59,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
-from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.config import Calibration, SkrullConfig, check_bools
 from lightning_skrull.models.modes import cast_trainable_parameters
 from lightning_skrull.runtime.meta_init import agree_on_meta_tensors, fill_from_rank_zero
 from lightning_skrull.runtime.process_groups import as_member, once_per_world
@@ -572,6 +572,11 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
             log_stats=log_stats,
             chunked_loss=chunked_loss,
             loss_kernel=loss_kernel,
+        )
+        check_bools(
+            activation_checkpointing=activation_checkpointing,
+            reshard_after_forward=reshard_after_forward,
+            save_distributed_checkpoint=save_distributed_checkpoint,
         )
         if shard not in SHARD_AXES:
             raise ValueError(
