@@ -8,11 +8,13 @@ A block whose script ends with a non-zero exit status fails the test with its ou
 Blocks that belong together are written as one block; nothing is skipped. A block that appears
 verbatim in several places (the README's example is also the docs' front page) runs once, under
 the names of all its places. Every relative link of those pages must point at a file that
-exists.
+exists, and a ``#fragment`` at a heading of the page; no wrapped line may start a block quote by
+accident; setup.cfg's version floors are the lowest the suite ran on.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import re
 import subprocess
@@ -27,7 +29,39 @@ DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
 
 
-_LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+_LINK = re.compile(r"\]\(([^)#\s]*)(#[^)\s]*)?\)")
+_HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
+
+
+def _prose_lines(text: str) -> list[str]:
+    """The lines of a Markdown page outside fenced code blocks (a ``# comment`` in a block is
+    not a heading, nor a ``](x)`` in it a link)."""
+    lines, fenced = [], False
+    for line in text.splitlines():
+        if line.lstrip().startswith("```"):
+            fenced = not fenced
+            continue
+        if not fenced:
+            lines.append(line)
+    return lines
+
+
+def _anchors(path: Path) -> set[str]:
+    """The ``#fragment`` names of a page's headings, as GitHub makes them: links unwrapped to
+    their text, lower case, every character but letters, digits, ``_``, ``-`` and spaces
+    dropped, spaces made ``-``, and ``-1``, ``-2``, ... after repeats."""
+    repeats: dict[str, int] = {}
+    names = set()
+    for line in _prose_lines(path.read_text()):
+        heading = _HEADING.match(line)
+        if heading is None:
+            continue
+        text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading[1]).strip().lower()
+        slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+        count = repeats.get(slug, 0)
+        repeats[slug] = count + 1
+        names.add(slug if count == 0 else f"{slug}-{count}")
+    return names
 
 
 def _snippets() -> list[tuple[str, str]]:
@@ -51,14 +85,32 @@ def test_docs_have_python_snippets() -> None:
 
 @pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
 def test_relative_links_resolve(path: Path) -> None:
-    missing = [
-        target
-        for target in _LINK.findall(path.read_text())
-        if "://" not in target
-        and not target.startswith("mailto:")
-        and not (path.parent / target).exists()
+    """Every relative link points at a file that exists and, with a ``#fragment`` into a
+    Markdown page, at one of that page's headings."""
+    missing = []
+    for line in _prose_lines(path.read_text()):
+        for target, fragment in _LINK.findall(line):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            file = path.parent / target if target else path
+            if not file.exists():
+                missing.append(target)
+            elif fragment and file.suffix == ".md" and fragment[1:] not in _anchors(file):
+                missing.append(target + fragment)
+    assert not missing, f"{path.relative_to(ROOT)} links to missing files or headings: {missing}"
+
+
+@pytest.mark.parametrize("path", DOC_FILES, ids=[str(p.relative_to(ROOT)) for p in DOC_FILES])
+def test_no_paragraph_line_starts_a_quote(path: Path) -> None:
+    """A wrapped line that begins with ``>`` (``>= 3.0``, say) interrupts its paragraph and
+    renders as a block quote."""
+    lines = _prose_lines(path.read_text())
+    quoted = [
+        line
+        for before, line in itertools.pairwise(lines)
+        if line.startswith(">") and before.strip() and not before.startswith(">")
     ]
-    assert not missing, f"{path.relative_to(ROOT)} links to missing files: {missing}"
+    assert not quoted, f"{path.relative_to(ROOT)}: lines that would start a quote: {quoted}"
 
 
 def _exec_snippet(script: str, env: dict[str, str], log: str) -> None:
@@ -165,3 +217,15 @@ def test_version_floors_are_the_lowest_tested() -> None:
     for package, floor in floors.items():
         lowest = rows[package][3]
         assert lowest == floor or lowest.startswith(floor + "."), (package, floor, lowest)
+    # Python: python_requires is the lowest version the suite ran on, and every version a
+    # classifier names ran the whole suite (it appears in the table's Python row).
+    setup = (ROOT / "setup.cfg").read_text()
+    python_floor = re.search(r"python_requires\s*=\s*>=\s*([0-9.]+)", setup)
+    assert python_floor is not None
+    python_row = rows["Python"]
+    assert python_row[1] == f">= {python_floor[1]}", python_row
+    assert python_row[3].startswith(python_floor[1]), python_row
+    tested = set(re.findall(r"\b3\.[0-9]+\b", " ".join(python_row[2:])))
+    classified = set(re.findall(r"Programming Language :: Python :: (3\.[0-9]+)", setup))
+    assert classified and classified <= tested, (sorted(classified), sorted(tested))
+    assert min(classified, key=lambda v: int(v.split(".")[1])) == python_floor[1]
