@@ -24,9 +24,11 @@ ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.sh"
 
 
-def _run_wrapper(*args: str, path: str | None = None) -> subprocess.CompletedProcess[str]:
-    """``bash gpu_check.sh ARGS`` with this interpreter as $PYTHON (and ``path`` as PATH)."""
-    env = {**os.environ, "PYTHON": sys.executable}
+def _run_wrapper(
+    *args: str, path: str | None = None, python: str = sys.executable
+) -> subprocess.CompletedProcess[str]:
+    """``bash gpu_check.sh ARGS`` with ``python`` as $PYTHON (and ``path`` as PATH)."""
+    env = {**os.environ, "PYTHON": python}
     if path is not None:
         env["PATH"] = path
     bash = shutil.which("bash")
@@ -361,20 +363,36 @@ def test_wrapper_refuses_without_cuda() -> None:
     assert "no CUDA device" in proc.stderr
 
 
-def test_wrapper_runs_the_interpreter_it_is_given(tmp_path: Path) -> None:
+def test_wrapper_runs_the_interpreter_it_is_given(tmp_path: Path, capsys) -> None:
     # A PATH with the tools the script needs but no python at all (an environment that is not
-    # activated): it must run $PYTHON, not whatever python PATH would find.
-    for tool in ("dirname", "timeout"):
+    # activated): it must run $PYTHON, not whatever python PATH would find. $PYTHON is a
+    # stand-in that records each call and what it reads, so the wrapper's own behaviour is what
+    # is checked, without two interpreters importing torch and Lightning (18 s on two cores).
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    for tool in ("dirname", "timeout", "cat"):
         found = shutil.which(tool)
         assert found is not None, tool
-        (tmp_path / tool).symlink_to(found)
-    assert shutil.which("python", path=str(tmp_path)) is None
-    assert shutil.which("python3", path=str(tmp_path)) is None
-    # and it forwards its arguments to benchmarks.gpu_check
-    proc = _run_wrapper("--device", "cpu", "--help", path=str(tmp_path))
+        (tools / tool).symlink_to(found)
+    assert shutil.which("python", path=str(tools)) is None
+    assert shutil.which("python3", path=str(tools)) is None
+    log = tmp_path / "calls.log"
+    stand_in = tmp_path / "python"
+    stand_in.write_text(
+        f'#!/bin/sh\nprintf "call: %s\\n" "$*" >> {log}\nif [ "$1" = - ]; then cat >> {log}; fi\n'
+    )
+    stand_in.chmod(0o755)
+    proc = _run_wrapper("--device", "cpu", "--help", path=str(tools), python=str(stand_in))
     assert proc.returncode == 0, proc.stderr
-    assert "lightning-skrull" in proc.stdout  # the version line
-    assert "--tiny" in proc.stdout  # gpu_check.py's own help
+    calls = log.read_text()
+    # the version line's script on stdin, then gpu_check with the arguments as given
+    assert calls.startswith("call: -\n"), calls
+    assert calls.rstrip().endswith("call: -m benchmarks.gpu_check --device cpu --help"), calls
+    # The version line's script itself, run here (its imports are this process's already)
+    script = calls.split("call: -\n", 1)[1].rsplit("call: -m", 1)[0]
+    exec(compile(script, "gpu_check.sh version line", "exec"), {})
+    printed = capsys.readouterr().out
+    assert "| lightning-skrull " in printed and "| flash kernel:" in printed, printed
 
 
 def test_attention_benchmark_runs_every_row_on_cpu(tmp_path: Path, capsys) -> None:
