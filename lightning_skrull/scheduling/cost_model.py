@@ -936,7 +936,7 @@ class CostModel:
     @classmethod
     def from_hf_config(cls, config: Any, **constants: Any) -> CostModel:
         """Cost model of a Hugging Face decoder config: dense (Qwen2, Llama, Mistral, Qwen3
-        shape) or Mixture-of-Experts (Qwen3-MoE, Qwen2-MoE, Mixtral).
+        shape) or Mixture-of-Experts (the ``model_type``s of :data:`MOE_MODEL_TYPES`).
 
         Args:
             config: a ``transformers`` config (or any object) with ``hidden_size``,

@@ -16,7 +16,7 @@ Steps, for a micro-batch of sequences and a CP group of ``N`` ranks with ``C`` t
    sequence is rolled back to distributed and the sequence retried.
 3. Local search on the slowest rank: move one of its sequences to another rank, distribute
    one, or bring a distributed sequence back whole, whichever lowers the estimated time most;
-   repeat until nothing helps.
+   repeat until nothing helps (at most ``2n + N`` moves).
 4. When step 2 sharded short sequences by choice and communication is a large share of the
    estimate, or those sequences waste a large share of it (tile waste and communication), a
    second construction decides all at once: shard the ``k`` longest, spread the others whole

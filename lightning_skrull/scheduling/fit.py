@@ -1,7 +1,8 @@
 """Fit a :class:`CostModel`'s hardware constants to measured iteration times.
 
-The estimated time of an iteration is linear in four unknowns once it is known which CP rank
-and which term bound each micro-batch::
+The estimated time of an iteration is linear in four unknowns (five with
+``fit_per_sequence=True``, which adds ``sequences * per_sequence_seconds``) once it is known
+which CP rank and which term bound each micro-batch::
 
     seconds = compute_flops * (1 / achieved_flops)
             + micro_batches * micro_batch_overhead_s

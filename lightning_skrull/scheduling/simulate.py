@@ -120,7 +120,8 @@ def simulate(plan: GlobalBatchPlan, lengths: Sequence[int], cost_model: CostMode
     """Estimated seconds of one iteration (forward + backward of every micro-batch).
 
     The slowest DP rank's sum of micro-batch times; a micro-batch takes its slowest CP rank's
-    ``overhead + linear + max(comm, local attention) + distributed compute``
+    ``overhead + linear + per_sequence * sequences + max(comm, local attention) + distributed
+    compute``
     (see :class:`CostModel`). The optimizer step and the gradient all-reduce are not included:
     they are the same for every plan.
 
