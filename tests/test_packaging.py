@@ -8,7 +8,8 @@ wheel is built with setuptools, as pip builds it, and checked:
   treats the installed package as untyped and reports every import of it in a user's code) are
   in it, with the metadata and the ``skrull-finetune`` entry point;
 - unpacked on its own and imported in a fresh process outside the tree, every module imports
-  and the bundled dataset loads.
+  and the bundled dataset loads, and importing the package and its CLI does not import peft
+  (the ``[peft]`` extra is optional).
 
 Time: about 10 s (the wheel build, then one process importing every module).
 """
@@ -100,7 +101,8 @@ def test_every_module_imports_from_the_unpacked_wheel(wheel: Path, tmp_path: Pat
     site = tmp_path / "site"
     zipfile.ZipFile(wheel).extractall(site)
     probe = (
-        "import importlib, pkgutil, lightning_skrull\n"
+        "import importlib, pkgutil, sys, lightning_skrull, lightning_skrull.cli\n"
+        "print('peft' in sys.modules)\n"
         "from lightning_skrull.data.bundled import load_bundled_dataset\n"
         "print(lightning_skrull.__file__)\n"
         "names = [m.name for m in pkgutil.walk_packages(lightning_skrull.__path__, "
@@ -119,7 +121,8 @@ def test_every_module_imports_from_the_unpacked_wheel(wheel: Path, tmp_path: Pat
         check=False,
     )
     assert result.returncode == 0, result.stderr
-    location, counts = result.stdout.strip().splitlines()[-2:]
+    peft, location, counts = result.stdout.strip().splitlines()[-3:]
+    assert peft == "False"  # the [peft] extra is optional: the package and its CLI work without
     assert Path(location).is_relative_to(site), location
     modules, samples = map(int, counts.split())
     in_tree = {p for p in _package_files() if p.endswith(".py")}
