@@ -110,27 +110,44 @@ def _samples(tokens: int, vocab: int, sequence: int | None) -> list[dict[str, li
     return [{"input_ids": torch.randint(0, vocab, (n,), generator=g).tolist()} for n in lengths]
 
 
+def _packed(samples: list[dict[str, list[int]]]) -> dict[str, Any]:
+    """Plain transformers' packed input of ``samples``: ``input_ids``, ``position_ids``
+    restarting at 0 in each sequence, and each sequence's labels shifted by one: the tensors
+    the Skrull collate gives one rank at CP=1 for these equal-length sequences, built here
+    without importing the package, and with it Lightning (5-7 s), into a process that runs
+    only transformers."""
+    import torch
+
+    ids = [torch.tensor(s["input_ids"]) for s in samples]
+    labels = [torch.cat([i[1:], torch.tensor([-100])]) for i in ids]
+    return {
+        "input_ids": torch.cat(ids)[None],
+        "position_ids": torch.cat([torch.arange(len(i)) for i in ids])[None],
+        "labels": torch.cat(labels)[None],
+    }
+
+
 def _step_fn(mode: str, tokens: int, model_name: str = "qwen2", layers: int | None = None) -> Any:
     """A function running one forward + backward of ``tokens`` packed tokens in ``mode``."""
-    from lightning_skrull.data.collate import collate_rank
-    from lightning_skrull.models import prepare_model
-    from lightning_skrull.runtime.engine import micro_batch_context
-    from lightning_skrull.scheduling import plan_global_batch
-
     model = _model(model_name, layers)
     samples = _samples(tokens, int(model.config.vocab_size), MODELS[model_name][2])
-    lengths = [len(s["input_ids"]) for s in samples]
-    plan = plan_global_batch(lengths, dp_size=1, cp_size=1, bucket_size=max(tokens, 16))
-    batch = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1)
-    mb = batch.micro_batches[0]
     if mode == "hf":
         model.set_attn_implementation("sdpa")
-        inputs = {k: mb.inputs[k] for k in ("input_ids", "position_ids", "labels")}
+        inputs = _packed(samples)
 
         def step() -> None:
             model(**inputs, use_cache=False).loss.backward()
 
         return step
+    from lightning_skrull.data.collate import collate_rank
+    from lightning_skrull.models import prepare_model
+    from lightning_skrull.runtime.engine import micro_batch_context
+    from lightning_skrull.scheduling import plan_global_batch
+
+    lengths = [len(s["input_ids"]) for s in samples]
+    plan = plan_global_batch(lengths, dp_size=1, cp_size=1, bucket_size=max(tokens, 16))
+    batch = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1)
+    mb = batch.micro_batches[0]
     prepare_model(model, backend="sdpa", chunked_loss=mode == "skrull_chunked")
 
     def skrull_step() -> None:
