@@ -54,8 +54,9 @@ class SkrullConfig:
     cannot be placed and raises ``ValueError`` naming it. ``None``: the smallest budget that
     holds the longest sequence of the data, ``ceil(longest / cp_size)``, chosen by the data
     module (no memory bound: set it for real runs). ``"auto"`` (CUDA; ``SkrullStrategy`` and
-    ``SkrullFSDPStrategy``, refused by ``SkrullZero2Strategy``): measured at setup from the peak memory of a few probe steps, the largest budget that keeps
-    10% of the device free; the fit is logged."""
+    ``SkrullFSDPStrategy``, refused by ``SkrullZero2Strategy``): measured at setup from the
+    peak memory of a few probe steps, the largest budget that keeps 10% of the device free; the
+    fit is logged."""
 
     policy: Policy = "skrull"
     """Scheduling policy: ``"skrull"`` (GDS + DACP), ``"dacp"``, ``"static"`` (every sequence

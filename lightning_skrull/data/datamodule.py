@@ -488,8 +488,8 @@ class SkrullDataModule(pl.LightningDataModule):
             rather than starting them anew at each (no effect with ``num_workers=0``). On by
             default: a restart costs every epoch and every validation run the workers' start,
             about 0.1 s with ``fork`` and about 10 s with ``spawn`` or ``forkserver`` (Python
-            3.14's default on Linux; more on a busy machine), docs/data.md. The batches, and a resume, are those of
-            fresh workers; ``False`` starts them anew each time.
+            3.14's default on Linux; more on a busy machine), docs/data.md. The batches, and a
+            resume, are those of fresh workers; ``False`` starts them anew each time.
         tokenizer: HF tokenizer (or its name / path) for chat, text and prompt-completion
             samples; chat samples are rendered with its chat template and only assistant tokens
             are supervised, prompt-completion samples only their completion.
