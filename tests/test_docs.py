@@ -14,6 +14,7 @@ accident; setup.cfg's version floors are the lowest the suite ran on.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -46,7 +47,8 @@ def _prose_lines(text: str) -> list[str]:
     return lines
 
 
-def _anchors(path: Path) -> set[str]:
+@functools.cache  # every link into a page reads the same headings
+def _anchors(path: Path) -> frozenset[str]:
     """The ``#fragment`` names of a page's headings, as GitHub makes them: links unwrapped to
     their text, lower case, every character but letters, digits, ``_``, ``-`` and spaces
     dropped, spaces made ``-``, and ``-1``, ``-2``, ... after repeats."""
@@ -61,7 +63,7 @@ def _anchors(path: Path) -> set[str]:
         count = repeats.get(slug, 0)
         repeats[slug] = count + 1
         names.add(slug if count == 0 else f"{slug}-{count}")
-    return names
+    return frozenset(names)
 
 
 def _snippets() -> list[tuple[str, str]]:
