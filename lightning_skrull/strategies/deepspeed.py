@@ -245,8 +245,9 @@ class SkrullZero2Strategy(SkrullStrategyMixin, DeepSpeedStrategy):
             raise ValueError(
                 "bucket_size='auto' is measured by SkrullStrategy and SkrullFSDPStrategy only: "
                 "ZeRO-2 reduces gradients inside every backward, so its probe steps cannot run "
-                "apart from the engine. Give bucket_size as a number of tokens per CP rank (measure it once "
-                "with SkrullStrategy(bucket_size='auto') on the same GPU and model)."
+                "apart from the engine. Give bucket_size as a number of tokens per CP rank "
+                "(measure it once with SkrullStrategy(bucket_size='auto') on the same GPU and "
+                "model)."
             )
         stage = deepspeed_kwargs.pop("stage", 2)
         if stage != 2:
