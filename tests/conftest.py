@@ -11,6 +11,14 @@ import torch.distributed as dist
 
 from lightning_skrull.runtime import launch
 
+# Test modules sit in folders that mirror the package; a few import names from a module in
+# another folder (the 16-bit rule of strategies/test_precision_matrix.py, say).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+for _folder in sorted(os.listdir(_HERE)):
+    _path = os.path.join(_HERE, _folder)
+    if os.path.isdir(_path) and not _folder.startswith(("_", ".")) and _path not in sys.path:
+        sys.path.append(_path)
+
 # What the tests' ranks import beyond the package's own preload (pytest and the test helpers'
 # imports, DeepSpeed and the compiler modules its engine imports, transformers' lazily imported
 # model and generation code): imported once in the fork server that starts every multi-process

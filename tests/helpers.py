@@ -143,10 +143,10 @@ heads, head dim 8), without a KV cache."""
 
 ARCHITECTURES = ("qwen2", "qwen3", "llama", "mistral")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
-"""The Mixture-of-Experts architectures (tests/test_moe.py), kept out of :data:`ARCHITECTURES`
+"""The Mixture-of-Experts architectures (tests/models/test_moe.py), kept out of :data:`ARCHITECTURES`
 whose tests loop over every dense one."""
 MLA_MOE_ARCHITECTURES = ("deepseek_v3", "glm4_moe", "deepseek_v2")
-"""DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 (tests/test_mla_moe.py)."""
+"""DeepSeek-V3, GLM-4-MoE and DeepSeek-V2 (tests/models/test_mla_moe.py)."""
 FAMILIES = (
     "olmo2",
     "olmo3",
@@ -158,7 +158,7 @@ FAMILIES = (
     "seed_oss",
     "exaone4",
 )
-"""More dense decoder families (tests/test_models.py proves each on one process), kept out of
+"""More dense decoder families (tests/models/test_models.py proves each on one process), kept out of
 :data:`ARCHITECTURES` so the engine tests that loop over those stay cheap."""
 VOCAB = TINY_QWEN2["vocab_size"]
 
@@ -303,7 +303,7 @@ def _family_config(arch: str) -> tuple[type, dict[str, Any]]:
 
 def _mla_moe_config(arch: str) -> tuple[type, dict[str, Any]]:
     """Config class and tiny settings of DeepSeek-V3, GLM-4-MoE and DeepSeek-V2
-    (tests/test_mla_moe.py): 3 layers, the first dense (``first_k_dense_replace``), the others 8
+    (tests/models/test_mla_moe.py): 3 layers, the first dense (``first_k_dense_replace``), the others 8
     routed experts of 16 units (2 per token, in 4 groups of which a token may use 2; GLM-4.5's
     released single group for GLM-4-MoE) and a shared expert, ``routed_scaling_factor`` 2.5.
     DeepSeek's Multi-head Latent Attention: q through a rank-16 LoRA, k/v from a rank-12
@@ -342,7 +342,7 @@ def _mla_moe_config(arch: str) -> tuple[type, dict[str, Any]]:
 
 
 def _gpt_oss_config() -> tuple[type, dict[str, Any]]:
-    """Config class and tiny settings of gpt-oss (tests/test_gpt_oss.py): head dim 8, GQA 4/2,
+    """Config class and tiny settings of gpt-oss (tests/models/test_gpt_oss.py): head dim 8, GQA 4/2,
     a sliding layer of 3 keys then a full one (the test sequences exceed the window), q/k/v/o
     biases, 4 experts of 16 units (2 per token), and the released checkpoints' YaRN RoPE
     (factor 32 over 4096 positions). Sinks are drawn by :func:`tiny_model` like every weight;

@@ -2,7 +2,7 @@
 
 The readable reference of :func:`~lightning_skrull.scheduling.dacp.place_micro_batch`: with
 every step beyond the paper off (``PlannerOptions.paper()``) the fast version returns the same
-placements (``tests/test_dacp_reference.py``). A rank's load is its estimated seconds without
+placements (``tests/scheduling/test_dacp_reference.py``). A rank's load is its estimated seconds without
 the shared distributed compute: local linear time plus the larger of its local attention and
 the K/V communication of the distributed sequences. A distributed sequence takes
 ``ceil(length / cp_size)`` tokens of every rank (shards are not padded).

@@ -245,7 +245,7 @@ class SkrullStrategy(SkrullStrategyMixin, DDPStrategy):
         walking the autograd graph, and freezing the tower (``requires_grad_(False)``) would
         change the user's model (and keep the tower in its loaded dtype under the float32
         master cast). So this uses ``DistributedDataParallel._set_params_and_buffers_to_ignore_
-        for_model``, a private API; the DDP runs of tests/test_gemma3_multimodal.py fail if it
+        for_model``, a private API; the DDP runs of tests/models/test_gemma3_multimodal.py fail if it
         changes, and its absence is refused here with a fix.
 
         Raises:

@@ -50,7 +50,7 @@ def averaged_copies(trainer: pl.Trainer) -> list[tuple[Callback, nn.Module]]:
 
     Lightning keeps the copy private (``_average_model``: a ``torch.optim.swa_utils.
     AveragedModel`` around it, or the copy itself for ``StochasticWeightAveraging``);
-    tests/test_weight_averaging.py fails if that changes.
+    tests/strategies/test_weight_averaging.py fails if that changes.
     """
     out: list[tuple[Callback, nn.Module]] = []
     for callback in averaging_callbacks(trainer):
