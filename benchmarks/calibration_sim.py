@@ -24,8 +24,8 @@ from lightning_skrull.scheduling import (
     plan_global_batch,
     simulate,
 )
-from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN2_5_7B, ModelShape
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B, QWEN2_5_7B, ModelShape
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 MACHINES = {

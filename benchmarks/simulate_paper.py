@@ -50,7 +50,7 @@ from lightning_skrull.scheduling import (
     simulate,
 )
 from lightning_skrull.scheduling.baselines import plan_static_unpacked
-from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN2_5_7B, ModelShape
+from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B, QWEN2_5_7B, ModelShape
 
 ROOT = Path(__file__).resolve().parent.parent
 DEEPSPEED = "deepspeed"

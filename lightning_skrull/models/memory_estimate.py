@@ -83,7 +83,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Literal, get_args
 
-from lightning_skrull.scheduling.cost_model import (
+from lightning_skrull.scheduling.shapes import (
     MIXTRAL_8X7B,
     QWEN2_5_7B,
     QWEN2_5_14B,
@@ -194,8 +194,8 @@ def activation_bytes_per_token(
     Args:
         config: a transformers config (dense, or Qwen3-MoE / Qwen2-MoE / Mixtral, or a
             vision-language model's, whose ``text_config`` is read; read by
-            :meth:`~lightning_skrull.scheduling.cost_model.ModelShape.from_hf_config`) or a
-            :class:`~lightning_skrull.scheduling.cost_model.ModelShape`.
+            :meth:`~lightning_skrull.scheduling.shapes.ModelShape.from_hf_config`) or a
+            :class:`~lightning_skrull.scheduling.shapes.ModelShape`.
         chunked_loss: the chunked LM head + cross-entropy instead of the dense logits.
         bytes_per_element: bytes of the compute dtype (2: bf16 / fp16, 4: float32).
         experts_implementation: how the experts of a MoE layer run (module docstring).

@@ -7,8 +7,8 @@ kept whole on one CP rank and which are sharded over the CP group (DACP). ``simu
 model's constants to measured micro-batch times.
 """
 
-from lightning_skrull.scheduling.calibration import OnlineCalibrator
-from lightning_skrull.scheduling.cost_model import CostModel, ModelShape
+from lightning_skrull.scheduling.calibration import CostModelSchedule, OnlineCalibrator
+from lightning_skrull.scheduling.cost_model import CostModel
 from lightning_skrull.scheduling.fit import FitSample, fit_cost_model
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import (
@@ -20,6 +20,7 @@ from lightning_skrull.scheduling.plan import (
     shard_tokens,
 )
 from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, plan_global_batch
+from lightning_skrull.scheduling.shapes import ModelShape
 from lightning_skrull.scheduling.simulate import dp_rank_seconds, lower_bound, simulate
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "DISTRIBUTED",
     "POLICIES",
     "CostModel",
+    "CostModelSchedule",
     "FitSample",
     "GlobalBatchPlan",
     "MicroBatchPlan",

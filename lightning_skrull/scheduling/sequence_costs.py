@@ -4,15 +4,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
-from lightning_skrull.scheduling.cost_model import (
-    CostModel,
+from lightning_skrull.scheduling.cost_model import CostModel
+from lightning_skrull.scheduling.plan import shard_tokens
+from lightning_skrull.scheduling.tiles import (
     window_pairs,
     window_tiles,
     zigzag_tiles,
     zigzag_tiles_many,
     zigzag_window_tiles,
 )
-from lightning_skrull.scheduling.plan import shard_tokens
 
 BULK_SEQUENCES = 1024
 """From this many sequences on, the first distributed cost asked for computes them all at once

@@ -39,7 +39,7 @@ from lightning_skrull.models.memory_estimate import (
     model_state_bytes,
     parameter_count,
 )
-from lightning_skrull.scheduling.cost_model import ModelShape
+from lightning_skrull.scheduling.shapes import ModelShape
 
 CONFIGS = Path(__file__).parents[2] / "examples" / "configs"
 GIB = 2**30

@@ -20,9 +20,9 @@ from lightning_skrull.scheduling import (
     plan_global_batch,
     simulate,
 )
-from lightning_skrull.scheduling.cost_model import (
-    QWEN2_5_0_5B,
-    QWEN2_5_7B,
+from lightning_skrull.scheduling.sequence_costs import BULK_SEQUENCES, SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B, QWEN2_5_7B
+from lightning_skrull.scheduling.tiles import (
     causal_tiles,
     window_pairs,
     window_tiles,
@@ -31,7 +31,6 @@ from lightning_skrull.scheduling.cost_model import (
     zigzag_tiles_many,
     zigzag_window_tiles,
 )
-from lightning_skrull.scheduling.sequence_costs import BULK_SEQUENCES, SequenceCosts
 
 TINY = dict(
     hidden_size=8,
@@ -401,7 +400,7 @@ def test_moe_flops_match_torch_flop_counter(family: str) -> None:
 def test_moe_shape_reads_the_configs() -> None:
     from transformers import AutoConfig, MixtralConfig, Qwen3MoeConfig
 
-    from lightning_skrull.scheduling.cost_model import MIXTRAL_8X7B, QWEN3_30B_A3B
+    from lightning_skrull.scheduling.shapes import MIXTRAL_8X7B, QWEN3_30B_A3B
 
     # the published config.json values of Qwen/Qwen3-30B-A3B and mistralai/Mixtral-8x7B-v0.1
     qwen3 = Qwen3MoeConfig(hidden_size=2048, num_hidden_layers=48, num_attention_heads=32,

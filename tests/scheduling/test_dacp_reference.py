@@ -6,11 +6,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_skrull.scheduling import CostModel, MicroBatchPlan
-from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN2_5_7B
 from lightning_skrull.scheduling.dacp import place_micro_batch
 from lightning_skrull.scheduling.dacp_reference import place_micro_batch_reference
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B, QWEN2_5_7B
 
 PAPER = PlannerOptions.paper()
 MODELS = [

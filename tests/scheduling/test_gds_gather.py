@@ -8,13 +8,13 @@ import random
 import pytest
 
 from lightning_skrull.scheduling import CostModel, gds, plan_global_batch, simulate
-from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.dacp import estimate_micro_batch, place_micro_batch
 from lightning_skrull.scheduling.gds import balance_dp, gather_sharded, plan_gds
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import GlobalBatchPlan
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_7B
 
 ESTIMATED = PlannerOptions(plan_both_max_sequences=0)  # the estimate decides
 WITHOUT_STEP_4 = PlannerOptions(gds_gather=False)  # the LPT split

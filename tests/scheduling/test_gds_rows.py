@@ -8,12 +8,12 @@ import random
 import pytest
 
 from lightning_skrull.scheduling import CostModel, gds, plan_global_batch, simulate
-from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.dacp import place_micro_batch
 from lightning_skrull.scheduling.gds import deal_rows
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import DISTRIBUTED
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_7B
 from lightning_skrull.scheduling.simulate import dp_rank_seconds
 
 # 5 GB/s: a K/V exchange slower than the attention it could hide behind, as over a slow

@@ -7,8 +7,8 @@ import random
 
 from benchmarks import placement_search as search_mod
 from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
-from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_7B
 
 
 def test_search_from_all_sharded_reaches_dacp() -> None:

@@ -24,11 +24,11 @@ from lightning_skrull.scheduling import (
     plan_global_batch,
     simulate,
 )
-from lightning_skrull.scheduling.cost_model import QWEN2_5_7B
 from lightning_skrull.scheduling.dacp import CpGroupState, place_micro_batch
 from lightning_skrull.scheduling.gds import balance_dp, deal_by_tokens, split_micro_batches
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.shapes import QWEN2_5_7B
 from lightning_skrull.scheduling.simulate import _relaxation
 
 NO_OVERHEAD = CostModel(micro_batch_overhead_s=0.0)
