@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.dacp import CpGroupState
+from lightning_skrull.scheduling.dacp_greedy import CpGroupState
 from lightning_skrull.scheduling.gds import Placer
 from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan, shard_tokens
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending

@@ -19,12 +19,15 @@ from lightning_skrull.scheduling import (
     MicroBatchPlan,
     ModelShape,
     dacp,
+    dacp_greedy,
+    dacp_refinements,
     dp_rank_seconds,
     lower_bound,
     plan_global_batch,
     simulate,
 )
-from lightning_skrull.scheduling.dacp import CpGroupState, place_micro_batch
+from lightning_skrull.scheduling.dacp import place_micro_batch
+from lightning_skrull.scheduling.dacp_greedy import CpGroupState
 from lightning_skrull.scheduling.gds import balance_dp, deal_by_tokens, split_micro_batches
 from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
@@ -391,12 +394,12 @@ def test_split_runs_where_sharding_short_sequences_wastes_time() -> None:
     costs = SequenceCosts(lengths, 16, model)
     base, rest = dacp._forced(range(len(lengths)), costs, 13_000)
     greedy = base.copy()
-    assert dacp._greedy(greedy, rest, look_ahead=True)
-    dacp._improve(greedy, max_moves=2 * len(lengths) + 16)
+    assert dacp_greedy.greedy(greedy, rest, look_ahead=True)
+    dacp_refinements.improve(greedy, max_moves=2 * len(lengths) + 16)
     estimate = greedy.estimate()
     assert len(greedy.distributed) == 19
     assert costs.comm(greedy.dist_tokens) < PlannerOptions().split_comm_share * estimate
-    assert dacp._shard_waste(greedy) >= PlannerOptions().split_waste_share * estimate
+    assert dacp_refinements.shard_waste(greedy) >= PlannerOptions().split_waste_share * estimate
     plan = plan_global_batch(lengths, dp_size=1, cp_size=16, bucket_size=13_000, cost_model=model)
     (mb,) = plan.micro_batches[0]
     shards = [lengths[sid] for sid, p in zip(mb.sequence_ids, mb.placement) if p == DISTRIBUTED]
@@ -411,14 +414,14 @@ def test_shard_waste_counts_only_sequences_that_fit_a_rank() -> None:
     model = CostModel(shape=QWEN2_5_7B, tile_size=1)
     lengths = [3000, 64, 640]
     costs = SequenceCosts(lengths, 4, model)
-    state = dacp.CpGroupState(costs, 1000)
+    state = dacp_greedy.CpGroupState(costs, 1000)
     for sid in range(3):
         state.put_distributed(sid)
     expected = sum(
         costs.distributed(sid) - costs.local(sid) / 4 + costs.comm_per_token * lengths[sid]
         for sid in (1, 2)
     )
-    assert dacp._shard_waste(state) == pytest.approx(expected, rel=1e-12)
+    assert dacp_refinements.shard_waste(state) == pytest.approx(expected, rel=1e-12)
     assert expected > 0
 
 
@@ -436,7 +439,7 @@ def test_slow_communication_keeps_short_sequences_whole() -> None:
     costs = SequenceCosts(lengths, 16, model)
     base, rest = dacp._forced(range(len(lengths)), costs, 13_000)
     greedy = base.copy()
-    assert dacp._greedy(greedy, rest, look_ahead=True)
+    assert dacp_greedy.greedy(greedy, rest, look_ahead=True)
     assert len(greedy.distributed) == 15
     assert simulate(plan, lengths, model) < 0.98 * (
         greedy.estimate() + model.micro_batch_overhead_s
@@ -451,7 +454,7 @@ def test_dacp_falls_back_to_memory_only_sharding_where_its_choices_leave_no_room
     lengths = [508, 430, 395, 739, 611]
     costs = SequenceCosts(lengths, 3, CostModel(shape=QWEN2_5_7B, tile_size=128))
     base, rest = dacp._forced(range(5), costs, 1000)
-    assert not dacp._greedy(base.copy(), rest, look_ahead=True)
+    assert not dacp_greedy.greedy(base.copy(), rest, look_ahead=True)
     placement = place_micro_batch(range(5), costs, 1000)
     assert placement is not None
     assert place_micro_batch(range(5), costs, 1000, PlannerOptions(dacp_paper_rule=False)) is None
