@@ -19,9 +19,10 @@ of a sequence sees keys ``[p - W + 1, p]`` (``sliding_window_causal_mask_functio
 no sequence of the micro-batch is longer than changes nothing and is dropped, so such a layer
 runs exactly the full causal code.
 
-A layer with attention sinks (gpt-oss) passes its per-head sink logits as the ``s_aux``
-keyword; the ``sdpa`` backend adds them to the softmax of every query (the sink is a key whose
-value is zero; :mod:`~lightning_skrull.attention.sdpa`). The ``flash`` backend has no sink term:
+A layer with attention sinks passes its per-head sink logits as the ``s_aux`` keyword (gpt-oss,
+:mod:`~lightning_skrull.models.families.sinks`); the ``sdpa`` backend adds them to the softmax
+of every query (the sink is a key whose value is zero;
+:mod:`~lightning_skrull.attention.sdpa_calls`). The ``flash`` backend has no sink term:
 ``"auto"`` runs such layers on ``sdpa``, an explicit ``"flash"`` refuses them.
 """
 
@@ -99,8 +100,8 @@ def skrull_attention_forward(
         module: the calling attention module (its ``training`` flag and ``is_causal`` are read).
         query: ``[1, Hq, T, D]`` with RoPE applied, ``T`` = this rank's packed tokens.
         key: ``[1, Hkv, T, D]`` (GQA not repeated).
-        value: ``[1, Hkv, T, Dv]``; ``Dv`` may differ from ``D`` (Multi-head Latent Attention:
-            DeepSeek-V3's keys are 192 wide, its values 128).
+        value: ``[1, Hkv, T, Dv]``; ``Dv`` may be narrower than ``D`` (Multi-head Latent
+            Attention, :mod:`~lightning_skrull.models.families.mla`).
         attention_mask: must be ``None`` (what transformers passes for this attention name);
             the layout in the current attention context defines which tokens attend which.
         scaling: softmax scale; ``None`` = ``D ** -0.5``.
@@ -206,7 +207,7 @@ def attention_sink(s_aux: Any, num_heads: int) -> torch.Tensor | None:
     """The layer's attention sink logits, one per query head, or ``None`` (no sinks).
 
     Args:
-        s_aux: the ``s_aux`` keyword transformers' gpt-oss attention passes (its ``sinks``
+        s_aux: the ``s_aux`` keyword of the attention call (gpt-oss passes its ``sinks``
             parameter): the logit of a key with value zero that every query of the head sees.
         num_heads: the query heads ``Hq``.
 

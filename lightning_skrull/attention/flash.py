@@ -22,14 +22,14 @@ same bottom-right alignment the query at position ``p`` of a sequence sees keys
 flash-attn has ``window_size`` since 2.3, PyTorch's ``varlen_attn`` in every release the package
 supports (2.11 on); a flash-attn without it is refused (:func:`require_window_support`).
 
-FlashAttention-2 kernels take one head dim for q, k and v. Multi-head Latent Attention
-(DeepSeek-V3: keys 192 wide, values 128) has a narrower value: both calls pad v with zero
-columns to the key's width and crop the output back (:func:`_padded_value`), as transformers'
-own FlashAttention integration does. The padded columns get zero weight sums and zero
-gradients, so the result is the unpadded attention's exactly. The exchange carries the values
-unpadded.
+FlashAttention-2 kernels take one head dim for q, k and v. For values narrower than the keys
+(Multi-head Latent Attention's, :mod:`~lightning_skrull.models.families.mla`) both calls pad v
+with zero columns to the key's width and crop the output back (:func:`_padded_value`), as
+transformers' own FlashAttention integration does. The padded columns get zero weight sums and
+zero gradients, so the result is the unpadded attention's exactly. The exchange carries the
+values unpadded.
 
-Attention sinks (gpt-oss's per-head ``sinks``, passed as ``s_aux``) are refused
+Attention sinks (per-head sink logits, passed as ``s_aux``: gpt-oss's ``sinks``) are refused
 (:func:`refuse_sink`): the varlen kernels have no sink term, and their autograd drops the
 gradient of the log-sum-exp that a sink correction of their output would need. ``"auto"`` runs
 such layers on the ``sdpa`` backend instead, which adds the sink as a key.

@@ -118,7 +118,7 @@ def context_parallel_attention(
             group with the group's context.
         window: the layer's sliding window, passed to both; ``None`` = full causal. The K/V
             exchange is the same either way.
-        sink: the layer's attention sink logits ``[Hq]`` (gpt-oss), passed to both as ``sink=``
+        sink: the layer's attention sink logits ``[Hq]``, passed to both as ``sink=``
             (not passed when ``None``). Every query's keys are in one call of each, so the sink
             needs no exchange.
 

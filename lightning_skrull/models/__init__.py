@@ -5,29 +5,26 @@ back to transformers' attention to generate."""
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.models.adapters import apply_lora, find_peft_model
-from lightning_skrull.models.chunked_loss import (
-    linear_cross_entropy,
-    use_chunked_loss,
-    use_dense_loss,
-    uses_chunked_loss,
+from lightning_skrull.models.attention_modules import attention_window, unpassed_window
+from lightning_skrull.models.checks import (
+    SUPPORTED_ARCHITECTURES,
+    check_model,
+    sequence_length_limit,
+    sequence_length_rule,
 )
+from lightning_skrull.models.chunked_loss import use_chunked_loss, use_dense_loss, uses_chunked_loss
 from lightning_skrull.models.generation import plain_attention
 from lightning_skrull.models.loading import (
     from_pretrained_on_rank_zero,
     launched_as_rank_zero,
     loads_weights_here,
 )
+from lightning_skrull.models.loss_kernels import linear_cross_entropy
 from lightning_skrull.models.patching import (
-    SUPPORTED_ARCHITECTURES,
-    attention_window,
-    check_model,
     find_hf_model,
     is_prepared,
     plain_attention_name,
     prepare_model,
-    sequence_length_limit,
-    sequence_length_rule,
-    unpassed_window,
 )
 from lightning_skrull.models.rope import BATCH_DEPENDENT_ROPE_TYPES, STATIC_ROPE_TYPES
 from lightning_skrull.models.token_loss import CustomLossWarning, shifted_labels, token_mean_loss

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from lightning_skrull.models.multimodal import is_multimodal
+from lightning_skrull.models.families.vision_language import is_multimodal
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedModel
@@ -95,7 +95,7 @@ def loads_weights_here(environ: Mapping[str, str] | None = None) -> bool:
 def auto_model_class(config: PretrainedConfig) -> Any:
     """The transformers auto class that builds ``config``'s trainable model:
     ``AutoModelForImageTextToText`` for a supported vision-language checkpoint (Gemma 3,
-    Mistral Small 3.x; :data:`~lightning_skrull.models.multimodal.MULTIMODAL_MODEL_TYPES`),
+    Mistral Small 3.x; :data:`~lightning_skrull.models.families.vision_language.MULTIMODAL_MODEL_TYPES`),
     else ``AutoModelForCausalLM``.
 
     ``AutoModelForCausalLM`` maps ``gemma3`` to ``Gemma3ForConditionalGeneration`` but has no

@@ -29,7 +29,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from lightning_skrull.models.multimodal import language_model
+from lightning_skrull.models.families.vision_language import language_model
 
 STATIC_ROPE_TYPES: frozenset[str] = frozenset({"default", "linear", "yarn", "llama3"})
 """Rope types whose frequencies depend on the config only: exact under Skrull at any length."""

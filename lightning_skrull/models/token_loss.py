@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-from lightning_skrull.models.chunked_loss import IGNORE_INDEX, shifted_target
+from lightning_skrull.models.loss_kernels import IGNORE_INDEX, shifted_target
 
 _observers: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()
 """What :func:`observe_token_mean_losses` registered (an ``OrderedDict``: the handles keep a

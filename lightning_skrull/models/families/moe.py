@@ -31,6 +31,9 @@ Two things would break the exactness, and :func:`router_problems` refuses them a
 A forward called with ``output_router_logits=True`` under the Skrull attention is refused too
 for those families (:func:`refuse_router_aux_loss`, from the prepared model's forward pre-hook
 and the chunked loss).
+
+The experts must also be trainable: gpt-oss's released checkpoints hold MXFP4-quantized experts,
+which train only once dequantized (:func:`quantized_experts`, :func:`quantized_expert_problems`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ from torch import nn
 
 # ``config.model_type`` of the supported Mixture-of-Experts architectures: the ones whose sparse
 # MLP the cost model reads, one list for both
-from lightning_skrull.scheduling.cost_model import MOE_MODEL_TYPES
+from lightning_skrull.scheduling.hf_shapes import MOE_MODEL_TYPES
 
 AUX_LOSS_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "mixtral", "gpt_oss")
 """The ones whose causal-LM forward adds the router auxiliary loss with
@@ -116,12 +119,59 @@ def refuse_router_aux_loss(model: nn.Module) -> None:
     )
 
 
+QUANTIZED_EXPERTS = ("Mxfp4GptOssExperts",)
+"""Class names of transformers' quantized expert modules that hold packed weights autograd
+cannot train (gpt-oss's MXFP4 experts, ``transformers.integrations.mxfp4``); matched by name, so
+that the check imports no quantization kernel."""
+
+MXFP4_FIX = (
+    "load the checkpoint dequantized to bf16: AutoModelForCausalLM.from_pretrained(name, "
+    "dtype=torch.bfloat16, quantization_config=Mxfp4Config(dequantize=True)) "
+    "(from transformers import Mxfp4Config)"
+)
+"""How to load gpt-oss for fine-tuning."""
+
+
+def quantized_experts(model: nn.Module) -> list[str]:
+    """Names of the modules of ``model`` that are quantized experts (:data:`QUANTIZED_EXPERTS`).
+
+    gpt-oss's released checkpoints store the experts in MXFP4. On a machine with transformers'
+    MXFP4 kernels they load as ``Mxfp4GptOssExperts``, whose packed ``uint8`` weights have no
+    gradient; elsewhere transformers dequantizes them to bf16 itself, and so does
+    ``quantization_config=Mxfp4Config(dequantize=True)`` everywhere (:data:`MXFP4_FIX`).
+    """
+    return [
+        name
+        for name, module in model.named_modules()
+        if any(cls.__name__ in QUANTIZED_EXPERTS for cls in type(module).__mro__)
+    ]
+
+
+def quantized_expert_problems(model: nn.Module) -> list[str]:
+    """The reason a model with quantized experts (:func:`quantized_experts`) cannot be
+    fine-tuned, naming the first three and the fix (:data:`MXFP4_FIX`); empty without any."""
+    quantized = quantized_experts(model)
+    if not quantized:
+        return []
+    shown = ", ".join(quantized[:3]) + (
+        f" and {len(quantized) - 3} more" if len(quantized) > 3 else ""
+    )
+    return [
+        f"its experts are MXFP4-quantized ({shown}: packed uint8 weights without "
+        f"gradients, which cannot be fine-tuned); {MXFP4_FIX}"
+    ]
+
+
 __all__ = [
     "AUX_LOSS_FIX",
     "AUX_LOSS_MODEL_TYPES",
     "AUX_LOSS_RULE",
     "MOE_MODEL_TYPES",
+    "MXFP4_FIX",
+    "QUANTIZED_EXPERTS",
     "has_router_aux_loss",
+    "quantized_expert_problems",
+    "quantized_experts",
     "refuse_router_aux_loss",
     "router_problems",
 ]

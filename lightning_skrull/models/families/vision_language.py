@@ -12,7 +12,8 @@ without a gradient unchanged). Mistral Small 3.1 and 3.2 (24B) are the same shap
 projector beside a Mistral text decoder (``MistralModel``), which they run alone on text.
 
 - :func:`text_config`: the config whose fields the package reads (heads, windows, RoPE,
-  ``vocab_size``); the model's own config for a text-only model.
+  ``vocab_size``); the model's own config for a text-only model. The text model must be the
+  family's (:func:`text_model_problems`).
 - :func:`language_model`: the decoder whose layers run the Skrull attention.
 - :func:`text_only_unused_parameters`: the vision tower's and projector's parameters, which
   :class:`~lightning_skrull.SkrullStrategy` leaves out of DDP's gradient reduction (DDP would
@@ -64,6 +65,22 @@ def text_config(config: Any) -> Any:
     """The config of the decoder that ``config``'s model trains: ``config.text_config`` for a
     vision-language model (:data:`MULTIMODAL_MODEL_TYPES`), else ``config`` itself."""
     return config.text_config if is_multimodal(config) else config
+
+
+def text_model_problems(config: Any) -> list[str]:
+    """The reason a vision-language ``config``'s text model is not its family's
+    (:data:`MULTIMODAL_MODEL_TYPES`: ``gemma3_text`` in ``gemma3``, ``mistral`` in ``mistral3``);
+    empty when it is, or for a text model."""
+    if not is_multimodal(config):
+        return []
+    model_type = config.model_type
+    text_type = getattr(text_config(config), "model_type", None)
+    if text_type == MULTIMODAL_MODEL_TYPES[model_type]:
+        return []
+    return [
+        f"its text model's model_type is {text_type!r}, not the "
+        f"{MULTIMODAL_MODEL_TYPES[model_type]!r} that {model_type!r} checkpoints hold"
+    ]
 
 
 def language_model(model: nn.Module) -> nn.Module:
@@ -203,5 +220,6 @@ __all__ = [
     "refuse_image_token",
     "refuse_images",
     "text_config",
+    "text_model_problems",
     "text_only_unused_parameters",
 ]

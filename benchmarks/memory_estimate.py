@@ -55,7 +55,7 @@ GLU, ``up + 1`` and the product (``7 b f_e``, the clamped GLU) and its routing w
 with four int64 indices under ``"grouped_mm"`` (the biases are gathered too) and, under
 ``"eager"``, the weighted output and two. Every routed row is computed, however the router
 spreads the tokens, so none of this depends on the routing. The ``sdpa`` attention's copies of
-q, k and v with the sink column (gpt-oss, :mod:`~lightning_skrull.attention.sdpa`) are not
+q, k and v with the sink column (gpt-oss, :mod:`~lightning_skrull.attention.sdpa_calls`) are not
 counted: like the score matrix, they belong to the kernel, not to the model. (They replace q,
 k and v, one column wider per head on CPU; on CUDA the column is padded to a multiple of 8 and
 a GQA call, which takes a causal bias, repeats K/V over the query heads.)
