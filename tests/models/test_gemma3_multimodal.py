@@ -235,7 +235,7 @@ def test_fsdp_shards_the_text_layers_and_the_vision_layers_apart(family: str) ->
     text model's decoder layers and the vision tower's layers, each its own unit. A unit that
     never runs a forward (the vision tower's, on text) is never all-gathered."""
     from lightning_skrull.models.multimodal import text_only_unused_parameters
-    from lightning_skrull.strategies.fsdp import decoder_layers
+    from lightning_skrull.strategies.fsdp_sharding import decoder_layers
 
     model = prepare_model(TINY_MODELS[family](), backend="sdpa", chunked_loss=True)
     assert language_model(model) is model.model.language_model

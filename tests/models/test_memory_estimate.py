@@ -299,7 +299,7 @@ def test_parameter_count_equals_hugging_face_for_every_architecture(tied: bool) 
     # on their own, decoder_layers), all equal to the Hugging Face model's, head tied or not.
     from lightning_skrull.models.loading import auto_model_class
     from lightning_skrull.models.multimodal import language_model, text_only_unused_parameters
-    from lightning_skrull.strategies.fsdp import decoder_layers
+    from lightning_skrull.strategies.fsdp_sharding import decoder_layers
 
     configs = [
         (t, tiny_config(t, tie_word_embeddings=tied))

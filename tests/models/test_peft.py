@@ -406,7 +406,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
             out[case]["master"] = zero2_master(module.model)
 
     # a frozen base loaded in bf16 on ranks 0-1 and in float32 on ranks 2-3
-    from lightning_skrull.strategies.fsdp import check_frozen_dtypes_agree
+    from lightning_skrull.strategies.fsdp_precision import check_frozen_dtypes_agree
 
     model = lora_model(tiny_qwen2().to(torch.bfloat16 if rank < 2 else torch.float32))
     try:

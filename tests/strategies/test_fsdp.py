@@ -1429,7 +1429,7 @@ def test_a_weights_only_checkpoint_folder_loads_and_is_refused_for_resuming(
 
 
 def test_decoder_layers_are_the_no_split_modules() -> None:
-    from lightning_skrull.strategies.fsdp import decoder_layers
+    from lightning_skrull.strategies.fsdp_sharding import decoder_layers
 
     model = PlainLM().model
     assert decoder_layers(model) == list(model.model.layers)
