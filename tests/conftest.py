@@ -7,17 +7,10 @@ import sys
 from collections.abc import Iterator
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from lightning_skrull.runtime import launch
-
-# Test modules sit in folders that mirror the package; a few import names from a module in
-# another folder (the 16-bit rule of strategies/test_precision_matrix.py, say).
-_HERE = os.path.dirname(os.path.abspath(__file__))
-for _folder in sorted(os.listdir(_HERE)):
-    _path = os.path.join(_HERE, _folder)
-    if os.path.isdir(_path) and not _folder.startswith(("_", ".")) and _path not in sys.path:
-        sys.path.append(_path)
 
 # What the tests' ranks import beyond the package's own preload (pytest and the test helpers'
 # imports, DeepSpeed and the compiler modules its engine imports, transformers' lazily imported
@@ -75,5 +68,24 @@ def world_of_one() -> Iterator[None]:
         groups = sys.modules.get("deepspeed.utils.groups")
         if groups is not None:
             groups._WORLD_GROUP = None
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+@pytest.fixture
+def clean_world() -> Iterator[None]:
+    """Trainer runs in this process leave a process group and environment behind; undo both.
+
+    One intra-op thread while the test runs: the model is tiny, and on a shared machine
+    several spinning threads per op make each step many times slower.
+    """
+    saved, threads = dict(os.environ), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+        if dist.is_initialized():
+            dist.destroy_process_group()
         os.environ.clear()
         os.environ.update(saved)

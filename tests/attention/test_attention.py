@@ -12,15 +12,28 @@ kernels round differently).
 
 from __future__ import annotations
 
+import functools
 import logging
 import random
 import sys
 import types
-from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_reference import (
+    HEAD_DIM,
+    check_call,
+    dispatch_case,
+    emulate_ranks,
+    hf_window_mask,
+    random_case,
+    random_seqs,
+    sdpa_reference,
+    through_attention_function,
+    varlen_reference,
+    window_reference,
+)
 from helpers import TINY_DECODER
 from torch.nn.attention.bias import CausalBias
 
@@ -38,141 +51,13 @@ from lightning_skrull.attention import (
     register_skrull_attention,
     resolve_backend,
     sdpa_attention,
+    sdpa_calls,
     skrull_attention_forward,
     unpack,
 )
 from lightning_skrull.attention import flash as flash_backend
 from lightning_skrull.attention import sdpa as sdpa_backend
-from lightning_skrull.attention.context import _index_tensors
-from lightning_skrull.attention.layout import RankLayout
 from lightning_skrull.scheduling.plan import DISTRIBUTED
-
-HEAD_DIM = 8
-
-
-def _reference(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-) -> torch.Tensor:
-    """Plain causal SDPA on one whole sequence, K/V heads repeated for GQA: ``[L, H, D]``."""
-    groups = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(groups, dim=1).transpose(0, 1),
-        v.repeat_interleave(groups, dim=1).transpose(0, 1),
-        is_causal=True,
-        scale=scale,
-    ).transpose(0, 1)
-
-
-def _hf_window_mask(length: int, window: int) -> torch.Tensor:
-    """transformers' own sliding-window causal mask of one sequence, ``[L, L]`` bool."""
-    from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
-
-    mask = sdpa_mask(
-        batch_size=1,
-        q_length=length,
-        kv_length=length,
-        mask_function=sliding_window_causal_mask_function(window),
-        allow_is_causal_skip=False,
-    )
-    return mask[0, 0]
-
-
-def _window_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    window: int | None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """Plain SDPA on one whole sequence with transformers' sliding-window mask (``None``: plain
-    causal), K/V heads repeated for GQA: ``[L, H, D]``."""
-    if window is None:
-        return _reference(q, k, v, scale)
-    groups = q.shape[1] // k.shape[1]
-    return F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(groups, dim=1).transpose(0, 1),
-        v.repeat_interleave(groups, dim=1).transpose(0, 1),
-        attn_mask=_hf_window_mask(q.shape[0], window).to(q.device),
-        scale=scale,
-    ).transpose(0, 1)
-
-
-def _emulated_context(
-    layout: RankLayout, backend: str, device: torch.device
-) -> SkrullAttentionContext:
-    """A context without process group, for calling the backends' parts directly."""
-    return SkrullAttentionContext(
-        layout=layout,
-        group=None,
-        backend=backend,
-        device=device,
-        **_index_tensors(layout, backend, device),
-    )
-
-
-def emulate_ranks(
-    module: object,
-    layouts: list[RankLayout],
-    seqs: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    scale: float | None,
-    backend: str = "sdpa",
-    window: int | None = None,
-    sink: torch.Tensor | None = None,
-) -> list[torch.Tensor]:
-    """Each rank's output computed with the backend's local and distributed parts (the
-    distributed part attends the whole sequences' K/V, what the all-gather delivers); ``sink``:
-    attention sink logits, passed only when given."""
-    dist_ids = layouts[0].distributed_sequence_ids
-    k_whole = torch.cat([seqs[s][1] for s in dist_ids]) if dist_ids else None
-    v_whole = torch.cat([seqs[s][2] for s in dist_ids]) if dist_ids else None
-    outs = []
-    for layout in layouts:
-        device = next(iter(seqs.values()))[0].device
-        ctx = _emulated_context(layout, backend, device)
-        q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
-        n = layout.num_local_tokens
-        parts = []
-        kw: dict[str, Any] = {"scale": scale, "window": window}
-        if sink is not None:
-            kw["sink"] = sink
-        if n:
-            parts.append(module.local_attention(q[:n], k[:n], v[:n], ctx, **kw))
-        if layout.distributed_chunks:
-            parts.append(module.distributed_attention(q[n:], k_whole, v_whole, ctx, **kw))
-        outs.append(torch.cat(parts) if parts else q[:0])
-    return outs
-
-
-def _random_case(rng: random.Random, cp_size: int) -> tuple[list[int], list[int], list[int]]:
-    lengths = [
-        rng.choice([1, 2, 3, 5, 7, 11, 13, 2 * cp_size - 1, rng.randint(1, 70)]) for _ in range(6)
-    ]
-    ids = rng.sample(range(6), rng.randint(1, 6))
-    placement = [rng.choice([DISTRIBUTED, *range(cp_size)]) for _ in ids]
-    return lengths, ids, placement
-
-
-def _random_seqs(
-    lengths: list[int],
-    ids: list[int],
-    hq: int,
-    hkv: int,
-    dtype: torch.dtype,
-    device: str = "cpu",
-    head_dim: int = HEAD_DIM,
-) -> dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(sum(lengths) * 31 + hq * 7 + hkv)
-    return {
-        s: tuple(
-            torch.randn(lengths[s], h, head_dim, generator=gen, dtype=torch.float64).to(
-                device, dtype
-            )
-            for h in (hq, hkv, hkv)
-        )
-        for s in ids
-    }
 
 
 @pytest.mark.parametrize("cp_size", [1, 2, 3, 4, 5])
@@ -180,13 +65,13 @@ def _random_seqs(
 def test_emulated_ranks_equal_sdpa_on_whole_sequences(cp_size: int, hq: int, hkv: int) -> None:
     rng = random.Random(cp_size * 10 + hkv)
     for trial in range(4):
-        lengths, ids, placement = _random_case(rng, cp_size)
-        seqs = _random_seqs(lengths, ids, hq, hkv, torch.float64)
+        lengths, ids, placement = random_case(rng, cp_size)
+        seqs = random_seqs(lengths, ids, hq, hkv, torch.float64)
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.25 if trial % 2 else None
         got = unpack(layouts, emulate_ranks(sdpa_backend, layouts, seqs, scale))
         for s in ids:
-            err = (got[s] - _reference(*seqs[s], scale=scale)).abs().max().item()
+            err = (got[s] - sdpa_reference(*seqs[s], scale=scale)).abs().max().item()
             assert err < 1e-10, (lengths, ids, placement, s, err)
 
 
@@ -197,18 +82,18 @@ def test_lower_right_blocks_equal_the_tail_of_full_causal_attention(mask_element
     q_all = torch.randn(23, 4, HEAD_DIM, generator=gen, dtype=torch.float64)
     k = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
     v = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
-    want = _reference(q_all, k, v)[14:]
-    got = sdpa_backend.causal_lower_right_attention(q_all[14:], k, v, mask_elements=mask_elements)
+    want = sdpa_reference(q_all, k, v)[14:]
+    got = sdpa_calls.causal_lower_right_attention(q_all[14:], k, v, mask_elements=mask_elements)
     assert (got - want).abs().max().item() < 1e-12
 
 
 def test_window_semantics_are_transformers_own() -> None:
     # transformers: query i sees key j iff 0 <= i - j < W (the window counts the query itself)
-    mask = _hf_window_mask(7, 3)
+    mask = hf_window_mask(7, 3)
     rows, cols = torch.arange(7).unsqueeze(1), torch.arange(7).unsqueeze(0)
     assert torch.equal(mask, (rows - cols >= 0) & (rows - cols < 3))
     assert torch.equal(sdpa_backend.block_causal_mask([7], window=3), mask)
-    assert torch.equal(sdpa_backend.block_causal_mask([7], window=7), _hf_window_mask(7, 7))
+    assert torch.equal(sdpa_backend.block_causal_mask([7], window=7), hf_window_mask(7, 7))
 
 
 @pytest.mark.parametrize("window", [1, 2, 5, 9, 23, 40])
@@ -222,25 +107,25 @@ def test_sliding_window_blocks_equal_the_tail_of_windowed_attention(
     q_all = torch.randn(23, 4, HEAD_DIM, generator=gen, dtype=torch.float64)
     k = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
     v = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
-    want = _window_reference(q_all, k, v, window)[14:]
-    got = sdpa_backend.sliding_window_attention(
+    want = window_reference(q_all, k, v, window)[14:]
+    got = sdpa_calls.sliding_window_attention(
         q_all[14:], k, v, window=window, mask_elements=mask_elements
     )
     assert (got - want).abs().max().item() < 1e-12
     # the block's keys are the window's: a wrong window (one more key) differs
-    wrong = sdpa_backend.sliding_window_attention(q_all[14:], k, v, window=window + 1)
+    wrong = sdpa_calls.sliding_window_attention(q_all[14:], k, v, window=window + 1)
     assert window >= 23 or (wrong - want).abs().max().item() > 1e-3
 
 
 def test_sliding_window_masks_stay_bounded() -> None:
     # a long sequence with a small window: every SDPA call's mask fits the bound and its keys
     # are only those the block's queries see (no call reads the whole prefix)
-    assert sdpa_backend.window_rows(10, 4, 1 << 22) == 10  # all fits: one call
+    assert sdpa_calls.window_rows(10, 4, 1 << 22) == 10  # all fits: one call
     for keys, window, bound in ((100_000, 4096, 1 << 22), (5000, 8, 1000), (50, 1, 1)):
-        rows = sdpa_backend.window_rows(keys, window, bound)
+        rows = sdpa_calls.window_rows(keys, window, bound)
         assert rows >= 1 and (rows == 1 or rows * min(keys, rows + window - 1) <= bound)
     shapes: list[tuple[int, int]] = []
-    real = sdpa_backend._sdpa
+    real = sdpa_calls._sdpa
 
     def spy(q, k, v, *, scale, is_causal=False, mask=None, sink=None):
         shapes.append(tuple(mask.shape))
@@ -248,13 +133,13 @@ def test_sliding_window_masks_stay_bounded() -> None:
 
     q = torch.randn(3000, 2, HEAD_DIM, dtype=torch.float64)
     kv = torch.randn(3000, 1, HEAD_DIM, dtype=torch.float64)
-    sdpa_backend._sdpa = spy
+    sdpa_calls._sdpa = spy
     try:
-        out = sdpa_backend.sliding_window_attention(q, kv, kv, window=16, mask_elements=4096)
+        out = sdpa_calls.sliding_window_attention(q, kv, kv, window=16, mask_elements=4096)
     finally:
-        sdpa_backend._sdpa = real
+        sdpa_calls._sdpa = real
     assert max(r * c for r, c in shapes) <= 4096 and max(c for _, c in shapes) < 16 + 64
-    want = _window_reference(q[-65:], kv[-65:], kv[-65:], 16)[-50:]  # the last 50 queries
+    want = window_reference(q[-65:], kv[-65:], kv[-65:], 16)[-50:]  # the last 50 queries
     assert (out[-50:] - want).abs().max().item() < 1e-12
 
 
@@ -269,12 +154,12 @@ def test_emulated_ranks_with_a_window_equal_sdpa_with_transformers_mask(
     # 1e-10 (summation order only).
     rng = random.Random(cp_size * 100 + window)
     for trial in range(3):
-        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths, ids, placement = random_case(rng, cp_size)
         lengths[ids[0]] = window  # a sequence exactly as long as the window
         hq, hkv = ((4, 2), (4, 1), (2, 2))[trial]
         seqs = {
             s: tuple(t.requires_grad_() for t in qkv)
-            for s, qkv in _random_seqs(lengths, ids, hq, hkv, torch.float64).items()
+            for s, qkv in random_seqs(lengths, ids, hq, hkv, torch.float64).items()
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.25 if trial % 2 else None
@@ -283,51 +168,24 @@ def test_emulated_ranks_with_a_window_equal_sdpa_with_transformers_mask(
         torch.autograd.backward([got[s] for s in ids], [grads[s] for s in ids])
         for s in ids:
             ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
-            want = _window_reference(*ref_in, window, scale=scale)
+            want = window_reference(*ref_in, window, scale=scale)
             want.backward(grads[s])
             err = (got[s] - want).abs().max().item()
             assert err < 1e-10, (lengths, ids, placement, s, err)
             for name, t, r in zip("qkv", seqs[s], ref_in, strict=True):
                 assert (t.grad - r.grad).abs().max().item() < 1e-10, (s, name)
             if lengths[s] > window:  # the window bites: full causal attention differs
-                assert (got[s] - _reference(*ref_in, scale=scale)).abs().max().item() > 1e-6
+                assert (got[s] - sdpa_reference(*ref_in, scale=scale)).abs().max().item() > 1e-6
 
 
 def test_cp1_through_dispatch_with_gradients() -> None:
     # cp_size 1: a "distributed" sequence is two chunks on the one rank, no collective
     lengths, ids, placement = [6, 1, 9, 4], [2, 0, 1, 3], [0, DISTRIBUTED, DISTRIBUTED, 0]
-    seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
+    seqs = random_seqs(lengths, ids, 4, 2, torch.float64)
     layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
-    q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}).requires_grad_() for i in range(3))
-    ctx = SkrullAttentionContext.build(layout)
-    with attention_context(ctx):
-        out, weights = skrull_attention_forward(
-            None, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None, scaling=0.4
-        )
-    assert weights is None and out.shape == (1, layout.num_tokens, 4, HEAD_DIM)
-    grad_out = torch.randn_like(out[0])
-    out[0].backward(grad_out)
-    got = unpack([layout], [out[0].detach()])
-    got_grads = {name: unpack([layout], [t.grad]) for name, t in (("q", q), ("k", k), ("v", v))}
-    g = unpack([layout], [grad_out])
-    for s in ids:
-        ref_in = [t.clone().requires_grad_() for t in seqs[s]]
-        ref = _reference(*ref_in, scale=0.4)
-        ref.backward(g[s])
-        assert (got[s] - ref.detach()).abs().max().item() < 1e-10
-        for name, t in zip("qkv", ref_in, strict=True):
-            assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (s, name)
-
-
-def dispatch_case(only_local: bool) -> tuple[list[int], list[int], list[int]]:
-    """``(lengths, ids, placement)`` of CP 1 through the attention function: local sequences
-    that group in a masked call, one alone, three of one length (batched), and, unless
-    ``only_local``, four distributed ones."""
-    lengths = [6, 1, 9, 4, 40, 40, 40, 3, 2, 70]
-    ids = list(range(len(lengths)))
-    placement = [0] * len(ids) if only_local else [0, DISTRIBUTED, DISTRIBUTED, 0, 0, 0, 0, 0,
-                                                   DISTRIBUTED, DISTRIBUTED]  # fmt: skip
-    return lengths, ids, placement
+    call = through_attention_function(layout, seqs, scaling=0.4)
+    assert call.weights is None and call.shape == (1, layout.num_tokens, 4, HEAD_DIM)
+    check_call(call, seqs, lambda q, k, v: sdpa_reference(q, k, v, scale=0.4), 1e-10)
 
 
 @pytest.mark.parametrize("only_local", [False, True])
@@ -337,29 +195,12 @@ def test_cp1_through_dispatch_with_a_window(only_local: bool) -> None:
     # forward and gradients against transformers' mask, float64 1e-10. A window no sequence
     # is longer than leaves the full causal calls.
     lengths, ids, placement = dispatch_case(only_local)
-    seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
+    seqs = random_seqs(lengths, ids, 4, 2, torch.float64)
     layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
     for window in (3, 8, 69, 70):
-        q, k, v = (
-            pack(layout, {s: t[i] for s, t in seqs.items()}).requires_grad_() for i in range(3)
-        )
-        with attention_context(SkrullAttentionContext.build(layout)):
-            out, _ = skrull_attention_forward(
-                None, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None,
-                scaling=0.4, sliding_window=window,
-            )  # fmt: skip
-        grad_out = torch.randn_like(out[0])
-        out[0].backward(grad_out)
-        got = unpack([layout], [out[0].detach()])
-        got_grads = {n: unpack([layout], [t.grad]) for n, t in (("q", q), ("k", k), ("v", v))}
-        g = unpack([layout], [grad_out])
-        for s in ids:
-            ref_in = [t.clone().requires_grad_() for t in seqs[s]]
-            ref = _window_reference(*ref_in, window, scale=0.4)
-            ref.backward(g[s])
-            assert (got[s] - ref.detach()).abs().max().item() < 1e-10, (window, s)
-            for name, t in zip("qkv", ref_in, strict=True):
-                assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (window, s, name)
+        call = through_attention_function(layout, seqs, scaling=0.4, sliding_window=window)
+        reference = functools.partial(window_reference, window=window, scale=0.4)
+        check_call(call, seqs, reference, 1e-10, window)
 
 
 def test_no_distributed_sequence_starts_no_gather() -> None:
@@ -519,10 +360,10 @@ def test_flash_equals_sdpa_on_emulated_ranks(cp_size: int, hq: int, hkv: int) ->
         pytest.skip("no varlen kernel: neither flash-attn nor torch.nn.attention.varlen")
     rng = random.Random(cp_size)
     for _ in range(3):
-        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths, ids, placement = random_case(rng, cp_size)
         lengths = [n * 17 for n in lengths]  # several kernel tiles per sequence
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
-        base = _random_seqs(lengths, ids, hq, hkv, torch.float32, device="cuda", head_dim=64)
+        base = random_seqs(lengths, ids, hq, hkv, torch.float32, device="cuda", head_dim=64)
         out_grad = {s: torch.randn_like(base[s][0]) for s in ids}
         results = {}
         for name, module, dtype in (
@@ -563,10 +404,10 @@ def test_flash_with_a_window_equals_whole_sequence_sdpa(cp_size: int, window: in
         pytest.skip("the installed varlen kernel takes no window_size")
     rng = random.Random(cp_size * 7 + window)
     for _ in range(3):
-        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths, ids, placement = random_case(rng, cp_size)
         lengths = [n * 17 for n in lengths]
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
-        base = _random_seqs(lengths, ids, 4, 2, torch.float32, device="cuda", head_dim=64)
+        base = random_seqs(lengths, ids, 4, 2, torch.float32, device="cuda", head_dim=64)
         out_grad = {s: torch.randn_like(base[s][0]) for s in ids}
         seqs = {s: tuple(t.bfloat16().requires_grad_() for t in qkv) for s, qkv in base.items()}
         out = unpack(layouts, emulate_ranks(flash_backend, layouts, seqs, None, "flash", window))
@@ -575,7 +416,7 @@ def test_flash_with_a_window_equals_whole_sequence_sdpa(cp_size: int, window: in
             results = {}
             for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
                 ref_in = [t.to(dtype).requires_grad_() for t in base[s]]
-                ref = _window_reference(*ref_in, window)
+                ref = window_reference(*ref_in, window)
                 ref.float().backward(out_grad[s])
                 results[name] = [ref.detach().float()] + [t.grad.float() for t in ref_in]
             got = [out[s].detach().float()] + [t.grad.float() for t in seqs[s]]
@@ -590,13 +431,13 @@ def test_flash_with_a_window_equals_whole_sequence_sdpa(cp_size: int, window: in
 def test_sdpa_attention_is_the_sdpa_backend_entry_point() -> None:
     # the public entry point runs the same schedule as the parts (cp_size 1, no group)
     lengths, ids, placement = [4, 7], [0, 1], [DISTRIBUTED, 0]
-    seqs = _random_seqs(lengths, ids, 2, 1, torch.float64)
+    seqs = random_seqs(lengths, ids, 2, 1, torch.float64)
     layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
     ctx = SkrullAttentionContext.build(layout)
     q, k, v = (pack(layout, {s: t[i] for s, t in seqs.items()}) for i in range(3))
     out = unpack([layout], [sdpa_attention(q, k, v, ctx)])
     for s in ids:
-        assert (out[s] - _reference(*seqs[s])).abs().max().item() < 1e-10
+        assert (out[s] - sdpa_reference(*seqs[s])).abs().max().item() < 1e-10
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -616,21 +457,21 @@ def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int, bia
         return real_sdpa(q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale,
                          enable_gqa=enable_gqa)  # fmt: skip
 
-    monkeypatch.setattr(sdpa_backend, "_restrict_kernels", lambda t: True)
-    monkeypatch.setattr(sdpa_backend, "_lower_right_bias", lambda t: bias)
-    monkeypatch.setattr(sdpa_backend, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
+    monkeypatch.setattr(sdpa_calls, "_restrict_kernels", lambda t: True)
+    monkeypatch.setattr(sdpa_calls, "_lower_right_bias", lambda t: bias)
+    monkeypatch.setattr(sdpa_calls, "F", types.SimpleNamespace(scaled_dot_product_attention=spy))
     rng = random.Random(7 + cp_size)
     for _ in range(4):
-        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths, ids, placement = random_case(rng, cp_size)
         seqs = {
             s: tuple(t.requires_grad_() for t in qkv)
-            for s, qkv in _random_seqs(lengths, ids, 4, 2, torch.float64).items()
+            for s, qkv in random_seqs(lengths, ids, 4, 2, torch.float64).items()
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         got = unpack(layouts, emulate_ranks(sdpa_backend, layouts, seqs, None))
         for s in ids:
             ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
-            want = _reference(*ref_in)
+            want = sdpa_reference(*ref_in)
             grad = torch.randn_like(want)
             want.backward(grad)
             got_grads = torch.autograd.grad(got[s], seqs[s], grad, retain_graph=True)
@@ -642,62 +483,14 @@ def test_sdpa_backend_with_the_cuda_kernel_choice(monkeypatch, cp_size: int, bia
     assert any(biases) == bias  # every case has a distributed chunk that is not square
 
 
-def _varlen_reference(bottom_right: bool = True):
-    """``flash_attn_varlen_func`` as flash-attn documents it, in plain PyTorch (any device).
-
-    Segment ``i`` is queries ``q[cu_q[i]:cu_q[i+1]]`` against keys ``k[cu_k[i]:cu_k[i+1]]``;
-    with ``causal=True`` and ``seqlen_q < seqlen_k`` the mask is aligned to the bottom right
-    (flash-attn >= 2.1): query ``j`` sees keys ``0 .. j + seqlen_k - seqlen_q``. GQA shares
-    each K/V head among ``Hq / Hkv`` query heads. It also checks what the kernel requires of
-    its arguments (int32 offsets on the tensors' device, ``max_seqlen`` covering every segment),
-    which a wrong call would violate silently on a GPU. ``bottom_right=False`` gives the
-    top-left alignment of older flash-attn, to show the tests notice the difference.
-    ``window_size=(left, right)`` (flash-attn >= 2.3): query ``j`` also sees no key before
-    ``j + seqlen_k - seqlen_q - left`` (``left = -1``: no limit; causal needs ``right`` 0 or -1).
-    """
-
-    def varlen(
-        q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal,
-        window_size=(-1, -1),
-    ):  # fmt: skip
-        for cu, rows in ((cu_seqlens_q, q.shape[0]), (cu_seqlens_k, k.shape[0])):
-            assert cu.dtype == torch.int32 and cu.device == q.device
-            assert cu[0].item() == 0 and cu[-1].item() == rows
-            assert bool((cu[1:] >= cu[:-1]).all())
-        assert cu_seqlens_q.numel() == cu_seqlens_k.numel()
-        assert max_seqlen_q >= int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max())
-        assert max_seqlen_k >= int((cu_seqlens_k[1:] - cu_seqlens_k[:-1]).max())
-        assert causal and q.shape[1] % k.shape[1] == 0
-        groups = q.shape[1] // k.shape[1]
-        scale = q.shape[-1] ** -0.5 if softmax_scale is None else softmax_scale
-        outs = []
-        for i in range(cu_seqlens_q.numel() - 1):
-            qs = q[int(cu_seqlens_q[i]) : int(cu_seqlens_q[i + 1])]
-            ks = k[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])].repeat_interleave(groups, 1)
-            vs = v[int(cu_seqlens_k[i]) : int(cu_seqlens_k[i + 1])].repeat_interleave(groups, 1)
-            lq, lk = qs.shape[0], ks.shape[0]
-            scores = torch.einsum("qhd,khd->hqk", qs, ks) * scale
-            offset = lk - lq if bottom_right else 0
-            rows = torch.arange(lq).unsqueeze(1)
-            cols = torch.arange(lk).unsqueeze(0)
-            scores = scores.masked_fill(cols > rows + offset, float("-inf"))
-            assert window_size[1] in (-1, 0)
-            if window_size[0] >= 0:
-                scores = scores.masked_fill(cols < rows + offset - window_size[0], float("-inf"))
-            outs.append(torch.einsum("hqk,khd->qhd", scores.softmax(-1), vs))
-        return torch.cat(outs)
-
-    return varlen
-
-
 def _torch_varlen_reference(signature: str):
     """``torch.nn.attention.varlen.varlen_attn`` as PyTorch documents it, on top of
-    :func:`_varlen_reference`, with each of its signatures in the supported releases:
+    :func:`varlen_reference`, with each of its signatures in the supported releases:
     ``"window_size"`` (PyTorch >= 2.13: causal is ``window_size=(-1, 0)``, a tuple; ``scale`` and
     ``enable_gqa`` exist) or ``"window_size_no_gqa"`` (2.11, the GPU machines' torch: the same
     without ``enable_gqa``). It asserts the arguments a wrong call would get wrong silently:
     causality, and equal head counts without GQA."""
-    varlen = _varlen_reference()
+    varlen = varlen_reference()
 
     def new(q, k, v, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
             window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None,
@@ -721,10 +514,10 @@ def _flash_contract(cp_size: int, hq: int, hkv: int, window: int | None = None) 
     (the same terms summed in another order)."""
     rng = random.Random(100 + cp_size * 10 + hkv + (window or 0))
     for trial in range(4):
-        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths, ids, placement = random_case(rng, cp_size)
         seqs = {
             s: tuple(t.requires_grad_() for t in qkv)
-            for s, qkv in _random_seqs(lengths, ids, hq, hkv, torch.float64).items()
+            for s, qkv in random_seqs(lengths, ids, hq, hkv, torch.float64).items()
         }
         layouts = build_rank_layouts(ids, placement, lengths, cp_size=cp_size)
         scale = 0.3 if trial % 2 else None
@@ -734,7 +527,7 @@ def _flash_contract(cp_size: int, hq: int, hkv: int, window: int | None = None) 
         got_grads = {s: [t.grad.clone() for t in seqs[s]] for s in ids}
         for s in ids:
             ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
-            want = _window_reference(*ref_in, window, scale=scale)
+            want = window_reference(*ref_in, window, scale=scale)
             want.backward(grads[s])
             err = (got[s].detach() - want.detach()).abs().max().item()
             assert err < 1e-10, (lengths, ids, placement, s, err)
@@ -752,7 +545,7 @@ def test_flash_backend_call_contract_on_cpu(
     # bottom-right causal alignment it relies on, window_size=(W - 1, 0) for a window) checked
     # on CPU against whole-sequence SDPA, with flash-attn's kernel replaced by its documented
     # semantics. The kernel itself is checked on GPU (test_flash_equals_sdpa_...).
-    monkeypatch.setattr(flash_backend, "_varlen_func", _varlen_reference)
+    monkeypatch.setattr(flash_backend, "_varlen_func", varlen_reference)
     _flash_contract(cp_size, hq, hkv, window)
 
 
@@ -798,13 +591,13 @@ def test_flash_attn_without_window_size_refuses_a_window(monkeypatch) -> None:
 def test_flash_backend_contract_test_notices_top_left_alignment(monkeypatch) -> None:
     # The distributed chunks need bottom-right alignment; a kernel aligned top-left gives
     # other outputs, so the contract test above would fail on it.
-    monkeypatch.setattr(flash_backend, "_varlen_func", lambda: _varlen_reference(False))
+    monkeypatch.setattr(flash_backend, "_varlen_func", lambda: varlen_reference(False))
     lengths, ids, placement = [9, 12], [0, 1], [DISTRIBUTED, 0]
-    seqs = _random_seqs(lengths, ids, 4, 2, torch.float64)
+    seqs = random_seqs(lengths, ids, 4, 2, torch.float64)
     layouts = build_rank_layouts(ids, placement, lengths, cp_size=2)
     got = unpack(layouts, emulate_ranks(flash_backend, layouts, seqs, None, "flash"))
-    assert (got[1] - _reference(*seqs[1])).abs().max().item() < 1e-10  # local: square, same
-    assert (got[0] - _reference(*seqs[0])).abs().max().item() > 1e-3
+    assert (got[1] - sdpa_reference(*seqs[1])).abs().max().item() < 1e-10  # local: square, same
+    assert (got[0] - sdpa_reference(*seqs[0])).abs().max().item() > 1e-3
 
 
 def test_checkpoint_recompute_on_another_thread_finds_the_context() -> None:

@@ -32,9 +32,8 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from attention_reference import sink_reference, window_reference
 from helpers import count_exchanged_bytes
-from transformers.masking_utils import sdpa_mask, sliding_window_causal_mask_function
 
 from lightning_skrull.attention import (
     SkrullAttentionContext,
@@ -309,31 +308,11 @@ def _reference(case: Case, sid: int) -> dict[str, torch.Tensor]:
     d = {name: t.to(torch.float64) for name, t in _sequence_data(case, sid).items()}
     q, k, v = (d[n].clone().requires_grad_() for n in ("q", "k", "v"))
     if case.sink:
-        from test_gpt_oss import sink_reference
-
         sink = _sink(case).to(torch.float64).requires_grad_()
         out = sink_reference(q, k, v, sink, case.window, case.scale)
         out.backward(d["grad_out"])
         return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "dsink": sink.grad}
-    groups = case.num_heads // case.num_kv_heads
-    mask = None
-    if case.window is not None:
-        length = case.lengths[sid]
-        mask = sdpa_mask(
-            batch_size=1,
-            q_length=length,
-            kv_length=length,
-            mask_function=sliding_window_causal_mask_function(case.window),
-            allow_is_causal_skip=False,
-        )[0, 0]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1),
-        k.repeat_interleave(groups, dim=1).transpose(0, 1),
-        v.repeat_interleave(groups, dim=1).transpose(0, 1),
-        is_causal=mask is None,
-        attn_mask=mask,
-        scale=case.scale,
-    ).transpose(0, 1)
+    out = window_reference(q, k, v, case.window, case.scale)
     out.backward(d["grad_out"])
     return {"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
 

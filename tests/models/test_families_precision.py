@@ -33,8 +33,8 @@ from helpers import (
     rope_parameters,
     tiny_model,
 )
-from test_gemma3_multimodal import TINY_MODELS as MULTIMODAL
-from test_precision_matrix import FLOOR, RATIO
+from precision_rule import FLOOR, RATIO, relative_distance
+from tiny_models import VISION_LANGUAGE, gpt_oss_model
 
 from lightning_skrull.data.collate import collate_rank
 from lightning_skrull.models import SUPPORTED_ARCHITECTURES, prepare_model, uses_chunked_loss
@@ -93,10 +93,6 @@ def _flat(grads: dict[str, torch.Tensor]) -> np.ndarray:
     return np.concatenate([grads[n].double().numpy().ravel() for n in sorted(grads)])
 
 
-def _distance(got: np.ndarray, reference: np.ndarray) -> float:
-    return float(np.linalg.norm(got - reference) / np.linalg.norm(reference))
-
-
 def _reference_gradient(model: torch.nn.Module, autocast: bool) -> np.ndarray:
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         _, grads = reference_loss_and_grads(model, SAMPLES)
@@ -123,8 +119,8 @@ def _skrull_gradient(reference: torch.nn.Module, autocast: bool) -> np.ndarray:
 def _tiny(arch: str) -> torch.nn.Module:
     """The tiny model of ``arch``: tests/helpers.py's, or for the vision-language checkpoints
     (trained on text only) tests/models/test_gemma3_multimodal.py's, with a window of 3 on Gemma 3."""
-    if arch in MULTIMODAL:
-        return MULTIMODAL[arch](seed=4, **({"sliding_window": 3} if arch == "gemma3" else {}))
+    if arch in VISION_LANGUAGE:
+        return VISION_LANGUAGE[arch](seed=4, **({"sliding_window": 3} if arch == "gemma3" else {}))
     return tiny_model(arch, seed=4, **OVERRIDES.get(arch, {}))
 
 
@@ -145,7 +141,7 @@ def test_rope_scalings_in_bf16_as_close_to_float32_as_plain_hf(arch: str, kind: 
     assert model.model.rotary_emb.rope_type == kind
     bound = _check_bf16(model, SCALED)
     unscaled = _reference_gradient(tiny_model(arch, seed=4, initializer_range=0.1), False)
-    assert _distance(unscaled, _reference_gradient(model, autocast=False)) > 4 * bound
+    assert relative_distance(unscaled, _reference_gradient(model, autocast=False)) > 4 * bound
 
 
 def _check_bf16(reference: torch.nn.Module, scaled: float) -> float:
@@ -153,20 +149,20 @@ def _check_bf16(reference: torch.nn.Module, scaled: float) -> float:
     bf16 within the bound, autocast applied, and a gradient ``scaled`` times too large caught.
     Returns the bound."""
     fp32 = _reference_gradient(reference, autocast=False)
-    ref_distance = _distance(_reference_gradient(reference, autocast=True), fp32)
+    ref_distance = relative_distance(_reference_gradient(reference, autocast=True), fp32)
     # the reference's bf16 rounding shows: the bound is not vacuous
     assert ref_distance > FLOOR, ref_distance
     bound = RATIO * ref_distance + FLOOR
 
     skrull_fp32 = _skrull_gradient(reference, autocast=False)
-    assert _distance(skrull_fp32, fp32) < FP32_RTOL
+    assert relative_distance(skrull_fp32, fp32) < FP32_RTOL
     skrull_bf16 = _skrull_gradient(reference, autocast=True)
-    distance = _distance(skrull_bf16, fp32)
+    distance = relative_distance(skrull_bf16, fp32)
     assert distance <= bound, (distance, ref_distance)
     # autocast reached the Skrull path: its bf16 gradient is not its float32 one
-    assert _distance(skrull_bf16, skrull_fp32) > FLOOR
+    assert relative_distance(skrull_bf16, skrull_fp32) > FLOOR
     # and the bound is tight enough to catch a gradient 5% (10%) too large
-    assert _distance(scaled * skrull_bf16, fp32) > bound
+    assert relative_distance(scaled * skrull_bf16, fp32) > bound
     return bound
 
 
@@ -175,6 +171,4 @@ def test_gpt_oss_with_sinks_that_matter_in_bf16() -> None:
     sink logits of the scores' order, which the Skrull attention adds as a key of each SDPA
     call (tests/models/test_gpt_oss.py). Measured: d(plain HF bf16) 3.6e-3, d(Skrull bf16) 3.7e-3
     (ratio 1.03), bound 8.2e-3; 5% too large lands at 5.0e-2."""
-    from test_gpt_oss import gpt_oss_model
-
     _check_bf16(gpt_oss_model(seed=4), SCALED)

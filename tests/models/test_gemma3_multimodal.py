@@ -40,6 +40,7 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
+from harness import one_rank_plan
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
@@ -54,78 +55,22 @@ from helpers import (
     reference_loss_and_grads,
     sgd_training,
     skrull_strategy,
-    tiny_config,
 )
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
-from test_reliability import clean_world  # noqa: F401 (a fixture)
+from precision_rule import FLOOR, RATIO, relative_distance, update
+from tiny_models import IMAGE_TOKEN, VISION_LANGUAGE, tiny_gemma3, tiny_mistral3
 from torch import nn
 
 from lightning_skrull.data.collate import collate_rank
 from lightning_skrull.models import from_pretrained_on_rank_zero, plain_attention, prepare_model
-from lightning_skrull.models.multimodal import language_model, text_config
+from lightning_skrull.models.families.vision_language import language_model, text_config
 from lightning_skrull.runtime.engine import forward_backward
 from lightning_skrull.runtime.launch import spawn
-from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 
-IMAGE_TOKEN = 67
 VISION_PREFIX = ("model.vision_tower.", "model.multi_modal_projector.")
 STEPS = 2
 
 
-def tiny_gemma3(seed: int = 0, **text: Any) -> nn.Module:
-    """A tiny random ``Gemma3ForConditionalGeneration`` in float32 with eager attention."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    text_settings = tiny_config("gemma3_text", vocab_size=68, **text).to_dict()
-    vision = {
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "image_size": 16,
-        "patch_size": 4,
-        "vision_use_head": False,  # as Gemma 3's SigLIP
-    }
-    config = Gemma3Config(
-        text_config=text_settings,
-        vision_config=vision,
-        mm_tokens_per_image=4,
-        boi_token_index=65,
-        eoi_token_index=66,
-        image_token_index=IMAGE_TOKEN,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    return Gemma3ForConditionalGeneration(config).float()
-
-
-def tiny_mistral3(seed: int = 0, **text: Any) -> nn.Module:
-    """A tiny random ``Mistral3ForConditionalGeneration`` in float32 with eager attention."""
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
-
-    text_settings = tiny_config("mistral", vocab_size=68, **text).to_dict()
-    vision = {
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "head_dim": 8,
-        "image_size": 16,
-        "patch_size": 4,
-    }
-    config = Mistral3Config(
-        text_config=text_settings,
-        vision_config=vision,
-        image_token_index=IMAGE_TOKEN,
-        spatial_merge_size=2,
-        attn_implementation="eager",
-    )
-    torch.manual_seed(seed)
-    return Mistral3ForConditionalGeneration(config).float()
-
-
-TINY_MODELS = {"gemma3": tiny_gemma3, "mistral3": tiny_mistral3}
-FAMILIES = tuple(TINY_MODELS)
+FAMILIES = tuple(VISION_LANGUAGE)
 
 
 def _vision(name: str) -> bool:
@@ -133,13 +78,7 @@ def _vision(name: str) -> bool:
 
 
 _SAMPLES = make_samples([7, 1, 2, 5], seed=1, prompt={0: 3}, fully_masked=(2,))
-_PLAN = GlobalBatchPlan(
-    micro_batches=((MicroBatchPlan((0, 1), (0, 0)), MicroBatchPlan((2, 3), (0, 0))),),
-    dp_size=1,
-    cp_size=1,
-    bucket_size=8,
-    policy="hand",
-)
+_PLAN = one_rank_plan((0, 1), (2, 3), bucket_size=8)
 
 
 def _skrull_grads(model: nn.Module, *, autocast: bool = False) -> tuple[float, dict[str, Any]]:
@@ -161,7 +100,7 @@ def test_text_only_training_on_one_rank_equals_plain_hf(family: str, chunked: bo
     every Mistral layer) is shorter than the 7-token sequence, so it bites. The vision tower
     and projector get no gradient in either.
     """
-    ref = TINY_MODELS[family](seed=4, sliding_window=3)
+    ref = VISION_LANGUAGE[family](seed=4, sliding_window=3)
     model = prepare_model(copy.deepcopy(ref), backend="sdpa", chunked_loss=chunked, chunk_tokens=3)
     ref_loss, ref_grads = reference_loss_and_grads(ref, _SAMPLES)
     loss, grads = _skrull_grads(model)
@@ -182,7 +121,7 @@ def test_text_only_bf16_mixed_as_close_to_float32_as_plain_hf(family: str) -> No
     (tests/strategies/test_precision_matrix.py's rule, on the gradient, which one SGD step scales;
     measured 1.4e-2 against plain HF's 1.7e-2 for the Gemma 3, bound 3.5e-2; 4.1e-3 against
     4.2e-3 for the Mistral 3, bound 9.4e-3)."""
-    ref = TINY_MODELS[family](seed=4, sliding_window=3)
+    ref = VISION_LANGUAGE[family](seed=4, sliding_window=3)
     model = prepare_model(copy.deepcopy(ref), backend="sdpa", chunked_loss=True, chunk_tokens=3)
     _, fp32 = reference_loss_and_grads(ref, _SAMPLES)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -202,10 +141,10 @@ def test_text_only_bf16_mixed_as_close_to_float32_as_plain_hf(family: str) -> No
 
 def test_prepare_reads_the_text_config_and_the_text_decoder() -> None:
     """What the package reads of a Gemma3ForConditionalGeneration is its text model's."""
+    from benchmarks.memory_estimate import activation_bytes_per_token
     from lightning_skrull.models import attention_window, sequence_length_limit
     from lightning_skrull.models.chunked_loss import final_logit_softcap
-    from lightning_skrull.models.memory_estimate import activation_bytes_per_token
-    from lightning_skrull.models.multimodal import text_only_unused_parameters
+    from lightning_skrull.models.families.vision_language import text_only_unused_parameters
     from lightning_skrull.scheduling import CostModel
 
     model = tiny_gemma3(sliding_window=5)
@@ -234,10 +173,10 @@ def test_fsdp_shards_the_text_layers_and_the_vision_layers_apart(family: str) ->
     """SkrullFSDPStrategy shards each block transformers names in ``_no_split_modules``: the
     text model's decoder layers and the vision tower's layers, each its own unit. A unit that
     never runs a forward (the vision tower's, on text) is never all-gathered."""
-    from lightning_skrull.models.multimodal import text_only_unused_parameters
+    from lightning_skrull.models.families.vision_language import text_only_unused_parameters
     from lightning_skrull.strategies.fsdp_sharding import decoder_layers
 
-    model = prepare_model(TINY_MODELS[family](), backend="sdpa", chunked_loss=True)
+    model = prepare_model(VISION_LANGUAGE[family](), backend="sdpa", chunked_loss=True)
     assert language_model(model) is model.model.language_model
     units = {id(m) for m in decoder_layers(model)}
     text_layers = list(model.model.language_model.layers)
@@ -323,9 +262,9 @@ def test_images_are_refused_at_the_first_forward(family: str) -> None:
     """pixel_values, image features and (Gemma 3) token_type_ids raise, naming the value and
     the fix; the hook reads no tensor's values (no device sync): given meta tensors, which hold
     none, it passes, where reading a value would raise."""
-    from lightning_skrull.models.multimodal import refuse_images
+    from lightning_skrull.models.families.vision_language import refuse_images
 
-    model = prepare_model(TINY_MODELS[family](), backend="sdpa", chunked_loss=True)
+    model = prepare_model(VISION_LANGUAGE[family](), backend="sdpa", chunked_loss=True)
     batch = collate_rank(_SAMPLES, _PLAN, dp_rank=0, cp_rank=0, world_size=1)
     inputs = dict(batch.micro_batches[0].inputs)
     name = type(model).__name__
@@ -404,9 +343,9 @@ def test_rank_zero_loader_and_cli_build_the_checkpoint_class(
     (``AutoModelForCausalLM`` has no ``mistral3`` entry): with its weights on global rank 0,
     on the meta device with the same parameters, buffers and config on another rank, and
     through the CLI's module."""
-    from lightning_skrull.cli import SkrullCausalLM
+    from lightning_skrull.causal_lm import SkrullCausalLM
 
-    saved = TINY_MODELS[family]()
+    saved = VISION_LANGUAGE[family]()
     saved.save_pretrained(tmp_path)
     for key in ("LOCAL_RANK", "NODE_RANK", "GROUP_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
@@ -436,7 +375,7 @@ def test_ddp_without_its_ignore_api_is_refused_with_the_fix(
     from torch.nn.parallel import DistributedDataParallel
 
     from lightning_skrull import SkrullStrategy
-    from lightning_skrull.models.multimodal import text_only_unused_parameters
+    from lightning_skrull.models.families.vision_language import text_only_unused_parameters
 
     module = VisionLanguageLM("gemma3")
     strategy = SkrullStrategy(bucket_size=64)
@@ -464,7 +403,7 @@ class VisionLanguageLM(L.LightningModule):
     def __init__(self, family: str, path: str | None = None) -> None:
         super().__init__()
         if path is None:
-            self.model = TINY_MODELS[family](**SPAWN_TEXT[family])
+            self.model = VISION_LANGUAGE[family](**SPAWN_TEXT[family])
         else:  # the saved spawn model, read on global rank 0 only (meta elsewhere)
             self.model = from_pretrained_on_rank_zero(path)
 
@@ -538,7 +477,9 @@ def four_ranks() -> tuple[list[dict[str, Any]], dict[str, dict[str, np.ndarray]]
 
     with tempfile.TemporaryDirectory() as directory:
         for family in FAMILIES:  # the spawn's models, for the runs that read them on rank 0
-            TINY_MODELS[family](**SPAWN_TEXT[family]).save_pretrained(f"{directory}/saved_{family}")
+            VISION_LANGUAGE[family](**SPAWN_TEXT[family]).save_pretrained(
+                f"{directory}/saved_{family}"
+            )
         results = spawn(_four_rank_cases, 4, directory, timeout=900)
         loaded = {}
         for name in results[0]:
@@ -561,7 +502,7 @@ def _reference(
     other text settings): eager attention, one process, one sequence at a time, STEPS SGD
     steps on make_data()'s global batches, text only; the forward under bf16 autocast with
     ``autocast``."""
-    model = TINY_MODELS[family](**{**SPAWN_TEXT[family], **text})
+    model = VISION_LANGUAGE[family](**{**SPAWN_TEXT[family], **text})
     before = _params(model)
     sgd_training(model, make_data(), STEPS, autocast=autocast)
     return before, _params(model)

@@ -48,6 +48,7 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
+from harness import full_state, one_rank_plan
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
@@ -85,17 +86,6 @@ def _new_tokens(rank: int) -> int:
     return 3 + rank
 
 
-def _full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """The model's state dict as full float64 arrays (a collective for DTensors)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        out[key] = full.detach().double().numpy().copy()
-    return out
-
-
 class SampleGenerations(L.Callback):
     """Generates greedily at the end of step 1 on ``ranks``, the way a user's callback does."""
 
@@ -115,7 +105,7 @@ class SampleGenerations(L.Callback):
             )
         if batch_idx != 0:
             return
-        self.record["params"] = _full_params(module.model)  # every rank: a collective for FSDP
+        self.record["params"] = full_state(module.model)  # every rank: a collective for FSDP
         if rank in self.ranks:
             prompt = torch.tensor([PROMPTS[rank % 2]])
             with trainer.strategy.generating() as model:
@@ -274,12 +264,12 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
         module, recorder = _fit(make(), (callback,), **kwargs)
         out[name] = {
             **callback.record,
-            "final": _full_params(module.model),
+            "final": full_state(module.model),
             "planned": [s["planned"] for s in recorder.steps],
         }
         if baseline:
             plain, _ = _fit(make(), **kwargs)
-            out[name]["final_without_callback"] = _full_params(plain.model)
+            out[name]["final_without_callback"] = full_state(plain.model)
     # FSDP misused: every case is refused, on every rank, and the run trains on. A timeout
     # closes the gloo group's connections, and the group is made once per world and timeout:
     # each case that times out once has a timeout of its own
@@ -288,7 +278,7 @@ def _cases(rank: int, world_size: int) -> dict[str, Any]:
         misused.generation_timeout = timeout
         callback_misuse = MisusesGenerating(case)
         module, _ = _fit(misused, (callback_misuse,))
-        out[f"fsdp_{case}"] = {**callback_misuse.record, "final": _full_params(module.model)}
+        out[f"fsdp_{case}"] = {**callback_misuse.record, "final": full_state(module.model)}
     try:
         _fit(SkrullStrategy(cp_size=2, bucket_size=BUCKET), (ForgetsToSwitchBack(),))
     except RuntimeError as err:
@@ -761,16 +751,9 @@ def test_a_model_that_was_never_prepared_is_only_put_in_eval() -> None:
 def test_refused_inside_a_micro_batch_and_a_switched_model_refused_there() -> None:
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.runtime.engine import micro_batch_context
-    from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 
     model = prepare_model(tiny_qwen2(), backend="sdpa")
-    plan = GlobalBatchPlan(
-        micro_batches=((MicroBatchPlan((0, 1), (0, 0)),),),
-        dp_size=1,
-        cp_size=1,
-        bucket_size=16,
-        policy="hand",
-    )
+    plan = one_rank_plan((0, 1), bucket_size=16)
     samples = make_samples([7, 5], seed=2)
     mb = collate_rank(samples, plan, dp_rank=0, cp_rank=0, world_size=1).micro_batches[0]
     with micro_batch_context(mb, None, "sdpa"):

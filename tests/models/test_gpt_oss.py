@@ -20,73 +20,53 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import random
-import weakref
 from typing import Any
 
 import pytest
 import torch
+from attention_reference import (
+    check_call,
+    dispatch_case,
+    emulate_ranks,
+    sink_reference,
+    through_attention_function,
+)
+from harness import LOSS_RTOL, check_packed_parity
 from helpers import (
     make_samples,
     model_flops,
-    reference_loss_and_grads,
     sentinel_mask_bytes,
     tiny_config,
     tiny_model,
 )
-from test_attention import dispatch_case, emulate_ranks
-from test_moe import EXPERT_RTOL, GRAD_RTOL, LOSS_RTOL, record_routing
+from kept_bytes import kept_bytes, prepared_layer_per_token
+from tiny_models import gpt_oss_model
 from torch import nn
 
+from benchmarks.memory_estimate import layer_bytes_per_token, parameter_count
 from lightning_skrull.attention import (
     SkrullAttentionContext,
     attention_context,
     build_rank_layout,
     build_rank_layouts,
     dispatch,
-    pack,
+    sdpa_calls,
     skrull_attention_forward,
     unpack,
 )
 from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.layout import RankLayout
-from lightning_skrull.data.collate import collate_rank
 from lightning_skrull.models import check_model, prepare_model
-from lightning_skrull.models.memory_estimate import layer_bytes_per_token, parameter_count
-from lightning_skrull.models.moe import AUX_LOSS_MODEL_TYPES
+from lightning_skrull.models.families.moe import AUX_LOSS_MODEL_TYPES
 from lightning_skrull.runtime.engine import forward_backward
-from lightning_skrull.scheduling.cost_model import ModelShape, window_pairs
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling.shapes import ModelShape
+from lightning_skrull.scheduling.tiles import window_pairs
 
 HEAD_DIM = 8
 TOL = 1e-10  # float64: summation order only
-
-
-def sink_reference(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    sink: torch.Tensor,
-    window: int | None = None,
-    scale: float | None = None,
-) -> torch.Tensor:
-    """transformers' eager gpt-oss attention on one whole sequence: ``[L, Hq, Dv]``.
-
-    Scores by hand, the causal (and window) mask, the sink logit appended as a last column,
-    the softmax over keys and sink, the sink's column dropped, then the values.
-    """
-    length, hq, dim = q.shape
-    groups = hq // k.shape[1]
-    kr, vr = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scores = torch.einsum("qhd,khd->hqk", q, kr) * (dim**-0.5 if scale is None else scale)
-    rows, cols = torch.arange(length).unsqueeze(1), torch.arange(length).unsqueeze(0)
-    allowed = cols <= rows
-    if window is not None:
-        allowed &= rows - cols < window
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    logits = torch.cat([scores, sink.reshape(hq, 1, 1).expand(hq, length, 1)], dim=-1)
-    probs = torch.softmax(logits, dim=-1)[..., :-1]
-    return torch.einsum("hqk,khd->qhd", probs, vr)
 
 
 def _emulate(
@@ -226,25 +206,25 @@ def test_sink_blocks_keep_masks_bounded(mask_elements: int) -> None:
     v = torch.randn(23, 2, HEAD_DIM, generator=gen, dtype=torch.float64)
     sink = _sinks(4, 0).detach()
     masks: list[tuple[int, int]] = []
-    real = sdpa_backend.F.scaled_dot_product_attention
+    real = sdpa_calls.F.scaled_dot_product_attention
 
     def spy(*args: Any, **kwargs: Any) -> torch.Tensor:
         mask = kwargs.get("attn_mask")
         masks.append(tuple(mask.shape[-2:]) if mask is not None else (0, 0))
         return real(*args, **kwargs)
 
-    sdpa_backend.F.scaled_dot_product_attention = spy  # type: ignore[assignment]
+    sdpa_calls.F.scaled_dot_product_attention = spy  # type: ignore[assignment]
     try:
         for window in (None, 5):
             want = sink_reference(q, k, v, sink, window)
             for start in (0, 14):
-                got = sdpa_backend.sliding_window_attention(
+                got = sdpa_calls.sliding_window_attention(
                     q[start:], k, v, window=window or 10**6, mask_elements=mask_elements,
                     sink=sink,
                 )  # fmt: skip
                 assert (got - want[start:]).abs().max().item() < 1e-12, (window, start)
     finally:
-        sdpa_backend.F.scaled_dot_product_attention = real  # type: ignore[assignment]
+        sdpa_calls.F.scaled_dot_product_attention = real  # type: ignore[assignment]
     assert all(r * c <= max(mask_elements, c) for r, c in masks), masks
     assert all(c > 0 for _, c in masks)  # every call with a sink has a mask (its sink column)
 
@@ -265,27 +245,12 @@ def test_sinks_through_the_attention_function(only_local: bool) -> None:
     layout = build_rank_layout(ids, placement, lengths, cp_rank=0, cp_size=1)
     for window in (None, 8):
         sink = _sinks(4, 1)
-        q, k, v = (
-            pack(layout, {s: t[i] for s, t in seqs.items()}).requires_grad_() for i in range(3)
+        call = through_attention_function(
+            layout, seqs, scaling=0.4, sliding_window=window, s_aux=sink
         )
-        with attention_context(SkrullAttentionContext.build(layout)):
-            out, _ = skrull_attention_forward(
-                None, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None,
-                scaling=0.4, sliding_window=window, s_aux=sink,
-            )  # fmt: skip
-        grad_out = torch.randn_like(out[0])
-        out[0].backward(grad_out)
-        got = unpack([layout], [out[0].detach()])
-        got_grads = {n: unpack([layout], [t.grad]) for n, t in (("q", q), ("k", k), ("v", v))}
-        g = unpack([layout], [grad_out])
         ref_sink = sink.detach().clone().requires_grad_()
-        for s in ids:
-            ref_in = [t.clone().requires_grad_() for t in seqs[s]]
-            ref = sink_reference(*ref_in, ref_sink, window, scale=0.4)
-            ref.backward(g[s])
-            assert (got[s] - ref.detach()).abs().max().item() < TOL, (window, s)
-            for name, t in zip("qkv", ref_in, strict=True):
-                assert (got_grads[name][s] - t.grad).abs().max().item() < TOL, (window, s, name)
+        reference = functools.partial(sink_reference, sink=ref_sink, window=window, scale=0.4)
+        check_call(call, seqs, reference, TOL, window)
         assert (sink.grad - ref_sink.grad).abs().max().item() < TOL
 
 
@@ -313,16 +278,6 @@ def test_attention_function_refuses_bad_sinks_and_flash() -> None:
 
 
 # ----------------------------------------------------------------------------- the whole model
-def gpt_oss_model(seed: int = 4, **overrides: Any) -> nn.Module:
-    """The tiny gpt-oss of tests/helpers.py with sinks of the scores' order (its initialiser
-    draws them at std 0.02, where they would barely matter)."""
-    model = tiny_model("gpt_oss", seed=seed, **overrides)
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            sinks = layer.self_attn.sinks
-            sinks.copy_(torch.randn(sinks.shape, generator=gen) * 2)
-    return model
 
 
 # Two micro-batches on one process (CP 1): a sequence of 23 tokens as a "distributed" one (two
@@ -343,36 +298,29 @@ PLAN = GlobalBatchPlan(
 )
 
 
+def _own_scale(name: str) -> bool:
+    """The parameters held to their own largest gradient: experts, router, sinks."""
+    return ".experts." in name or ".router." in name or name.endswith("sinks")
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["dense-loss", "chunked-loss"])
 def test_packed_model_equals_hf_per_sequence(chunked: bool, monkeypatch: Any) -> None:
     """Float32, HF eager on each sequence alone against the prepared model on the packed
     micro-batches: the loss to LOSS_RTOL, every gradient (sinks, biases, router, experts) to
     GRAD_RTOL of the largest and each router, expert and sink tensor to EXPERT_RTOL of its own
-    largest (tests/models/test_moe.py's bounds: the same kernels, packing changes the rows the matmuls
+    largest (tests/harness.py's bounds: the same kernels, packing changes the rows the matmuls
     see and the summation order). With the sinks dropped the loss is far off."""
     ref = gpt_oss_model()
     model = prepare_model(copy.deepcopy(ref), backend="sdpa", chunked_loss=chunked)
-    ref_loss, ref_grads = reference_loss_and_grads(ref, SAMPLES)
-    batch = collate_rank(SAMPLES, PLAN, dp_rank=0, cp_rank=0, world_size=1)
-    with record_routing(model) as routing:
-        loss = forward_backward(model, batch, cp_group=None, backend="sdpa")
-    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * ref_loss
-    for calls in routing.values():  # the batch reaches every expert of both layers
+    packed = check_packed_parity(ref, model, SAMPLES, PLAN, _own_scale)
+    for calls in packed.routing.values():  # the batch reaches every expert of both layers
         used = torch.cat([c["experts"].flatten() for c in calls]).unique()
         assert len(used) == model.config.num_local_experts
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        diff = float((p.grad - ref_grads[name]).abs().max())
-        assert diff <= GRAD_RTOL * scale, f"{name} differs by {diff} (scale {scale})"
-        if ".experts." in name or ".router." in name or name.endswith("sinks"):
-            own = float(ref_grads[name].abs().max())
-            assert own > 0.0, f"{name} has no reference gradient"
-            assert diff <= EXPERT_RTOL * own, f"{name} differs by {diff / own:.2e} of its size"
     # the same run ignoring the sinks: the check above could fail
     monkeypatch.setattr(dispatch, "attention_sink", lambda s_aux, num_heads: None)
     model.zero_grad(set_to_none=True)
-    wrong = forward_backward(model, batch, cp_group=None, backend="sdpa")
+    wrong = forward_backward(model, packed.batch, cp_group=None, backend="sdpa")
+    ref_loss = packed.reference_loss
     assert abs(float(wrong) - ref_loss) > 100 * LOSS_RTOL * ref_loss  # measured 3.2e-4 rel.
 
 
@@ -457,17 +405,6 @@ def test_flops_match_torch_flop_counter() -> None:
     )
 
 
-class _Held:
-    """What the saved-tensors hook hands autograd: dies when autograd drops the tensor, by
-    reference counting (the graph holds no reference cycle, so the count needs no
-    ``gc.collect()``, which takes a second per call with the whole suite's objects alive)."""
-
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
 def _mlp_kept_bytes(tokens: int, dtype: torch.dtype, experts: str) -> int:
     """Bytes autograd still holds after gpt-oss's MLP (router and experts) runs on ``tokens``
     tokens: each storage once, its parameters and its input (the norm's output, counted with
@@ -482,23 +419,7 @@ def _mlp_kept_bytes(tokens: int, dtype: torch.dtype, experts: str) -> int:
         nn.init.normal_(p, std=0.1)
     x = torch.randn(1, tokens, 64, dtype=dtype, requires_grad=True)
     skip = {t.untyped_storage().data_ptr() for t in (x, *mlp.parameters())}
-    held: list[weakref.ref[_Held]] = []
-
-    def pack(t: torch.Tensor) -> _Held:
-        h = _Held(t)
-        held.append(weakref.ref(h))
-        return h
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
-        out = mlp(x)
-    kept = {}
-    for ref in held:
-        h = ref()
-        ptr = None if h is None else h.tensor.untyped_storage().data_ptr()
-        if h is not None and ptr not in skip:
-            kept[ptr] = h.tensor.untyped_storage().nbytes()
-    del out
-    return sum(kept.values())
+    return kept_bytes(lambda: mlp(x), skip)
 
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
@@ -534,8 +455,6 @@ def test_layer_estimate_is_what_autograd_keeps(dtype: torch.dtype) -> None:
     # CPU-only, subtracted: v padded to q's d + 1 columns (b x h_kv) and the padded output SDPA
     # saves beside the cropped copy o_proj takes (b x heads x (d + 1)); on CUDA v keeps its
     # width and the output is o_proj's input, as in tests/models/test_memory_estimate.py's dense test.
-    from test_memory_estimate import prepared_layer_per_token
-
     def config(layers: int) -> Any:
         return tiny_config("gpt_oss", hidden_size=64, intermediate_size=32, num_local_experts=8,
                            num_hidden_layers=layers, layer_types=["full_attention"] * layers)  # fmt: skip

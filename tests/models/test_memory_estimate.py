@@ -4,23 +4,23 @@ Mixture-of-Experts layer's count against what autograd saves and against measure
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 from helpers import sentinel_mask_bytes, tiny_config
+from kept_bytes import layer_per_token
 from transformers import Qwen2Config
 
 from benchmarks import memory_cpu
-from lightning_skrull.models.memory_estimate import (
+from benchmarks.memory_estimate import (
     activation_bytes_per_token,
     layer_bytes_per_token,
     model_state_bytes,
     parameter_count,
 )
-from lightning_skrull.models.patching import SUPPORTED_ARCHITECTURES
-from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B, QWEN3_30B_A3B, ModelShape
+from lightning_skrull.models.checks import SUPPORTED_ARCHITECTURES
+from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B, QWEN3_30B_A3B, ModelShape
 
 MIB = 2**20
 H200_MIB_PER_TOKEN = 3.130
@@ -102,84 +102,12 @@ def _layer_per_token(
 ) -> float:
     """Saved bytes per token of one decoder layer: the model with two layers less the one with
     one, at 512 tokens less 256."""
-    at = {
-        (layers, tokens): _saved_bytes(
+    return layer_per_token(
+        lambda layers, tokens: _saved_bytes(
             _config(model_type, layers, **fields), tokens, dtype, experts
-        )
-        for layers in (1, 2)
-        for tokens in (256, 512)
-    }
-    return (at[2, 512] - at[2, 256] - at[1, 512] + at[1, 256]) / 256
-
-
-class _Held:
-    """What the saved-tensors hook hands autograd: dies when autograd drops the tensor, by
-    reference counting (the graph holds no reference cycle, so the count needs no
-    ``gc.collect()``, which takes a second per call with the whole suite's objects alive)."""
-
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
-def _prepared_kept_bytes(config: Any, tokens: int, dtype: torch.dtype) -> int:
-    """Bytes autograd still holds after a forward of one ``tokens``-token sequence through the
-    prepared model (``prepare_model``, the ``sdpa`` backend, CP 1: the attention training
-    runs), each storage once, parameters left out. Also left out: the causal mask of an
-    attention-sink call, a ``tokens x (tokens + 1)`` tensor that SDPA's CPU kernel saves (on
-    CUDA the call takes a lower-right causal bias, no tensor); it is not per token."""
-    import weakref
-
-    from helpers import make_samples
-    from transformers import AutoModelForCausalLM
-
-    from lightning_skrull.data.collate import collate_rank
-    from lightning_skrull.models import prepare_model
-    from lightning_skrull.runtime.engine import micro_batch_context
-    from lightning_skrull.scheduling.plan import GlobalBatchPlan, MicroBatchPlan
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config).to(dtype)
-    model = prepare_model(model, backend="sdpa", chunked_loss=True)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    plan = GlobalBatchPlan(micro_batches=((MicroBatchPlan((0,), (0,)),),), dp_size=1, cp_size=1,
-                           bucket_size=tokens, policy="hand")  # fmt: skip
-    batch = collate_rank(make_samples([tokens], seed=1), plan, dp_rank=0, cp_rank=0, world_size=1)
-    held: list[weakref.ref[_Held]] = []
-
-    def pack(t: torch.Tensor) -> _Held:
-        h = _Held(t)
-        held.append(weakref.ref(h))
-        return h
-
-    mb = batch.micro_batches[0]
-    with (
-        micro_batch_context(mb, None, "sdpa"),
-        torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor),
-    ):
-        out = model(**mb.inputs)
-    kept = {}
-    for ref in held:
-        h = ref()
-        if h is None or h.tensor.shape == (tokens, tokens + 1):
-            continue
-        ptr = h.tensor.untyped_storage().data_ptr()
-        if ptr not in params:
-            kept[ptr] = h.tensor.untyped_storage().nbytes()
-    del out
-    return sum(kept.values())
-
-
-def prepared_layer_per_token(config: Callable[[int], Any], dtype: torch.dtype) -> float:
-    """Kept bytes per token of one decoder layer of the prepared model: the model of
-    ``config(2)`` (two layers) less that of ``config(1)``, at 256 tokens less 128."""
-    at = {
-        (layers, tokens): _prepared_kept_bytes(config(layers), tokens, dtype)
-        for layers in (1, 2)
-        for tokens in (128, 256)
-    }
-    return (at[2, 256] - at[2, 128] - at[1, 256] + at[1, 128]) / 128
+        ),
+        (256, 512),
+    )
 
 
 @pytest.mark.parametrize("experts", ["grouped_mm", "eager"])
@@ -297,8 +225,11 @@ def test_parameter_count_equals_hugging_face_for_every_architecture(tied: bool) 
     # count, the largest decoder layer and, for the vision-language checkpoints, the tower and
     # projector and the part of them FSDP2 gathers with the root (outside the units it shards
     # on their own, decoder_layers), all equal to the Hugging Face model's, head tied or not.
+    from lightning_skrull.models.families.vision_language import (
+        language_model,
+        text_only_unused_parameters,
+    )
     from lightning_skrull.models.loading import auto_model_class
-    from lightning_skrull.models.multimodal import language_model, text_only_unused_parameters
     from lightning_skrull.strategies.fsdp_sharding import decoder_layers
 
     configs = [

@@ -33,65 +33,52 @@ import copy
 import dataclasses
 import functools
 import random
-import time
-import weakref
 from typing import Any
 
-import lightning.pytorch as L
-import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from attention_reference import (
+    check_call,
+    emulate_ranks,
+    random_case,
+    through_attention_function,
+    varlen_reference,
+    window_reference,
+)
+from harness import (
+    PACKED_PLAN,
+    PACKED_SAMPLES,
+    check_float32_master_bf16,
+    check_float32_training,
+    check_micro_batch_counts,
+    check_packed_parity,
+    check_sharded_routing,
+    check_zero2_bf16,
+    family_cases,
+    family_reference,
+    fit_family,
+    master_reference,
+    policy_reference,
+    record_routing,
+    routers,
+)
 from helpers import (
-    BUCKET,
-    GLOBAL_BATCH,
-    LR,
     MLA_MOE_ARCHITECTURES,
-    bf16_policy_training,
-    cpu_trainer,
-    make_data,
-    max_diff,
-    reference_loss_and_grads,
     sentinel_mask_bytes,
-    sgd_training,
-    skrull_strategy,
     tiny_config,
     tiny_model,
 )
-from test_attention import (
-    _random_case,
-    _varlen_reference,
-    _window_reference,
-    emulate_ranks,
-)
-from test_moe import (
-    EXPERT_RTOL,
-    GRAD_RTOL,
-    LOSS_RTOL,
-    PACKED_PLAN,
-    PACKED_SAMPLES,
-    Recorder,
-    _full_params,
-    _routing,
-    bf16_master_training,
-    check_float32_training,
-    check_fsdp_bf16,
-    check_sharded_routing,
-    check_zero2_bf16,
-    record_routing,
-)
-from test_moe import (
-    _routers as record_routing_names,
-)
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from kept_bytes import kept_bytes, layer_per_token, prepared_layer_per_token
+from tiny_models import mla_model
 from torch import nn
 
+from benchmarks.memory_estimate import layer_bytes_per_token, parameter_count
 from lightning_skrull.attention import (
     SkrullAttentionContext,
     attention_context,
     build_rank_layout,
     build_rank_layouts,
-    pack,
     skrull_attention_forward,
     unpack,
 )
@@ -99,38 +86,13 @@ from lightning_skrull.attention import flash as flash_backend
 from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.data.collate import collate_rank
 from lightning_skrull.models import check_model, prepare_model
-from lightning_skrull.models.memory_estimate import layer_bytes_per_token, parameter_count
 from lightning_skrull.runtime.engine import forward_backward, micro_batch_context
 from lightning_skrull.runtime.launch import spawn
 from lightning_skrull.scheduling import DISTRIBUTED
-from lightning_skrull.scheduling.cost_model import ModelShape
+from lightning_skrull.scheduling.shapes import ModelShape
 
 FAMILIES = MLA_MOE_ARCHITECTURES
 KEY_DIM, VALUE_DIM = 8, 5  # MLA's values are narrower than its queries and keys
-
-
-def mla_model(arch: str, *, seed: int = 4, **overrides: Any) -> nn.Module:
-    """:func:`tiny_model` with a random ``e_score_correction_bias`` (as a trained checkpoint
-    has; transformers initialises it to zeros), the same in every process. Its spread, 0.01, is
-    of the order of the sigmoid scores' own at this initialisation: it changes some tokens'
-    experts without deciding every token's. gpt-oss: tests/models/test_gpt_oss.py's model, whose
-    sinks matter."""
-    if arch == "gpt_oss":
-        from test_gpt_oss import gpt_oss_model
-
-        return gpt_oss_model(seed=seed, **overrides)
-    model = tiny_model(arch, seed=seed, **overrides)
-    gen = torch.Generator().manual_seed(seed + 1)
-    for router in _routers(model):
-        bias = getattr(router, "e_score_correction_bias", None)
-        if bias is not None:
-            bias.copy_(0.01 * torch.randn(bias.shape, generator=gen))
-    return model
-
-
-def _routers(model: nn.Module) -> list[nn.Module]:
-    """The routers of the sparse layers, in layer order (``DeepseekV3TopkRouter``, ...)."""
-    return [m for m in model.modules() if type(m).__name__.endswith("TopkRouter")]
 
 
 # ----------------------------------------------------------------------------- attention
@@ -152,7 +114,7 @@ def _check_emulated(module: Any, backend: str, cp_size: int, window: int | None)
     gradients, float64 to 1e-10 (only the summation order differs, ~1e-15)."""
     rng = random.Random(7 * cp_size + (window or 0))
     for trial in range(4):
-        lengths, ids, placement = _random_case(rng, cp_size)
+        lengths, ids, placement = random_case(rng, cp_size)
         seqs = {
             s: tuple(t.requires_grad_() for t in qkv)
             for s, qkv in _mla_seqs(lengths, ids, 4, 2, seed=trial).items()
@@ -165,7 +127,7 @@ def _check_emulated(module: Any, backend: str, cp_size: int, window: int | None)
         for s in ids:
             assert got[s].shape == (lengths[s], 4, VALUE_DIM)
             ref_in = [t.detach().clone().requires_grad_() for t in seqs[s]]
-            want = _window_reference(*ref_in, window, scale=scale)
+            want = window_reference(*ref_in, window, scale=scale)
             want.backward(grads[s])
             assert (got[s].detach() - want.detach()).abs().max().item() < 1e-10
             for name, t, r in zip("qkv", seqs[s], ref_in, strict=True):
@@ -185,7 +147,7 @@ def test_flash_backend_pads_narrower_values(monkeypatch, cp_size: int, window: i
     the key's width and crops the output, as transformers' FlashAttention integration does. The
     kernel is replaced by its documented semantics plus that requirement (the GPU kernel itself:
     tests/attention/test_attention.py's GPU tests)."""
-    reference = _varlen_reference()
+    reference = varlen_reference()
     widths: list[tuple[int, int]] = []
 
     def one_head_dim(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: Any) -> Any:
@@ -220,28 +182,12 @@ def test_attention_function_with_narrower_values(monkeypatch) -> None:
         return real_sdpa(q, k, v, **kw)
 
     for window in (None, 8):
-        q, k, v = (
-            pack(layout, {s: t[i] for s, t in seqs.items()}).requires_grad_() for i in range(3)
-        )
-        with attention_context(SkrullAttentionContext.build(layout)), monkeypatch.context() as m:
+        with monkeypatch.context() as m:
             m.setattr(F, "scaled_dot_product_attention", recording_sdpa)  # the backend's calls
-            out, _ = skrull_attention_forward(
-                None, *(t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)), None,
-                scaling=0.4, sliding_window=window,
-            )  # fmt: skip
-        assert out.shape == (1, layout.num_tokens, 4, VALUE_DIM)
-        grad_out = torch.randn_like(out[0])
-        out[0].backward(grad_out)
-        got = unpack([layout], [out[0].detach()])
-        got_grads = {n: unpack([layout], [t.grad]) for n, t in (("q", q), ("k", k), ("v", v))}
-        g = unpack([layout], [grad_out])
-        for s in ids:
-            ref_in = [t.clone().requires_grad_() for t in seqs[s]]
-            ref = _window_reference(*ref_in, window, scale=0.4)
-            ref.backward(g[s])
-            assert (got[s] - ref.detach()).abs().max().item() < 1e-10, (window, s)
-            for name, t in zip("qkv", ref_in, strict=True):
-                assert (got_grads[name][s] - t.grad).abs().max().item() < 1e-10, (window, s, name)
+            call = through_attention_function(layout, seqs, scaling=0.4, sliding_window=window)
+        assert call.shape == (1, layout.num_tokens, 4, VALUE_DIM)
+        reference = functools.partial(window_reference, window=window, scale=0.4)
+        check_call(call, seqs, reference, 1e-10, window)
     assert widths and set(widths) == {(KEY_DIM, KEY_DIM)}
 
 
@@ -282,18 +228,14 @@ VARIANTS = {
 @pytest.mark.parametrize("chunked", [False, True], ids=["dense-loss", "chunked-loss"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_packed_model_equals_hf_per_sequence(variant: str, chunked: bool) -> None:
-    """Float32 to GRAD_RTOL / EXPERT_RTOL / LOSS_RTOL of tests/models/test_moe.py (same kernels;
+    """Float32 to GRAD_RTOL / EXPERT_RTOL / LOSS_RTOL of tests/harness.py (same kernels;
     packing changes the rows the matmuls see and the summation order). Measured over the 8
     cases: loss 1.7e-7 relative, any gradient 4.4e-7 of the largest, a router or expert tensor
     7.6e-7 of its own largest gradient."""
     arch, overrides = VARIANTS[variant]
     ref = mla_model(arch, **overrides)
     model = prepare_model(copy.deepcopy(ref), backend="sdpa", chunked_loss=chunked)
-    ref_loss, ref_grads = reference_loss_and_grads(ref, PACKED_SAMPLES)
-    batch = collate_rank(PACKED_SAMPLES, PACKED_PLAN, dp_rank=0, cp_rank=0, world_size=1)
-    with record_routing(model) as routing:
-        loss = forward_backward(model, batch, cp_group=None, backend="sdpa")
-    assert abs(float(loss) - ref_loss) <= LOSS_RTOL * ref_loss
+    routing = check_packed_parity(ref, model).routing
 
     # first_k_dense_replace=1: layer 0 dense, the two others routed; the batch uses the experts
     config = model.config
@@ -301,16 +243,6 @@ def test_packed_model_equals_hf_per_sequence(variant: str, chunked: bool) -> Non
     for calls in routing.values():
         used = torch.cat([c["experts"].flatten() for c in calls]).unique()
         assert len(used) >= 0.75 * config.n_routed_experts, f"{len(used)} experts used"
-
-    scale = max(float(g.abs().max()) for g in ref_grads.values())
-    for name, p in model.named_parameters():
-        assert p.grad is not None, f"{name} got no gradient"
-        diff = float((p.grad - ref_grads[name]).abs().max())
-        assert diff <= GRAD_RTOL * scale, f"{name} differs by {diff} (scale {scale})"
-        if ".experts." in name or "mlp.gate." in name or "shared_experts" in name:
-            own = float(ref_grads[name].abs().max())
-            assert own > 0.0, f"{name} has no reference gradient"
-            assert diff <= EXPERT_RTOL * own, f"{name} differs by {diff / own:.2e} of its size"
 
 
 def _group_of(experts: torch.Tensor, model: nn.Module) -> torch.Tensor:
@@ -446,17 +378,6 @@ def test_parameter_count_equals_hugging_face(arch: str, overrides: dict[str, Any
     assert count.per_layer == largest
 
 
-class _Held:
-    """What the saved-tensors hook hands autograd: dies when autograd drops the tensor, by
-    reference counting (the graph holds no reference cycle, so the count needs no
-    ``gc.collect()``, which takes a second per call with the whole suite's objects alive)."""
-
-    __slots__ = ("__weakref__", "tensor")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
-
-
 def _kept_bytes(config: Any, tokens: int, dtype: torch.dtype, experts: str | None) -> int:
     """Bytes of every tensor autograd still holds after a forward of ``tokens`` tokens (each
     storage once, parameters left out). Unlike counting every tensor saved, this leaves out what
@@ -468,24 +389,8 @@ def _kept_bytes(config: Any, tokens: int, dtype: torch.dtype, experts: str | Non
     kwargs = {"experts_implementation": experts} if experts else {}
     model = AutoModelForCausalLM.from_config(config, **kwargs).to(dtype)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    held: list[weakref.ref[_Held]] = []
-
-    def pack(t: torch.Tensor) -> _Held:
-        h = _Held(t)
-        held.append(weakref.ref(h))
-        return h
-
     ids = torch.randint(0, 128, (1, tokens), generator=torch.Generator().manual_seed(1))
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.tensor):
-        out = model(input_ids=ids, use_cache=False)
-    kept = {}
-    for ref in held:
-        h = ref()
-        ptr = None if h is None else h.tensor.untyped_storage().data_ptr()
-        if h is not None and ptr not in params:
-            kept[ptr] = h.tensor.untyped_storage().nbytes()
-    del out
-    return sum(kept.values())
+    return kept_bytes(lambda: model(input_ids=ids, use_cache=False), params)
 
 
 SMALL = dict(hidden_size=64, num_attention_heads=4, intermediate_size=96, vocab_size=128,
@@ -514,12 +419,12 @@ def _memory_config(arch: str, layers: int, dense: bool, **overrides: Any) -> Any
 
 def _layer_kept_per_token(arch: str, dense: bool, dtype: torch.dtype, experts: str | None) -> float:
     """Kept bytes per token of one decoder layer: two layers less one, 512 tokens less 256."""
-    at = {
-        (layers, tokens): _kept_bytes(_memory_config(arch, layers, dense), tokens, dtype, experts)
-        for layers in (1, 2)
-        for tokens in (256, 512)
-    }
-    return (at[2, 512] - at[2, 256] - at[1, 512] + at[1, 256]) / 256
+    return layer_per_token(
+        lambda layers, tokens: _kept_bytes(
+            _memory_config(arch, layers, dense), tokens, dtype, experts
+        ),
+        (256, 512),
+    )
 
 
 @pytest.mark.parametrize(
@@ -568,8 +473,6 @@ def test_dense_mla_layer_estimate_is_what_autograd_keeps(
     # padded v (b x heads x d in place of b x h_v) and a padded output (b x heads x d) beside
     # the cropped copy o_proj takes; on CUDA the output is v's width, laid out token-major, and
     # is o_proj's input itself, as in tests/models/test_memory_estimate.py's dense test.
-    from test_memory_estimate import prepared_layer_per_token
-
     def config(layers: int) -> Any:
         return _memory_config(arch, layers, True, q_lora_rank=q_lora_rank)
 
@@ -583,8 +486,6 @@ def test_dense_mla_layer_estimate_is_what_autograd_keeps(
 
 
 # ----------------------------------------------------------------------------- 4 ranks
-STEPS = 2
-NUM_SAMPLES = GLOBAL_BATCH * STEPS
 CASES = [
     ("deepseek_v3", "32-true"),
     ("glm4_moe", "32-true"),
@@ -625,73 +526,25 @@ UPDATE_ERROR = {"deepseek_v3": 0.10, "glm4_moe": 0.10, "deepseek_v2": 0.05, "gpt
 # One draw cannot be held to twice another's: their FSDP2 bound takes the larger of the two
 # single-process bf16 runs, FSDP2's policy and plain HF under autocast (docs/precision.md).
 SIGMOID_ROUTED = ("deepseek_v3", "glm4_moe")
-# Float32: as tests/models/test_moe.py (PARAM_ATOL of tests/helpers.py: float32 rounding of sums in
-# another order, averaged over 4 ranks; UPDATE_RTOL of each tensor's own 2-step update).
-# Measured: parameters 1.2e-7 at most (DeepSeek-V2 7.5e-9), any tensor 2.2e-4 of its update.
-PARAM_ATOL = 2e-6
+# Float32: PARAM_ATOL and UPDATE_RTOL of tests/harness.py (float32 rounding of sums in another
+# order, averaged over 4 ranks; each tensor's own 2-step update). Measured: parameters 1.2e-7 at
+# most (DeepSeek-V2 7.5e-9), any tensor 2.2e-4 of its update.
 
 
-class MlaLM(L.LightningModule):
-    """The documentation's plain module over a tiny DeepSeek-V3 / GLM-4-MoE."""
-
-    def __init__(self, arch: str) -> None:
-        super().__init__()
-        self.model = mla_model(arch, seed=0)
-
-    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        return self.model(**batch).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.SGD(self.parameters(), lr=LR)
+def training_model(arch: str) -> nn.Module:
+    """The spawn's and the references' model: :func:`~tiny_models.mla_model` of seed 0."""
+    return mla_model(arch, seed=0)
 
 
-def _params(model: nn.Module) -> dict[str, np.ndarray]:
-    return {n: p.detach().double().cpu().numpy().copy() for n, p in model.named_parameters()}
-
-
-def _fit(arch: str, precision: str, strategy_name: str = "ddp") -> dict[str, Any]:
-    from lightning_skrull import SkrullDataModule
-
-    strategy = skrull_strategy(strategy_name, cp_size=2, bucket_size=BUCKET)  # FSDP: shard="cp"
-    recorder = Recorder()
-    trainer = cpu_trainer(
-        strategy,
-        max_steps=STEPS,
-        callbacks=[recorder],
-        precision=precision,
-    )
-    module = MlaLM(arch)
-    data = SkrullDataModule(
-        train_data=make_data(NUM_SAMPLES), global_batch_size=GLOBAL_BATCH, shuffle=False
-    )
-    trainer.fit(module, data)
-    return {
-        "before": recorder.before,
-        "after": _full_params(module.model),
-        "dtype": str(next(module.model.parameters()).dtype),
-        "steps": recorder.steps,
-    }
+def _fit(case: tuple[str, ...]) -> dict[str, Any]:
+    """A case of :data:`CASES` (``(arch, precision)``, under SkrullStrategy) or of
+    :data:`SHARDED_CASES` (``(strategy, arch, precision)``)."""
+    strategy, arch, precision = case if len(case) == 3 else ("ddp", *case)
+    return fit_family(functools.partial(training_model, arch), strategy, precision)
 
 
 def _cases(rank: int, world_size: int) -> dict[Any, Any]:
-    from lightning_skrull.runtime.process_groups import build_process_groups
-
-    torch.set_num_threads(1)
-    layout = build_process_groups(cp_size=2)
-    out: dict[Any, Any] = {
-        ("routing", arch): _routing(arch, layout, mla_model) for arch in FAMILIES
-    }
-    out["seconds"] = {}
-    for case in CASES:
-        started = time.perf_counter()
-        out[case] = _fit(*case)
-        out["seconds"][case] = time.perf_counter() - started
-    for case in SHARDED_CASES:
-        started = time.perf_counter()
-        strategy_name, arch, precision = case
-        out[case] = _fit(arch, precision, strategy_name)
-        out["seconds"][case] = time.perf_counter() - started
-    return out
+    return family_cases(FAMILIES, mla_model, [*CASES, *SHARDED_CASES], _fit)
 
 
 @pytest.fixture(scope="module")
@@ -699,24 +552,14 @@ def runs() -> list[dict[Any, Any]]:
     return spawn(_cases, 4, timeout=900)
 
 
-@functools.cache
-def reference_training(arch: str, autocast: bool) -> tuple[dict[str, np.ndarray], ...]:
-    """``(before, after)`` of plain HF training (eager attention, one process, one sequence at
-    a time, SGD), float32 or with the forward under ``torch.autocast("cpu", bfloat16)``."""
-    model = mla_model(arch, seed=0)
-    before = _params(model)
-    sgd_training(model, make_data(NUM_SAMPLES), STEPS, autocast=autocast)
-    return before, _params(model)
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_sharded_sequence_routes_as_on_one_process(runs: list[dict[Any, Any]], arch: str) -> None:
     """Same experts for every token exactly; router logits and final hidden states to
-    ROUTING_ATOL of tests/models/test_moe.py (float32 rounding: the attention sums the K/V blocks in
+    ROUTING_ATOL of tests/harness.py (float32 rounding: the attention sums the K/V blocks in
     another order; measured 6.0e-8 and 8.3e-7 at most over the three families)."""
     model = mla_model(arch)
-    assert len(record_routing_names(model)) == 2  # both sparse layers are compared
+    assert len(routers(model)) == 2  # both sparse layers are compared
     check_sharded_routing(runs, arch, model)
 
 
@@ -725,7 +568,7 @@ def test_sharded_sequence_routes_as_on_one_process(runs: list[dict[Any, Any]], a
 def test_float32_training_equals_single_process(
     runs: list[dict[Any, Any]], case: tuple[str, str]
 ) -> None:
-    check_float32_training(runs, case, *reference_training(case[0], False))
+    check_float32_training(runs, case, *family_reference(training_model, case[0], False))
 
 
 @pytest.mark.multiprocess
@@ -740,32 +583,13 @@ def test_bf16_mixed_as_close_to_float32_as_single_process(
     2.9e-2 (5.9e-2; 10% off 1.07e-1, 5% off 6.00e-2, too close to the bound to hold),
     DeepSeek-V2 4.2e-3 / 4.8e-3 (1.06e-2; 5% off 5.0e-2), gpt-oss 4.5e-3 / 1.07e-2 (2.2e-2;
     5% off 5.0e-2)."""
-    fp32_before, fp32_after = reference_training(arch, False)
-    delta_fp32 = update(fp32_before, fp32_after)
-    ref_distance = relative_distance(update(*reference_training(arch, True)), delta_fp32)
-    assert ref_distance > FLOOR  # the reference's bf16 rounding shows: the bound is not vacuous
-    bound = RATIO * ref_distance + FLOOR
-    for out in runs:
-        cell = out[(arch, "bf16-mixed")]
-        assert cell["dtype"] == "torch.float32"
-        assert max_diff(cell["before"], fp32_before) == 0.0
-        delta = update(cell["before"], cell["after"])
-        distance = relative_distance(delta, delta_fp32)
-        assert distance <= bound, (distance, ref_distance)
-        assert relative_distance((1 + UPDATE_ERROR[arch]) * delta, delta_fp32) > bound
-
-
-@functools.cache
-def zero2_reference_training(arch: str) -> tuple[dict[str, np.ndarray], ...]:
-    """What bf16-mixed ZeRO-2 does, on one process (tests/models/test_moe.py's
-    :func:`~test_moe.bf16_master_training`)."""
-    return bf16_master_training(lambda: mla_model(arch, seed=0))
-
-
-@functools.cache
-def policy_reference_training(arch: str) -> tuple[dict[str, np.ndarray], ...]:
-    """FSDP2's bf16 policy on one process (:func:`~helpers.bf16_policy_training`)."""
-    return bf16_policy_training(lambda: mla_model(arch, seed=0), make_data(NUM_SAMPLES), STEPS)
+    check_float32_master_bf16(
+        runs,
+        (arch, "bf16-mixed"),
+        family_reference(training_model, arch, False),
+        family_reference(training_model, arch, True),
+        UPDATE_ERROR[arch],
+    )
 
 
 @pytest.mark.multiprocess
@@ -784,15 +608,15 @@ def test_sharded_bf16_mixed_as_close_to_float32_as_single_process(
     1.01e-1), DeepSeek-V2 6.5e-3 / 8.7e-3 (1.8e-2; 5.0e-2), gpt-oss 6.7e-3 / 1.36e-2 (2.8e-2;
     5.1e-2)."""
     strategy, arch, _ = case
-    fp32 = reference_training(arch, False)
-    autocast = reference_training(arch, True)
+    fp32 = family_reference(training_model, arch, False)
+    autocast = family_reference(training_model, arch, True)
     if strategy == "zero2":
-        reference = zero2_reference_training(arch)
+        reference = master_reference(training_model, arch)
         check_zero2_bf16(runs, case, fp32, reference, autocast, UPDATE_ERROR[arch])
     else:
-        policy = policy_reference_training(arch)
+        policy = policy_reference(training_model, arch)
         draws = (autocast,) if arch in SIGMOID_ROUTED else ()
-        check_fsdp_bf16(runs, case, fp32, policy, UPDATE_ERROR[arch], draws)
+        check_float32_master_bf16(runs, case, fp32, policy, UPDATE_ERROR[arch], draws)
 
 
 @pytest.mark.multiprocess
@@ -800,7 +624,4 @@ def test_sharded_bf16_mixed_as_close_to_float32_as_single_process(
 def test_dp_ranks_run_different_micro_batch_counts(
     runs: list[dict[Any, Any]], case: tuple[str, ...]
 ) -> None:
-    steps = [out[case]["steps"] for out in runs]
-    assert all(len(s) == STEPS for s in steps)
-    planned = [{s[i]["dp_rank"]: s[i]["planned"] for s in steps} for i in range(STEPS)]
-    assert any(len(set(counts.values())) > 1 for counts in planned)
+    check_micro_batch_counts(runs, case)

@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from harness import one_rank_plan
 from helpers import (
     ARCHITECTURES,
     FAMILIES,
@@ -38,7 +39,6 @@ from lightning_skrull.models import (
 )
 from lightning_skrull.runtime.engine import forward_backward, micro_batch_context, train_step
 from lightning_skrull.runtime.process_groups import ParallelLayout
-from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 
 
 def test_prepare_selects_skrull_attention_and_leaves_the_config_cache_setting() -> None:
@@ -120,13 +120,7 @@ def test_prepared_model_on_one_rank_equals_reference(
     float32; only the summation order differs (packing, one division per micro-batch): atol 1e-5.
     """
     samples = make_samples([7, 1, 2, 5], seed=1, prompt={0: 3}, fully_masked=(2,))
-    plan = GlobalBatchPlan(
-        micro_batches=((MicroBatchPlan((0, 1), (0, 0)), MicroBatchPlan((2, 3), (0, 0))),),
-        dp_size=1,
-        cp_size=1,
-        bucket_size=8,
-        policy="hand",
-    )
+    plan = one_rank_plan((0, 1), (2, 3), bucket_size=8)
     ref = tiny_model(arch, seed=4, **overrides)
     model = prepare_model(copy.deepcopy(ref), backend="sdpa", **prepare_kwargs)
     ref_loss, ref_grads = reference_loss_and_grads(ref, samples)
@@ -351,13 +345,7 @@ def test_prepared_forward_builds_no_cache_although_the_config_asks_for_one() -> 
     assert len(outputs) >= 2
     assert all(output_cache(out) is None for out in outputs)
     # an explicit use_cache=True is overridden the same way
-    plan = GlobalBatchPlan(
-        micro_batches=((MicroBatchPlan((0, 1), (0, 0)),),),
-        dp_size=1,
-        cp_size=1,
-        bucket_size=16,
-        policy="hand",
-    )
+    plan = one_rank_plan((0, 1), bucket_size=16)
     mb = collate_rank(samples[:2], plan, dp_rank=0, cp_rank=0, world_size=1).micro_batches[0]
     with torch.no_grad(), micro_batch_context(mb, None, "sdpa"):
         model(**mb.inputs, use_cache=True)

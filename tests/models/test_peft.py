@@ -54,6 +54,7 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
+from harness import PACKED_PLAN, PACKED_SAMPLES
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
@@ -924,11 +925,9 @@ def test_modules_to_save_head_resolves_the_active_copy() -> None:
 
 def _skrull_loss_and_grads(model: Any, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
     """Loss and adapter gradients of ``model`` (a ``PeftModel``, prepared in place) through the
-    Skrull path on one process: :data:`~test_moe.PACKED_PLAN`'s two packed micro-batches, the
+    Skrull path on one process: :data:`~harness.PACKED_PLAN`'s two packed micro-batches, the
     Skrull attention, the chunked loss; the forward under ``torch.autocast("cpu", bfloat16)``
     with ``autocast``, as Lightning's bf16-mixed runs it."""
-    from test_moe import PACKED_PLAN, PACKED_SAMPLES
-
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.models import prepare_model
     from lightning_skrull.runtime.engine import forward_backward
@@ -946,8 +945,6 @@ def _skrull_loss_and_grads(model: Any, autocast: bool) -> tuple[float, dict[str,
 
 def _peft_loss_and_grads(model: Any, autocast: bool) -> tuple[float, dict[str, torch.Tensor]]:
     """The same on plain peft: each of the packed test's sequences alone, eager attention."""
-    from test_moe import PACKED_SAMPLES
-
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         loss, grads = reference_loss_and_grads(model, PACKED_SAMPLES)
     return loss, {n: grads[n] for n, p in model.named_parameters() if p.requires_grad}
@@ -1070,7 +1067,7 @@ def test_cli_lora_recipe_trains_only_the_adapters() -> None:
 
 
 def test_cli_bf16_lora_keeps_a_bf16_base_and_float32_adapters(tmp_path: Path) -> None:
-    from lightning_skrull.cli import SkrullCausalLM
+    from lightning_skrull.causal_lm import SkrullCausalLM
 
     tiny_qwen2().save_pretrained(tmp_path)  # a float32 checkpoint, loaded in bf16
     module = SkrullCausalLM(model=str(tmp_path), torch_dtype="bfloat16", lora=LORA)
@@ -1087,7 +1084,8 @@ def test_cli_bf16_lora_keeps_a_bf16_base_and_float32_adapters(tmp_path: Path) ->
 
 
 def test_cli_lora_needs_peft(monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_skrull.cli import TINY_QWEN2_5, SkrullCausalLM
+    from lightning_skrull.causal_lm import SkrullCausalLM
+    from lightning_skrull.cli import TINY_QWEN2_5
 
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft now raises ImportError
     with pytest.raises(ImportError, match=r"peft is not installed: pip install peft"):

@@ -23,6 +23,7 @@ import copy
 
 import pytest
 import torch
+from harness import one_rank_plan
 from helpers import (
     ROPE_SENSITIVE,
     make_samples,
@@ -44,18 +45,12 @@ from lightning_skrull.models import (
 )
 from lightning_skrull.runtime.engine import forward_backward, train_step
 from lightning_skrull.runtime.process_groups import ParallelLayout
-from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling import DISTRIBUTED, GlobalBatchPlan
 
 ATOL = 1e-5
 LENGTHS = [69, 5, 33, 2, 17]
 # CP=1: two packed micro-batches, the 69-token sequence packed with two short ones.
-PLAN = GlobalBatchPlan(
-    micro_batches=((MicroBatchPlan((0, 1, 3), (0, 0, 0)), MicroBatchPlan((2, 4), (0, 0))),),
-    dp_size=1,
-    cp_size=1,
-    bucket_size=76,
-    policy="hand",
-)
+PLAN = one_rank_plan((0, 1, 3), (2, 4), bucket_size=76)
 
 
 def _packed_case(
@@ -212,13 +207,7 @@ def test_batch_dependent_rope_packed_differs_from_one_process(kind: str) -> None
     model = tiny_model(
         "qwen2", seed=4, rope_parameters=rope_parameters(kind), **config, **ROPE_SENSITIVE
     )
-    plan = GlobalBatchPlan(
-        micro_batches=((MicroBatchPlan((0, 1), (0, 0)),),),
-        dp_size=1,
-        cp_size=1,
-        bucket_size=69,
-        policy="hand",
-    )
+    plan = one_rank_plan((0, 1), bucket_size=69)
     case = _packed_case(model, [60, 9], plan, force=1)
     # measured: loss off by 2.1e-3 (dynamic) and 5.1e-2 (longrope), gradients by 1.9e-2 and 0.15
     assert abs(case["loss"] - case["ref_loss"]) > 1e-3
@@ -318,7 +307,7 @@ def test_batch_dependent_rope_within_its_threshold_packed_equals_reference(
 def test_cost_model_and_memory_estimate_do_not_depend_on_the_rope_type() -> None:
     """Both read the model's shape only: a rope type changes the frequencies, not the FLOPs or
     the activations (cos / sin are ``[tokens, head_dim]`` for every type)."""
-    from lightning_skrull.models.memory_estimate import activation_bytes_per_token
+    from benchmarks.memory_estimate import activation_bytes_per_token
     from lightning_skrull.scheduling import CostModel
 
     plain = tiny_config("qwen2")

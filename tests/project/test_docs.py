@@ -24,11 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-DOC_FILES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-_BLOCK = re.compile(r"^```python\n(.*?)^```", re.DOTALL | re.MULTILINE)
-
+from doc_pages import DOC_FILES, ROOT, SNIPPETS
 
 _LINK = re.compile(r"\]\(([^)#\s]*)(#[^)\s]*)?\)")
 _HEADING = re.compile(r"^#{1,6}\s+(.*?)\s*#*\s*$")
@@ -64,20 +60,6 @@ def _anchors(path: Path) -> frozenset[str]:
         repeats[slug] = count + 1
         names.add(slug if count == 0 else f"{slug}-{count}")
     return frozenset(names)
-
-
-def _snippets() -> list[tuple[str, str]]:
-    """``(places, code)`` of every distinct python block, ``places`` like ``README.md:14#0``."""
-    found: dict[str, list[str]] = {}
-    for path in DOC_FILES:
-        text = path.read_text()
-        for i, match in enumerate(_BLOCK.finditer(text)):
-            line = text[: match.start()].count("\n") + 1
-            found.setdefault(match.group(1), []).append(f"{path.relative_to(ROOT)}:{line}#{i}")
-    return [("+".join(places), code) for code, places in found.items()]
-
-
-SNIPPETS = _snippets()
 
 
 def test_docs_have_python_snippets() -> None:

@@ -22,8 +22,7 @@ import sys
 from pathlib import Path
 
 import pytest
-
-from test_docs import SNIPPETS
+from doc_pages import SNIPPETS
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import given, settings
+from plan_contract import SMALL_TILES, batches, check_contract
 
 from lightning_skrull.scheduling import PlannerOptions, plan_global_batch, simulate
-from lightning_skrull.scheduling.cost_model import QWEN2_5_7B, CostModel
-from test_scheduling import SMALL_TILES, batches, check_contract
+from lightning_skrull.scheduling.cost_model import CostModel
+from lightning_skrull.scheduling.shapes import QWEN2_5_7B
 
 SLOW = CostModel(shape=QWEN2_5_7B, comm_bandwidth=5e9)  # the split and the rows run here
 ALONE = [PlannerOptions(**{step: False}) for step in PlannerOptions.steps()]

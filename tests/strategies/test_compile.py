@@ -34,10 +34,10 @@ import numpy as np
 import pytest
 import torch
 from helpers import VOCAB, cpu_trainer, reference_model, tiny_qwen2, token_loss_sum
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from precision_rule import FLOOR, RATIO, relative_distance, update
 
 from lightning_skrull.runtime.launch import spawn
-from lightning_skrull.strategies.compiled import compiled_forms
+from lightning_skrull.strategies.setup_checks import compiled_forms
 
 LENGTHS = ((60, 60, 60, 2, 2), (58, 58, 58, 3, 3))
 """The global batch of each step: at CP=2 with a 32-token bucket DP rank 0 runs two

@@ -54,6 +54,7 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
+from harness import full_state
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
@@ -84,7 +85,7 @@ from helpers import (
     warmup_factor,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
-from test_precision_matrix import reference_training as matrix_reference
+from precision_rule import precision_reference
 
 from lightning_skrull.runtime.launch import spawn
 
@@ -116,18 +117,6 @@ LAYOUT_ATOL = 1e-6
 VAL_BATCH = 6
 SHORT = make_data(12, seed=4, longest=40)
 LONG = make_data(8, seed=102, longest=80)
-
-
-def _full_params(model: torch.nn.Module) -> dict[str, np.ndarray]:
-    """Every entry of the model's state dict as a full float64 array (a collective for DTensors:
-    every rank calls it in the same order)."""
-    from torch.distributed.tensor import DTensor
-
-    out = {}
-    for key, value in model.state_dict().items():
-        full = value.full_tensor() if isinstance(value, DTensor) else value
-        out[key] = full.detach().double().numpy().copy()
-    return out
 
 
 def _local_share(model: torch.nn.Module) -> float:
@@ -189,7 +178,7 @@ class Recorder(BatchRecorder):
             self._record(module.model)
 
     def _record(self, model: torch.nn.Module) -> None:
-        self.before = _full_params(model)
+        self.before = full_state(model)
         self.buffers = _buffers(model)
         self.tied = model.lm_head.weight is model.model.embed_tokens.weight
         self.dtype = str(next(model.parameters()).dtype)
@@ -284,7 +273,7 @@ def _probe_change(strategy: Any, module: PlainLM) -> float:
     from lightning_skrull.runtime.memory import ProbeStep
 
     layout = strategy.parallel_layout
-    before = _full_params(module.model)
+    before = full_state(module.model)
     probe = ProbeStep(
         module.model,
         strategy.optimizers[0],
@@ -298,7 +287,7 @@ def _probe_change(strategy: Any, module: PlainLM) -> float:
     probe(32)
     probe.restore()
     assert all(p.grad is None for p in module.model.parameters())
-    return max_diff(_full_params(module.model), before)
+    return max_diff(full_state(module.model), before)
 
 
 def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
@@ -315,7 +304,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         strategy = trainer.strategy
         dp_group = strategy.device_mesh.get_group("dp") if shard == "cp" else None
         out[shard] = {
-            "params": _full_params(module.model),
+            "params": full_state(module.model),
             "share": _local_share(module.model),
             "steps": recorder.steps,
             "loss": float(trainer.callback_metrics["train_loss"]),
@@ -355,7 +344,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         activation_checkpointing=True,
         gradient_clip_val=CLIP,
     )
-    out["clip"] = _full_params(module.model)
+    out["clip"] = full_state(module.model)
     out["checkpointing"] = module.model.is_gradient_checkpointing
     out["checkpointing_calls"] = (counter.training_at_start, counter.calls, counter.micro_batches)
 
@@ -363,21 +352,21 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     # and by value (on the DTensor gradients, entry by entry) with shard="cp"
     started = time.perf_counter()
     module, _, recorder = _fit(STEPS, shard="world", gradient_clip_val=CLIP)
-    out["world_clip"] = {"after": _full_params(module.model), "steps": recorder.steps}
+    out["world_clip"] = {"after": full_state(module.model), "steps": recorder.steps}
     module, _, recorder = _fit(STEPS, shard="world", gradient_clip_val=CLIP, precision="bf16-mixed")
     out["world_bf16_clip"] = {
         "before": recorder.before,
-        "after": _full_params(module.model),
+        "after": full_state(module.model),
         "steps": recorder.steps,
     }
     module, _, recorder = _fit(STEPS, gradient_clip_val=CLIP_VALUE, gradient_clip_algorithm="value")
-    out["value_clip"] = {"after": _full_params(module.model), "steps": recorder.steps}
+    out["value_clip"] = {"after": full_state(module.model), "steps": recorder.steps}
     # and the CLI's warm-up LR scheduler (interval="step") with shard="world"
     warm = WarmupLM()
     _, trainer, recorder = _fit(STEPS, shard="world", module=warm)
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     out["warmup"] = {
-        "after": _full_params(warm.model),
+        "after": full_state(warm.model),
         "lrs": warm.lrs,
         "last_epoch": scheduler.last_epoch,  # type: ignore[union-attr]
         "global_step": trainer.global_step,
@@ -397,8 +386,8 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     resumed, _, resumed_rec = _fit(
         4, fit_kwargs={"ckpt_path": os.path.join(ckpt_dir, "step=2.ckpt")}, **resume
     )
-    out["whole"], out["whole_steps"] = _full_params(whole.model), whole_rec.steps
-    out["resumed"], out["resumed_steps"] = _full_params(resumed.model), resumed_rec.steps
+    out["whole"], out["whole_steps"] = full_state(whole.model), whole_rec.steps
+    out["resumed"], out["resumed_steps"] = full_state(resumed.model), resumed_rec.steps
     out["ckpt_is_dir"] = os.path.isdir(os.path.join(ckpt_dir, "step=2.ckpt"))
 
     # a second fit on the same Trainer (one epoch more, as in a notebook): FSDP's setup runs
@@ -409,16 +398,16 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         again = {"shuffle": True, "seed": 6, "calibration": "off", "precision": precision,
                  "limit_train_batches": SECOND_FIT_BATCHES}  # fmt: skip
         module, trainer, recorder = _fit(-1, max_epochs=1, **again)
-        first_end = _full_params(module.model)
+        first_end = full_state(module.model)
         trainer.fit_loop.max_epochs = 2
         trainer.fit(module, trainer.datamodule)
         whole, _, whole_rec = _fit(-1, max_epochs=2, **again)
         out[f"second_fit/{precision}"] = {
             "first_end": first_end,
             "second_start": recorder.before,
-            "params": _full_params(module.model),
+            "params": full_state(module.model),
             "steps": recorder.steps,
-            "whole": _full_params(whole.model),
+            "whole": full_state(whole.model),
             "whole_steps": whole_rec.steps,
         }
 
@@ -437,7 +426,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     out["full_resume"] = {
         "written": sorted(os.listdir(full_dir)),
         "is_file": os.path.isfile(os.path.join(full_dir, "step=2.ckpt")),
-        "resumed": _full_params(resumed.model),
+        "resumed": full_state(resumed.model),
         "resumed_start": resumed_rec.before,
         "resumed_steps": resumed_rec.steps,
     }
@@ -461,7 +450,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         ),
         ckpt_path=os.path.join(full_dir, "step=2.ckpt"),
     )
-    out["full_resume"]["ddp"] = _full_params(ddp_module.model)
+    out["full_resume"]["ddp"] = full_state(ddp_module.model)
     out["full_resume"]["ddp_start"] = ddp_recorder.before
     out["full_resume"]["ddp_steps"] = ddp_recorder.steps
 
@@ -476,7 +465,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     )
     out["bf16_clip"] = {
         "before": recorder.before,
-        "after": _full_params(module.model),
+        "after": full_state(module.model),
         "checkpointing": module.model.is_gradient_checkpointing,
         "steps": recorder.steps,
     }
@@ -495,9 +484,9 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         **resume,
     )
     out["bf16_resume"] = {
-        "whole": _full_params(whole.model),
+        "whole": full_state(whole.model),
         "whole_steps": whole_rec.steps,
-        "resumed": _full_params(resumed.model),
+        "resumed": full_state(resumed.model),
         "resumed_steps": resumed_rec.steps,
         "resumed_start": resumed_rec.before,
     }
@@ -517,7 +506,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         module, _, recorder = _fit(STEPS, precision="bf16-mixed", shard=shard)
         out[("bf16", shard)] = {
             "before": recorder.before,
-            "after": _full_params(module.model),
+            "after": full_state(module.model),
             "dtype": str(next(module.model.parameters()).dtype),
             "steps": recorder.steps,
         }
@@ -528,7 +517,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
         module, _, recorder = _fit(STEPS, precision="bf16-true", shard=shard)
         out[("bf16-true", shard)] = {
             "before": recorder.before,
-            "after": _full_params(module.model),
+            "after": full_state(module.model),
             "dtype": str(next(module.model.parameters()).dtype),
             "buffer_dtypes": sorted({str(b.dtype) for b in module.model.buffers()}),
             "steps": recorder.steps,
@@ -537,7 +526,7 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
     scaled = ScaledBackwardLM()
     _, _, recorder = _fit(STEPS, module=scaled)
     out["scaled_backward"] = {
-        "after": _full_params(scaled.model),
+        "after": full_state(scaled.model),
         "calls": scaled.calls_per_step,
         "steps": recorder.steps,
     }
@@ -558,7 +547,7 @@ def _second_trainers(module: PlainLM) -> dict[str, Any]:
         SkrullZero2Strategy,
     )
 
-    before = _full_params(module.model)
+    before = full_state(module.model)
     data = SkrullDataModule(
         train_data=make_data(),
         val_data=make_data(11, seed=1),
@@ -592,7 +581,7 @@ def _second_trainers(module: PlainLM) -> dict[str, Any]:
         except Exception as err:  # recorded; the test asserts what it is
             out[name] = f"{type(err).__name__}: {err}"
     out["dtype"] = str(next(module.model.parameters()).dtype)
-    out["change"] = max_diff(_full_params(module.model), before)
+    out["change"] = max_diff(full_state(module.model), before)
     return out
 
 
@@ -608,7 +597,7 @@ def _rank_zero_cases(tmp: str) -> dict[str, Any]:
         "held": held,
         "before": recorder.before,
         "buffers": recorder.buffers,
-        "after": _full_params(module.model),
+        "after": full_state(module.model),
         "steps": recorder.steps,
     }
     for on_rank_zero in (True, False):
@@ -1078,10 +1067,10 @@ def test_bf16_true_as_close_to_float32_as_single_process(
     with either shard axis: d(cell) 2.49e-2, d(ref) 2.49e-2, bound 5.07e-2; the update scaled
     by 1.05 lies 5.6e-2 away; 1.3e-2 from the reference's update against 2.9e-2 from the
     float32-master rule's (relative to the float32 update's norm)."""
-    delta_fp32 = _update(*matrix_reference("float32"))
-    ref_before, ref_after = matrix_reference("bf16")
+    delta_fp32 = _update(*precision_reference("float32"))
+    ref_before, ref_after = precision_reference("bf16")
     own = _update(ref_before, ref_after)
-    other = _update(*matrix_reference("bf16_fp32_master"))
+    other = _update(*precision_reference("bf16_fp32_master"))
     ref_distance = _distance(own, delta_fp32)
     assert ref_distance > FLOOR
     bound = RATIO * ref_distance + FLOOR
@@ -1441,7 +1430,7 @@ def test_decoder_layers_are_the_no_split_modules() -> None:
 def test_parameter_count_equals_hugging_face() -> None:
     from transformers import Qwen2Config
 
-    from lightning_skrull.models.memory_estimate import parameter_count
+    from benchmarks.memory_estimate import parameter_count
     from lightning_skrull.scheduling.cost_model import CostModel
 
     for tied in (False, True):
@@ -1457,8 +1446,8 @@ def test_parameter_count_equals_hugging_face() -> None:
 
 
 def test_model_states_explain_the_h200_line() -> None:
-    from lightning_skrull.models.memory_estimate import parameter_count
-    from lightning_skrull.scheduling.cost_model import QWEN2_5_0_5B
+    from benchmarks.memory_estimate import parameter_count
+    from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B
 
     # The H200 check fitted peak = 3.130 MiB/token * tokens + 2.90 GiB for a Qwen2.5-0.5B-shaped
     # model in bf16 with AdamW (bf16 moments), one micro-batch per probe (docs/benchmarks.md).
@@ -1472,7 +1461,7 @@ def test_model_states_explain_the_h200_line() -> None:
 
 
 def test_memory_per_rank_orders_the_strategies() -> None:
-    from lightning_skrull.models.memory_estimate import (
+    from benchmarks.memory_estimate import (
         LARGE_MODELS,
         QWEN2_5_32B,
         largest_bucket,

@@ -62,7 +62,7 @@ from lightning.pytorch.callbacks import (
 from lightning.pytorch.loggers import CSVLogger, Logger
 from lightning.pytorch.trainer.states import RunningStage
 from lightning.pytorch.tuner import Tuner
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from precision_rule import FLOOR, RATIO, relative_distance, update
 from torch.utils.flop_counter import FlopCounterMode
 from transformers import Qwen2ForCausalLM
 

@@ -49,6 +49,7 @@ def _run_job(out_dir: Path) -> None:
     import torch
 
     torch.set_num_threads(1)
+    from harness import full_state
     from helpers import (
         BUCKET,
         GLOBAL_BATCH,
@@ -58,7 +59,6 @@ def _run_job(out_dir: Path) -> None:
         cpu_trainer,
         make_data,
     )
-    from test_fsdp import _full_params
 
     import lightning_skrull  # noqa: F401  (registers the strategy names)
     from lightning_skrull import (
@@ -100,7 +100,7 @@ def _run_job(out_dir: Path) -> None:
         results[name] = {
             "global_rank": trainer.global_rank,
             "cp_ranks": layout.cp_ranks,
-            "params": _full_params(module.model),
+            "params": full_state(module.model),
             "steps": recorder.steps,
             "before": getattr(recorder, "before", None),
             "seconds": time.perf_counter() - started,
@@ -218,8 +218,7 @@ def test_two_nodes_bf16_mixed_as_close_to_float32_as_single_process(
         reference_training,
         sgd_training,
     )
-    from test_precision_matrix import FLOOR, RATIO, relative_distance, update
-    from test_precision_matrix import reference_training as matrix_reference
+    from precision_rule import FLOOR, RATIO, precision_reference, relative_distance, update
 
     model = reference_model()
     before = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}
@@ -230,7 +229,7 @@ def test_two_nodes_bf16_mixed_as_close_to_float32_as_single_process(
     elif strategy == "zero2_bf16":
         # bf16 parameters (buffers float32) and float32 masters on one process, the bf16
         # parameters compared; the same global batches (make_data's first 16 samples)
-        before, ref_after = matrix_reference("bf16_params_fp32_master")
+        before, ref_after = precision_reference("bf16_params_fp32_master")
     else:
         sgd_training(model, make_data(), STEPS, autocast=True)
         ref_after = {k: v.detach().double().numpy() for k, v in model.state_dict().items()}

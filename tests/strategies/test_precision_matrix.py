@@ -15,7 +15,6 @@ batch's supervised tokens, then SGD, in the precision the cell trains in.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import random
 import tempfile
@@ -29,7 +28,6 @@ from helpers import (
     BUCKET,
     CHAT_VOCAB,
     GLOBAL_BATCH,
-    LR,
     PLAIN_TEMPLATE,
     LayerCallCounter,
     PlainLM,
@@ -43,13 +41,22 @@ from helpers import (
     reference_model,
     sgd_training,
     tiny_qwen2,
-    token_loss_sum,
 )
 from lightning.pytorch.plugins.precision import MixedPrecision
+from precision_rule import (
+    FLOOR,
+    INIT_SCALE,
+    RATIO,
+    STEPS,
+    InfiniteGradient,
+    precision_reference,
+    reference_run,
+    relative_distance,
+    update,
+)
 
 from lightning_skrull.runtime.launch import spawn
 
-STEPS = 2
 # make_data(NUM_SAMPLES): at DP=2 x CP=2 and BUCKET tokens per CP rank, the planner gives the two
 # DP ranks 3 and 3 micro-batches in step 0 and 2 and 3 in step 1.
 NUM_SAMPLES = GLOBAL_BATCH * STEPS
@@ -58,30 +65,12 @@ STRATEGIES = ("ddp", "zero2")
 # fp16 runs under DDP only: DeepSpeed has no fp16 on CPU (SkrullZero2Strategy refuses it there
 # at setup) and SkrullFSDPStrategy refuses fp16 everywhere (tests/strategies/test_fsdp.py).
 CELLS = [(s, p) for s in STRATEGIES for p in PRECISIONS] + [("ddp", "16-mixed")]
-# GradScaler's default initial scale; no step of the plain fp16 run overflows at it (asserted)
-INIT_SCALE = 2.0**16
 
 # 32-true: the packed, sharded run sums the same float32 token terms in another order than the
 # one-sequence-at-a-time reference, and DDP / ZeRO-2 average gradients over 4 ranks; parameters
 # after 2 SGD steps of lr 0.5 agree to float32 rounding (measured max difference 7.5e-9 under
 # DDP, 6.0e-8 under ZeRO-2).
 PARAM_ATOL = 1e-5
-# 16-bit: relative distance of a cell's update to the float32 reference's update, at most
-# RATIO x the same distance of the single-process reference in the cell's precision, plus FLOOR.
-# Measured (cell / reference): DDP bf16-mixed 3.7e-3 / 4.6e-3, DDP bf16-true 2.48e-2 / 2.49e-2,
-# ZeRO-2 bf16-mixed 1.97e-2 / 1.97e-2, ZeRO-2 bf16-true 1.97e-2 / 1.97e-2: the cells are no
-# farther from float32 than their references (ratios 0.81 to 1.00). The cells sum in another
-# order (packed micro-batches, shards, reductions over 4 ranks), and in bf16 the order alone
-# matters: reversing the sequences inside each global batch, nothing else changed, moves the
-# single-process 16-bit updates by 4.2e-3 (bf16-mixed) to 1.1e-2 (bf16-true) relative to the
-# float32 update, and each cell lies about that far from its reference (4.0e-3 to 1.2e-2).
-# RATIO = 2 leaves room for that order noise on top of the reference's own rounding; FLOOR, a
-# quarter of the smallest such order effect, keeps the bound from collapsing should a reference
-# land near the float32 update by chance. Bounds: 1.0e-2 (DDP bf16-mixed), 5.1e-2 (DDP
-# bf16-true), 4.0e-2 (ZeRO-2). A cell's update scaled by 1.05 would be at 5.0e-2 to 5.6e-2:
-# a gradient 5% off fails every cell.
-RATIO = 2.0
-FLOOR = 1e-3
 # fp16 keeps 11 significant bits to bf16's 8: the 16-mixed cell's reference is 5.6e-4 from the
 # float32 update, reversing the sequences inside each global batch moves it by 5.6e-4 as well,
 # and the cell lies 6.2e-4 from it; its floor is a quarter of that order effect, as FLOOR is of
@@ -181,19 +170,6 @@ POISON = {(0, 1): "first", (3, 2): "last"}
 POISONED_STEPS = frozenset(step for _, step in POISON)
 
 
-class _InfiniteGradient(torch.autograd.Function):
-    """The identity forward; its backward multiplies the incoming gradient by ``inf``: what an
-    fp16 overflow in that micro-batch's backward leaves in the gradients."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor) -> torch.Tensor:
-        return loss.clone()
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return grad * float("inf")
-
-
 class PoisonLM(PlainLM):
     """:class:`PlainLM` whose loss gets an infinite gradient in the micro-batches ``poison``
     names: ``{step: "first" | "last"}`` for this rank."""
@@ -215,7 +191,7 @@ class PoisonLM(PlainLM):
         which = self.poison.get(batch_idx)
         if (which == "first" and index == 0) or (which == "last" and index == self.last_index):
             self.poisoned.append((batch_idx, index))
-            loss = _InfiniteGradient.apply(loss)
+            loss = InfiniteGradient.apply(loss)
         return loss
 
 
@@ -370,134 +346,6 @@ REFERENCES = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class ReferenceRun:
-    """A reference's parameters before training and after each step, and for ``fp16_autocast``
-    the loss scale after each step."""
-
-    before: dict[str, np.ndarray]
-    steps: list[dict[str, np.ndarray]]
-    scales: list[float]
-    norms: list[float] = dataclasses.field(default_factory=list)
-    """With ``clip``: each step's gradient norm before clipping (unscaled)."""
-
-    @property
-    def after(self) -> dict[str, np.ndarray]:
-        return self.steps[-1]
-
-
-def reference_training(kind: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``(parameters before, after)`` of plain HF training of ``STEPS`` global batches.
-
-    ``kind``: ``"float32"``; ``"autocast"`` (float32 model, bf16 autocast forward); ``"bf16"``
-    (the whole model in bf16, SGD on the bf16 parameters); ``"bf16_fp32_master"`` (the whole
-    model in bf16, SGD on a float32 copy of the parameters that is copied back after each step);
-    ``"bf16_params_fp32_master"`` (the same with the parameters cast, the buffers left float32);
-    ``"fp16_autocast"`` (float32 model, fp16 autocast forward, a GradScaler).
-    ``"float32@bf16"`` and ``"autocast@bf16"``: ``"float32"`` and ``"autocast"`` started from
-    the initial parameters rounded to bf16 (a bf16 checkpoint's); ``"bf16_params_autocast"``:
-    from the same start, the parameters kept in bf16 (the buffers float32), the forward under
-    bf16 autocast and SGD on the bf16 parameters.
-    """
-    run = reference_run(kind, STEPS)
-    return run.before, run.after
-
-
-@functools.cache
-def reference_run(
-    kind: str,
-    steps: int,
-    skipped: frozenset[int] = frozenset(),
-    device: str = "cpu",
-    clip: float | None = None,
-) -> ReferenceRun:
-    """The reference of ``kind`` over ``steps`` global batches on ``device``; in the steps
-    ``skipped`` the loss gets an infinite gradient under ``"fp16_autocast"`` (the scaler then
-    skips the step and lowers the scale), and no update under the other kinds (the same skip,
-    by hand); ``clip``: the gradient's norm clipped to it after unscaling, before each step
-    (``"float32"`` and ``"fp16_autocast"`` only)."""
-    threads = torch.get_num_threads()
-    # one thread, as each spawned rank runs: these tiny ops gain nothing from two, and on a
-    # busy machine the second thread's waits made the references 10x slower
-    torch.set_num_threads(1)
-    try:
-        return _train_reference(kind, steps, skipped, device, clip)
-    finally:
-        torch.set_num_threads(threads)
-
-
-def _train_reference(
-    kind: str,
-    steps: int,
-    skipped: frozenset[int],
-    device: str = "cpu",
-    clip: float | None = None,
-) -> ReferenceRun:
-    assert clip is None or kind in ("float32", "fp16_autocast"), kind
-    data = make_data(GLOBAL_BATCH * steps)
-    model = reference_model().to(device)
-    if kind in ("bf16", "bf16_fp32_master"):
-        model.to(torch.bfloat16)
-    elif kind in ("bf16_params_fp32_master", "bf16_params_autocast"):
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16)
-    elif kind.endswith("@bf16"):
-        for p in model.parameters():
-            p.data = p.data.to(torch.bfloat16).float()
-        kind = kind.removesuffix("@bf16")
-    params = list(model.parameters())
-    master = [p.detach().float().clone() for p in params] if "master" in kind else None
-    optimizer = torch.optim.SGD(master if master is not None else params, lr=LR)
-    scaler = torch.amp.GradScaler(device, init_scale=INIT_SCALE, enabled=kind == "fp16_autocast")
-    autocast_dtype = {
-        "autocast": torch.bfloat16,
-        "bf16_params_autocast": torch.bfloat16,
-        "fp16_autocast": torch.float16,
-    }.get(kind)
-    run = ReferenceRun(float64_params(model), [], [])
-    for step in range(steps):
-        total, tokens = torch.zeros((), device=device), 0
-        with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_dtype is not None):
-            for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-        loss = total / tokens
-        if step in skipped and not scaler.is_enabled():
-            run.steps.append(float64_params(model))
-            continue
-        if step in skipped:
-            loss = _InfiniteGradient.apply(loss)
-        for p in params:
-            p.grad = None
-        scaler.scale(loss).backward()
-        if master is not None:
-            for m, p in zip(master, params, strict=True):
-                m.grad = p.grad.float()
-        scaler.unscale_(optimizer)  # once: the same as Lightning's plugin does before clipping
-        if clip is not None:
-            run.norms.append(float(torch.nn.utils.clip_grad_norm_(params, clip)))
-        scaler.step(optimizer)  # a plain optimizer.step() when the scaler is disabled
-        scaler.update()
-        if master is not None:
-            with torch.no_grad():
-                for m, p in zip(master, params, strict=True):
-                    p.copy_(m)
-        run.steps.append(float64_params(model))
-        if scaler.is_enabled():
-            run.scales.append(scaler.get_scale())
-    return run
-
-
-def update(before: dict[str, np.ndarray], after: dict[str, np.ndarray]) -> np.ndarray:
-    """Parameters after minus before, all parameters in one flat vector."""
-    assert before.keys() == after.keys()
-    return np.concatenate([(after[k] - before[k]).ravel() for k in sorted(after)])
-
-
-def relative_distance(delta: np.ndarray, delta_fp32: np.ndarray) -> float:
-    return float(np.linalg.norm(delta - delta_fp32) / np.linalg.norm(delta_fp32))
-
-
 # ----------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module")
 def matrix() -> Iterator[list[dict[Any, dict[str, Any]]]]:
@@ -512,7 +360,7 @@ def matrix() -> Iterator[list[dict[Any, dict[str, Any]]]]:
 def test_float32_cells_equal_single_process(
     matrix: list[dict[Any, dict[str, Any]]], strategy: str
 ) -> None:
-    before, after = reference_training("float32")
+    before, after = precision_reference("float32")
     for out in matrix:
         cell = out[(strategy, "32-true")]
         assert cell["dtype"] == "torch.float32"
@@ -528,9 +376,9 @@ def test_float32_cells_equal_single_process(
 def test_16_bit_cells_as_close_to_float32_as_single_process(
     matrix: list[dict[Any, dict[str, Any]]], strategy: str, precision: str
 ) -> None:
-    delta_fp32 = update(*reference_training("float32"))
+    delta_fp32 = update(*precision_reference("float32"))
     kind = REFERENCES[(strategy, precision)]
-    ref_before, ref_after = reference_training(kind)
+    ref_before, ref_after = precision_reference(kind)
     ref_distance = relative_distance(update(ref_before, ref_after), delta_fp32)
     autocast = kind in ("autocast", "fp16_autocast")
     parameter_dtype = "torch.float32" if autocast else "torch.bfloat16"
@@ -559,7 +407,7 @@ def test_16_mixed_clips_the_unscaled_gradient(matrix: list[dict[Any, dict[str, A
     own = reference_run("fp16_autocast", STEPS, clip=CLIP)
     own_update = update(own.before, own.after)
     ref_distance = relative_distance(own_update, delta_fp32)
-    unclipped = update(*reference_training("fp16_autocast"))
+    unclipped = update(*precision_reference("fp16_autocast"))
     for out in matrix:
         cell = out["16-mixed clipped"]
         assert cell["exchanged_dtypes"] == ["torch.float16"]
@@ -590,8 +438,8 @@ ALTERNATIVES = {
 def test_16_bit_cells_follow_their_reference_update_rule(
     matrix: list[dict[Any, dict[str, Any]]], cell_key: tuple[str, str]
 ) -> None:
-    own = update(*reference_training(REFERENCES[cell_key]))
-    other = update(*reference_training(ALTERNATIVES[cell_key]))
+    own = update(*precision_reference(REFERENCES[cell_key]))
+    other = update(*precision_reference(ALTERNATIVES[cell_key]))
     for out in matrix:
         cell = update(out[cell_key]["before"], out[cell_key]["after"])
         assert np.linalg.norm(cell - own) < np.linalg.norm(cell - other)
@@ -632,10 +480,10 @@ def test_dp_ranks_plan_different_micro_batch_counts(
 def test_bf16_checkpoint_under_bf16_mixed_trains_float32_master_weights(
     matrix: list[dict[Any, dict[str, Any]]],
 ) -> None:
-    delta_fp32 = update(*reference_training("float32@bf16"))
-    ref_before, ref_after = reference_training("autocast@bf16")
+    delta_fp32 = update(*precision_reference("float32@bf16"))
+    ref_before, ref_after = precision_reference("autocast@bf16")
     own = update(ref_before, ref_after)
-    other = update(*reference_training("bf16_params_autocast"))
+    other = update(*precision_reference("bf16_params_autocast"))
     bound = RATIO * relative_distance(own, delta_fp32) + FLOOR
     # keeping the loaded bf16 weights would fail the bound: the test tells the two apart
     assert relative_distance(other, delta_fp32) > bound

@@ -15,10 +15,8 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import warnings
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +31,7 @@ import lightning_skrull.runtime.memory as memory
 from lightning_skrull import SkrullConfig, SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
 from lightning_skrull.data import TruncationWarning
 from lightning_skrull.models import prepare_model
-from lightning_skrull.models.patching import SUPPORTED_ARCHITECTURES
+from lightning_skrull.models.checks import SUPPORTED_ARCHITECTURES
 from lightning_skrull.runtime.engine import train_step
 from lightning_skrull.runtime.memory import (
     MemoryFit,
@@ -72,25 +70,6 @@ class TinyLM(L.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
-
-
-@pytest.fixture
-def clean_world() -> Iterator[None]:
-    """Trainer runs in this process leave a process group and environment behind; undo both.
-
-    One intra-op thread while the test runs: the model is tiny, and on a shared machine
-    several spinning threads per op make each step many times slower.
-    """
-    saved, threads = dict(os.environ), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def fake_world(world_size: int, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -51,7 +51,7 @@ from helpers import (
     skrull_strategy,
     trained_params,
 )
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from precision_rule import FLOOR, RATIO, relative_distance, update
 
 from lightning_skrull.runtime.launch import spawn
 
@@ -388,7 +388,7 @@ def _loader(
 ) -> Any:
     from lightning_skrull.data import GlobalBatchSampler, load_sft_data
     from lightning_skrull.data.batch import RankPlanner
-    from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader
+    from lightning_skrull.data.loader import GlobalBatchStream, SkrullDataLoader
     from lightning_skrull.scheduling import CostModel
 
     dataset = load_sft_data(make_data())

@@ -75,9 +75,9 @@ from helpers import (
     tiny_model,
     warmup_factor,
 )
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from precision_rule import FLOOR, RATIO, relative_distance, update
 
-from lightning_skrull.cli import SkrullCausalLM
+from lightning_skrull.causal_lm import SkrullCausalLM
 from lightning_skrull.runtime.launch import spawn
 
 CLIP = 0.05  # below the gradient norm of these steps, so clipping changes the update
@@ -421,7 +421,7 @@ def _four_rank_cases(rank: int, world_size: int, ckpt_dir: str) -> dict[str, Any
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_skrull import SkrullDataModule, SkrullStrategy, SkrullZero2Strategy
-    from lightning_skrull.cli import SkrullCausalLM
+    from lightning_skrull.causal_lm import SkrullCausalLM
 
     out: dict[str, Any] = {}
     # DDP parity, and the exact loss the strategy logs

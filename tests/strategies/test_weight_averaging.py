@@ -57,7 +57,7 @@ from lightning.pytorch.callbacks import (
     ModelCheckpoint,
     StochasticWeightAveraging,
 )
-from test_precision_matrix import FLOOR, RATIO, relative_distance, update
+from precision_rule import FLOOR, RATIO, relative_distance, update
 from torch.utils.data import DataLoader
 
 from lightning_skrull.runtime.launch import spawn
