@@ -22,7 +22,7 @@ from typing import Any
 from benchmarks.data_loading import make_samples
 from lightning_skrull.data import load_sft_data
 from lightning_skrull.data.batch import RankPlanner
-from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader
+from lightning_skrull.data.loader import GlobalBatchStream, SkrullDataLoader
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.scheduling import CostModel
 

@@ -118,7 +118,7 @@ class SkrullConfig:
                 raise ValueError(
                     f"bucket_size={self.bucket_size} is smaller than cp_size={self.cp_size}; "
                     "bucket_size is the token budget of ONE CP rank, so a sequence sharded over "
-                    f"the group could hold at most {self.bucket_size * self.cp_size} tokens. "
+                    f"the group could hold at most {self.capacity} tokens. "
                     "Give bucket_size >= cp_size (typically thousands of tokens), or check that "
                     "cp_size and bucket_size are not swapped."
                 )
@@ -147,6 +147,25 @@ class SkrullConfig:
             raise TypeError(
                 f"model_attribute must be a str or None, got {type(self.model_attribute).__name__}."
             )
+
+    @property
+    def capacity(self) -> int:
+        """The longest sequence one micro-batch can hold: ``cp_size * bucket_size`` tokens (a
+        sequence sharded over the whole CP group, ``bucket_size`` tokens on each rank).
+
+        Raises:
+            RuntimeError: ``bucket_size`` is not resolved to a number of tokens yet (``"auto"``
+                before the strategy's setup, or ``None`` before the data module chose it).
+        """
+        if not _is_int(self.bucket_size):
+            raise RuntimeError(
+                f"SkrullConfig.capacity is cp_size * bucket_size, but bucket_size="
+                f"{self.bucket_size!r} is not a number of tokens yet: 'auto' is measured when the "
+                "strategy sets up on the GPU, None is chosen by the data module from the longest "
+                "sequence of the data. Read the capacity after setup, or give bucket_size as a "
+                "number of tokens per rank."
+            )
+        return self.cp_size * self.bucket_size
 
     def resolve_bucket_size(self, longest_sequence: int) -> int:
         """The bucket size to plan with: the configured one, or, when it is ``None``, the

@@ -1,10 +1,11 @@
 """What a rank's loader yields per optimizer step, and how a rank builds it.
 
-:class:`RankPlanner` plans one global batch and collates this rank's part into a
-:class:`SkrullBatch` (the rank's :class:`~lightning_skrull.data.collate.RankBatch` plus the
-plan's :class:`PlanStats`). The numbers it needs from the training strategy (DP and CP sizes and
-ranks, the cost model, the config) are described by :class:`SkrullTrainingStrategy`, so the data
-side depends on that protocol, not on a strategy class.
+:class:`RankPlanner` plans one global batch and collates this rank's part
+(:func:`~lightning_skrull.data.plan_batch.plan_rank_batch`) into a :class:`SkrullBatch` (the
+rank's :class:`~lightning_skrull.data.collate.RankBatch` plus the plan's :class:`PlanStats`).
+The numbers it needs from the training strategy (DP and CP sizes and ranks, the cost model, the
+config) are described by :class:`SkrullTrainingStrategy`, so the data side depends on that
+protocol, not on a strategy class.
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from typing import Any, NoReturn, Protocol, TypeGuard
 import torch
 
 from lightning_skrull.config import SkrullConfig
-from lightning_skrull.data.collate import RankBatch, collate_rank
+from lightning_skrull.data.collate import RankBatch
+from lightning_skrull.data.plan_batch import BatchPlanning, plan_rank_batch
 from lightning_skrull.scheduling import (
     DISTRIBUTED,
     CostModel,
     GlobalBatchPlan,
     Policy,
     dp_rank_seconds,
-    plan_global_batch,
 )
 
 
@@ -296,37 +297,35 @@ class RankPlanner:
         """Ranks over which gradients are averaged."""
         return self.dp_size * self.cp_size
 
+    @property
+    def planning(self) -> BatchPlanning:
+        """The settings :func:`~lightning_skrull.data.plan_batch.plan_rank_batch` plans with."""
+        return BatchPlanning(
+            dp_size=self.dp_size,
+            cp_size=self.cp_size,
+            dp_rank=self.dp_rank,
+            cp_rank=self.cp_rank,
+            bucket_size=self.bucket_size,
+            policy=self.policy,
+            cost_model=self.cost_model,
+            padding="equal" if self.equal_micro_batches else "one",
+        )
+
     def __call__(
         self, samples: Sequence[Mapping[str, Any]], indices: Sequence[int], epoch: int, index: int
     ) -> SkrullBatch:
         """Plan the global batch ``samples`` (dataset ``indices``) and collate this rank's part."""
-        lengths = [len(s["input_ids"]) for s in samples]
-        plan = plan_global_batch(
-            lengths,
-            dp_size=self.dp_size,
-            cp_size=self.cp_size,
-            bucket_size=self.bucket_size,
-            cost_model=self.cost_model,
-            policy=self.policy,
+        planned = plan_rank_batch(samples, self.planning, sample_indices=indices)
+        rank_batch = planned.rank_batch
+        stats = plan_stats(
+            planned.plan, planned.lengths, rank_batch.num_supervised_tokens, self.cost_model
         )
-        counts = [len(mbs) for mbs in plan.micro_batches]
-        minimum = max(counts) if self.equal_micro_batches else 1
-        rank_batch = collate_rank(
-            samples,
-            plan,
-            dp_rank=self.dp_rank,
-            cp_rank=self.cp_rank,
-            world_size=self.world_size,
-            sample_indices=indices,
-            min_micro_batches=max(minimum, 1),
-        )
-        stats = plan_stats(plan, lengths, rank_batch.num_supervised_tokens, self.cost_model)
         return SkrullBatch(
             rank_batch=rank_batch,
             stats=stats,
             epoch=epoch,
             index=index,
-            lengths=lengths,
+            lengths=planned.lengths,
             planned_with=self.cost_model,
         )
 
@@ -349,64 +348,3 @@ class RankPlanner:
             cost_model=strategy.cost_model,
             equal_micro_batches=strategy.requires_equal_micro_batches,
         )
-
-
-class CostModelSchedule:
-    """Which cost model plans which training global batch.
-
-    Online calibration adopts a refitted model during a step; it takes effect from a later
-    global batch, the same on every rank, so every rank plans every batch alike. A position is
-    ``(epoch, index)``, compared in that order; the model of a batch is the last one adopted
-    from a position at or before it.
-
-    Args:
-        cost_model: the model of every batch until another is adopted.
-    """
-
-    def __init__(self, cost_model: CostModel) -> None:
-        self._entries: list[tuple[tuple[int, int], CostModel]] = [((-1, -1), cost_model)]
-
-    @property
-    def latest(self) -> CostModel:
-        """The most recently adopted model."""
-        return self._entries[-1][1]
-
-    def model_for(self, epoch: int, index: int) -> CostModel:
-        """The model that plans global batch ``index`` of ``epoch``."""
-        position = (epoch, index)
-        for start, model in reversed(self._entries):
-            if start <= position:
-                return model
-        return self._entries[0][1]
-
-    def adopt(self, cost_model: CostModel, epoch: int, index: int) -> None:
-        """Plan with ``cost_model`` from global batch ``index`` of ``epoch`` on.
-
-        Raises:
-            ValueError: the position is before the last adoption's.
-        """
-        position = (epoch, index)
-        if position < self._entries[-1][0]:
-            raise ValueError(
-                f"a cost model adopted from batch {position} cannot precede the last one, "
-                f"adopted from {self._entries[-1][0]}; adopt in step order."
-            )
-        self._entries.append((position, cost_model))
-        del self._entries[:-8]  # older entries plan batches long trained
-
-    def state_dict(self) -> list[dict[str, Any]]:
-        """The entries as plain data (positions and every constant)."""
-        return [
-            {"epoch": e, "index": i, "cost_model": dataclasses.asdict(m)}
-            for (e, i), m in self._entries
-        ]
-
-    def load_state_dict(self, state: Sequence[Mapping[str, Any]]) -> None:
-        """Restore entries saved by :meth:`state_dict`."""
-        entries = []
-        for entry in state:
-            model = CostModel.from_dict(entry["cost_model"])
-            entries.append(((int(entry["epoch"]), int(entry["index"])), model))
-        if not entries:
-            raise ValueError("a saved cost-model schedule needs at least one entry.")
-        self._entries = entries

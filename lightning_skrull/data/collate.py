@@ -37,8 +37,6 @@ from lightning_skrull.attention.layout import RankLayout, build_rank_layout, pac
 from lightning_skrull.data.dataset import IGNORE_INDEX
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
-"""Label of a token that is not supervised (transformers' ``ignore_index``)."""
-
 PLACEHOLDER_TOKEN_ID = 0
 """Input id of the placeholder token given to a CP rank that holds no token of a micro-batch."""
 
@@ -155,6 +153,16 @@ def sample_length(sample: Mapping[str, Any], index: int = 0) -> int:
     return len(sample["input_ids"])
 
 
+def sample_lengths(samples: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Tokens of every sample of a global batch (:func:`sample_length`), in order: the one
+    measure the planner and the collation use.
+
+    Raises:
+        TypeError: a sample is not a mapping with ``input_ids``.
+    """
+    return [sample_length(s, i) for i, s in enumerate(samples)]
+
+
 def _as_tokens(value: Any, name: str, index: int) -> torch.Tensor:
     tensor = torch.as_tensor(value)
     if tensor.dim() != 1:
@@ -248,6 +256,7 @@ def collate_rank(
     world_size: int,
     sample_indices: Sequence[int] | None = None,
     min_micro_batches: int | None = None,
+    lengths: Sequence[int] | None = None,
 ) -> RankBatch:
     """Build this rank's micro-batches of one global batch.
 
@@ -264,6 +273,8 @@ def collate_rank(
         min_micro_batches: pad with empty micro-batches (one placeholder token per CP rank,
             zero loss and zero gradient) up to this count, so that every DP rank runs the same
             number of forward/backward passes (pass the plan's maximum over DP ranks).
+        lengths: the samples' lengths as :func:`sample_lengths` measured them (the plan's);
+            measured here when ``None``.
 
     Returns:
         The rank's :class:`RankBatch` (on CPU).
@@ -291,7 +302,14 @@ def collate_rank(
             f"got {len(samples)} samples but {len(indices)} sample indices; give one index per "
             "sample."
         )
-    lengths = [sample_length(s, i) for i, s in enumerate(samples)]
+    if lengths is None:
+        lengths = sample_lengths(samples)
+    elif len(lengths) != len(samples):
+        raise ValueError(
+            f"got {len(samples)} samples but {len(lengths)} lengths; give one length per sample."
+        )
+    else:
+        lengths = [int(length) for length in lengths]  # a list: its repr starts the fingerprint
     for i, length in enumerate(lengths):
         if length < 1:
             raise ValueError(f"sample {i} has no token; every sample needs at least one.")

@@ -22,12 +22,14 @@ import operator
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import torch
 import torch.utils.data
 
-from lightning_skrull.models.chunked_loss import IGNORE_INDEX
-from lightning_skrull.models.multimodal import TEXT_ONLY_FIX
+from lightning_skrull.models.families.vision_language import TEXT_ONLY_FIX
+from lightning_skrull.models.loss_kernels import IGNORE_INDEX
 
 _INT32_MAX = int(np.iinfo(np.int32).max)
 
@@ -282,7 +284,7 @@ class SFTDataset(torch.utils.data.Dataset):
                 in place, with one :class:`TruncationWarning` that counts them. Off by default:
                 an over-long sample is an error.
             image_token_id: the image placeholder token of a vision-language model trained on
-                text only (:mod:`lightning_skrull.models.multimodal`); no input id may be it.
+                text only (:mod:`lightning_skrull.models.families.vision_language`); no input id may be it.
 
         Returns:
             ``self`` (truncated in place when ``truncate`` and some sample was too long).
@@ -419,3 +421,59 @@ class SFTDataset(torch.utils.data.Dataset):
             f"SFTDataset(num_samples={len(self)}, num_tokens={self.num_tokens}, "
             f"max_length={max(self._lengths)})"
         )
+
+
+class SampleView(torch.utils.data.Dataset):
+    """Some samples of an :class:`SFTDataset`, in the given order (a held-out split).
+
+    Args:
+        base: the whole dataset.
+        indices: the samples of the view.
+    """
+
+    def __init__(self, base: SFTDataset, indices: Sequence[int]) -> None:
+        self.base = base
+        self.indices = list(indices)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of every sample of the view."""
+        lengths = self.base.lengths
+        return [lengths[i] for i in self.indices]
+
+    def validate(self, **kwargs: Any) -> SampleView:
+        """Validate (and, if asked, truncate) the underlying dataset."""
+        self.base.validate(**kwargs)
+        return self
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int) -> dict[str, list[int]]:
+        return self.base[self.indices[index]]
+
+    def arrays(self, index: int) -> dict[str, np.ndarray]:
+        """Sample ``index`` as arrays (:meth:`SFTDataset.arrays`)."""
+        return self.base.arrays(self.indices[index])
+
+
+def split_dataset(
+    dataset: SFTDataset, num_held_out: int, *, seed: int = 0
+) -> tuple[SampleView, SampleView]:
+    """``(train, held_out)`` views: ``num_held_out`` samples chosen by a seeded permutation.
+
+    Both keep dataset order among their own samples.
+
+    Raises:
+        ValueError: fewer than ``num_held_out + 1`` samples.
+    """
+    n = len(dataset)
+    if not 0 < num_held_out < n:
+        raise ValueError(
+            f"val_split={num_held_out} must leave training samples: the data has {n} samples; "
+            f"choose val_split in [1, {n - 1}]."
+        )
+    rng = torch.Generator().manual_seed(seed)
+    held = set(torch.randperm(n, generator=rng)[:num_held_out].tolist())
+    train = [i for i in range(n) if i not in held]
+    return SampleView(dataset, train), SampleView(dataset, sorted(held))

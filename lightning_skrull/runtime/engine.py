@@ -1,7 +1,8 @@
 """One optimizer step of Skrull training, without Lightning.
 
 :func:`train_step` is the whole step on plain ``torch.distributed``: plan the global batch
-(identically on every rank), collate this rank's micro-batches, run forward and backward of each
+(identically on every rank), collate this rank's micro-batches
+(:func:`~lightning_skrull.data.plan_batch.plan_rank_batch`), run forward and backward of each
 inside its attention context, average the gradients over all DP x CP ranks, and step the
 optimizer. The Lightning strategy drives the same pieces (:func:`micro_batch_context`,
 :func:`all_reduce_gradients`) from its hooks.
@@ -26,12 +27,14 @@ from torch import nn
 from torch.distributed import ProcessGroup
 
 from lightning_skrull.attention.context import SkrullAttentionContext, attention_context
-from lightning_skrull.data.collate import MicroBatch, RankBatch, collate_rank, sample_length
+from lightning_skrull.data.collate import MicroBatch, RankBatch, sample_lengths
 from lightning_skrull.data.dataset import IGNORE_INDEX
-from lightning_skrull.models.multimodal import text_config
-from lightning_skrull.models.patching import is_prepared, sequence_length_rule
+from lightning_skrull.data.plan_batch import BatchPlanning, plan_rank_batch
+from lightning_skrull.models.checks import sequence_length_rule
+from lightning_skrull.models.families.vision_language import text_config
+from lightning_skrull.models.patching import is_prepared
 from lightning_skrull.runtime.process_groups import ParallelLayout
-from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, Policy, plan_global_batch
+from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, Policy
 
 GRAD_BUCKET_ELEMENTS = 1 << 25
 """Gradient elements flattened into one all-reduce (128 MiB in float32)."""
@@ -228,7 +231,7 @@ def check_token_ids(
 
 def check_sequence_lengths(model: nn.Module, lengths: Sequence[int]) -> None:
     """Refuse sequences that the model's sliding window or batch-dependent RoPE would treat
-    differently (:func:`~lightning_skrull.models.patching.sequence_length_rule`).
+    differently (:func:`~lightning_skrull.models.checks.sequence_length_rule`).
 
     Raises:
         ValueError: a sequence is longer than the model runs exactly under Skrull.
@@ -298,34 +301,26 @@ def train_step(
         )
     if len(samples) == 0:
         raise ValueError("the global batch has no sample; give at least one.")
-    lengths = [sample_length(s, i) for i, s in enumerate(samples)]
+    lengths = sample_lengths(samples)
     check_sequence_lengths(model, lengths)
     vocab_size = getattr(text_config(getattr(model, "config", None)), "vocab_size", None)
     if isinstance(vocab_size, int):
         check_token_ids(samples, vocab_size, sample_indices)
-    if plan is None:
-        plan = plan_global_batch(
-            lengths,
-            dp_size=layout.dp_size,
-            cp_size=layout.cp_size,
-            bucket_size=bucket_size,
-            cost_model=cost_model,
-            policy=policy,
-        )
-    elif (plan.dp_size, plan.cp_size) != (layout.dp_size, layout.cp_size):
-        raise ValueError(
-            f"the plan is for dp_size {plan.dp_size} x cp_size {plan.cp_size} but the world is "
-            f"{layout.dp_size} x {layout.cp_size}; plan with the layout's sizes."
-        )
-    device = _model_device(model)
-    batch = collate_rank(
-        samples,
-        plan,
+    planning = BatchPlanning(
+        dp_size=layout.dp_size,
+        cp_size=layout.cp_size,
         dp_rank=layout.dp_rank,
         cp_rank=layout.cp_rank,
-        world_size=layout.world_size,
-        sample_indices=sample_indices,
-    ).to(device)
+        bucket_size=bucket_size,
+        policy=policy,
+        cost_model=cost_model,
+    )
+    planned = plan_rank_batch(
+        samples, planning, plan=plan, lengths=lengths, sample_indices=sample_indices
+    )
+    plan = planned.plan
+    device = _model_device(model)
+    batch = planned.rank_batch.to(device)
     if verify_plan and layout.world_size > 1:
         check_same_plan(plan, device, layout.world_group, fingerprint=batch.fingerprint)
     local = forward_backward(model, batch, cp_group=layout.cp_group, backend=backend)

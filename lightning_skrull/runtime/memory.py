@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from lightning_skrull.data.collate import collate_rank
+from lightning_skrull.data.plan_batch import BatchPlanning, plan_rank_batch
 from lightning_skrull.runtime.engine import micro_batch_context
 from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
 
@@ -269,9 +269,10 @@ class ProbeStep:
             bucket_size=tokens,
             policy="probe",
         )
-        batch = collate_rank(
-            [{"input_ids": ids}], plan, dp_rank=0, cp_rank=self.cp_rank, world_size=self.cp_size
+        planning = BatchPlanning(
+            dp_size=1, cp_size=self.cp_size, dp_rank=0, cp_rank=self.cp_rank, bucket_size=tokens
         )
+        batch = plan_rank_batch([{"input_ids": ids}], planning, plan=plan).rank_batch
         mb = batch.micro_batches[0].to(self.device)
         with micro_batch_context(mb, self.cp_group, self.backend):
             with self.autocast():

@@ -34,6 +34,9 @@ The fit is built for measurements taken while training:
   fit the same rows agree even where their BLAS differs in the last bits.
 * **No warm-up.** Any number of rows refits what they identify; the window keeps the newest
   ``window`` rows (whole steps).
+
+:class:`CostModelSchedule` records which adopted model plans which global batch, so every rank
+plans every batch with the same one.
 """
 
 from __future__ import annotations
@@ -41,8 +44,9 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -413,3 +417,64 @@ def _robust_solve(
             out[k] = float(c)
         return out
     return out
+
+
+class CostModelSchedule:
+    """Which cost model plans which training global batch.
+
+    Online calibration adopts a refitted model during a step; it takes effect from a later
+    global batch, the same on every rank, so every rank plans every batch alike. A position is
+    ``(epoch, index)``, compared in that order; the model of a batch is the last one adopted
+    from a position at or before it.
+
+    Args:
+        cost_model: the model of every batch until another is adopted.
+    """
+
+    def __init__(self, cost_model: CostModel) -> None:
+        self._entries: list[tuple[tuple[int, int], CostModel]] = [((-1, -1), cost_model)]
+
+    @property
+    def latest(self) -> CostModel:
+        """The most recently adopted model."""
+        return self._entries[-1][1]
+
+    def model_for(self, epoch: int, index: int) -> CostModel:
+        """The model that plans global batch ``index`` of ``epoch``."""
+        position = (epoch, index)
+        for start, model in reversed(self._entries):
+            if start <= position:
+                return model
+        return self._entries[0][1]
+
+    def adopt(self, cost_model: CostModel, epoch: int, index: int) -> None:
+        """Plan with ``cost_model`` from global batch ``index`` of ``epoch`` on.
+
+        Raises:
+            ValueError: the position is before the last adoption's.
+        """
+        position = (epoch, index)
+        if position < self._entries[-1][0]:
+            raise ValueError(
+                f"a cost model adopted from batch {position} cannot precede the last one, "
+                f"adopted from {self._entries[-1][0]}; adopt in step order."
+            )
+        self._entries.append((position, cost_model))
+        del self._entries[:-8]  # older entries plan batches long trained
+
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The entries as plain data (positions and every constant)."""
+        return [
+            {"epoch": e, "index": i, "cost_model": dataclasses.asdict(m)}
+            for (e, i), m in self._entries
+        ]
+
+    def load_state_dict(self, state: Sequence[Mapping[str, Any]]) -> None:
+        """Restore entries saved by :meth:`state_dict`."""
+        entries = []
+        for entry in state:
+            model = CostModel.from_dict(entry["cost_model"])
+            entries.append(((int(entry["epoch"]), int(entry["index"])), model))
+        if not entries:
+            raise ValueError("a saved cost-model schedule needs at least one entry.")
+        self._entries = entries
