@@ -252,10 +252,17 @@ def fit_family(
         train_data=make_data(NUM_SAMPLES), global_batch_size=GLOBAL_BATCH, shuffle=False
     )
     trainer.fit(module, data)
+    return fit_record(recorder, module.model)
+
+
+def fit_record(recorder: Any, model: nn.Module) -> dict[str, Any]:
+    """What a parity fit returns: the parameters ``"before"`` (``recorder.before``) and
+    ``"after"`` (:func:`full_params` of ``model``), the model's ``"dtype"``, and the
+    ``"steps"`` the :class:`~helpers.BatchRecorder` saw."""
     return {
         "before": recorder.before,
-        "after": full_params(module.model),
-        "dtype": str(next(module.model.parameters()).dtype),
+        "after": full_params(model),
+        "dtype": str(next(model.parameters()).dtype),
         "steps": recorder.steps,
     }
 

@@ -20,13 +20,16 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 import random
+import subprocess
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as L
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -34,6 +37,8 @@ from torch import nn
 from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 from lightning_skrull.attention import comm
+from lightning_skrull.data.batch import RankPlanner
+from lightning_skrull.scheduling import CostModel
 
 
 @dataclasses.dataclass(frozen=True)
@@ -501,6 +506,18 @@ def make_data(n: int = 24, seed: int = 0, *, longest: int = 69) -> list[Sample]:
     return out
 
 
+def prompted_samples(lengths: Iterable[int], seed: int) -> list[Sample]:
+    """Random samples of ``lengths`` in order (ids drawn from one generator of ``seed``); a
+    sample over 10 tokens starts with a 5-token unsupervised prompt."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in lengths:
+        ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
+        prompt = 5 if length > 10 else 0
+        out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
+    return out
+
+
 def make_samples(
     lengths: Sequence[int],
     *,
@@ -706,6 +723,38 @@ def sentinel_mask_bytes(shape: Any, experts: str | None) -> int:
     return 0 if "if self._is_expert_parallel" in source else int(shape.experts_per_token)
 
 
+def greedy_generation(model: Any, prompt: torch.Tensor, max_new_tokens: int) -> Any:
+    """``model.generate`` greedily from ``prompt``, returning the output with each step's
+    logits."""
+    return model.generate(
+        prompt,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=0,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+
+
+def generated(output: Any) -> dict[str, Any]:
+    """A greedy generation's ``"tokens"`` (the sequence) and ``"logits"`` (float32, per step)."""
+    return {
+        "tokens": output.sequences[0].tolist(),
+        "logits": torch.stack(output.logits).float().numpy(),
+    }
+
+
+def run_python_tool(
+    args: Sequence[str], *, cwd: Any, pythonpath: str
+) -> subprocess.CompletedProcess[str]:
+    """``args`` run in ``cwd`` with ``PYTHONPATH=pythonpath``, output captured, 300 s at most;
+    a failure is the caller's to assert."""
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    return subprocess.run(
+        list(args), cwd=cwd, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+
+
 def output_cache(output: Any) -> Any:
     """The KV cache a transformers output carries: ``cache`` in transformers 5.25,
     ``past_key_values`` in 5.17."""
@@ -716,6 +765,30 @@ def max_diff(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> float:
     """Largest absolute difference between two state dicts of arrays with the same keys."""
     assert a.keys() == b.keys()
     return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+def skrull_planner(
+    *,
+    bucket_size: int,
+    dp_size: int = 2,
+    cp_size: int = 2,
+    dp_rank: int = 0,
+    cp_rank: int = 0,
+    cost_model: CostModel | None = None,
+    **options: Any,
+) -> RankPlanner:
+    """A :class:`RankPlanner` of the ``"skrull"`` policy for one rank (DP=2 x CP=2, rank (0, 0)
+    unless given) with ``cost_model`` (the default ``CostModel()``); ``options`` go to it too."""
+    return RankPlanner(
+        dp_size=dp_size,
+        cp_size=cp_size,
+        dp_rank=dp_rank,
+        cp_rank=cp_rank,
+        bucket_size=bucket_size,
+        policy="skrull",
+        cost_model=cost_model if cost_model is not None else CostModel(),
+        **options,
+    )
 
 
 # ----------------------------------------------------------------------------- Trainer runs
@@ -801,6 +874,22 @@ class ScaledBackwardLM(PlainLM):
 def warmup_factor(step: int) -> float:
     """:class:`WarmupLM`'s learning rate at ``step`` (from 0), over :data:`LR`."""
     return min(1.0, (step + 1) / WARMUP)
+
+
+def check_warmup_cells(
+    cells: Iterable[Mapping[str, Any]],
+    reference: Mapping[str, np.ndarray],
+    steps: int,
+    atol: float,
+    key: str,
+) -> None:
+    """Each cell of a :class:`WarmupLM` run of ``steps`` steps: its scheduler stepped once per
+    optimizer step, each step at :func:`warmup_factor`'s learning rate, and its parameters
+    ``cell[key]`` within ``atol`` of ``reference``."""
+    for cell in cells:
+        assert cell["last_epoch"] == cell["global_step"] == steps
+        assert cell["lrs"] == pytest.approx([LR * warmup_factor(s) for s in range(steps)])
+        assert max_diff(cell[key], reference) < atol
 
 
 class WarmupLM(PlainLM):
@@ -960,7 +1049,8 @@ def built_cli(*args: str) -> Any:
     """``skrull-finetune <args>`` with the tiny CPU Trainer defaults, its classes built and
     nothing run (``SkrullCLI(..., run=False)``)."""
     from lightning_skrull import SkrullDataModule
-    from lightning_skrull.cli import TINY_CPU_TRAINER, SkrullCausalLM, SkrullCLI
+    from lightning_skrull.causal_lm import SkrullCausalLM
+    from lightning_skrull.cli import TINY_CPU_TRAINER, SkrullCLI
 
     return SkrullCLI(
         SkrullCausalLM,

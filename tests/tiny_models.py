@@ -46,20 +46,25 @@ def mla_model(arch: str, *, seed: int = 4, **overrides: Any) -> nn.Module:
     return model
 
 
-def tiny_gemma3(seed: int = 0, **text: Any) -> nn.Module:
-    """A tiny random ``Gemma3ForConditionalGeneration`` in float32 with eager attention."""
-    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
-
-    text_settings = tiny_config("gemma3_text", vocab_size=68, **text).to_dict()
-    vision = {
+def _tiny_vision(**settings: Any) -> dict[str, Any]:
+    """The tiny vision tower's settings (16-pixel images of 4-pixel patches), with ``settings``."""
+    return {
         "hidden_size": 16,
         "intermediate_size": 32,
         "num_hidden_layers": 1,
         "num_attention_heads": 2,
         "image_size": 16,
         "patch_size": 4,
-        "vision_use_head": False,  # as Gemma 3's SigLIP
+        **settings,
     }
+
+
+def tiny_gemma3(seed: int = 0, **text: Any) -> nn.Module:
+    """A tiny random ``Gemma3ForConditionalGeneration`` in float32 with eager attention."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    text_settings = tiny_config("gemma3_text", vocab_size=68, **text).to_dict()
+    vision = _tiny_vision(vision_use_head=False)  # as Gemma 3's SigLIP
     config = Gemma3Config(
         text_config=text_settings,
         vision_config=vision,
@@ -78,15 +83,7 @@ def tiny_mistral3(seed: int = 0, **text: Any) -> nn.Module:
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
     text_settings = tiny_config("mistral", vocab_size=68, **text).to_dict()
-    vision = {
-        "hidden_size": 16,
-        "intermediate_size": 32,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "head_dim": 8,
-        "image_size": 16,
-        "patch_size": 4,
-    }
+    vision = _tiny_vision(head_dim=8)
     config = Mistral3Config(
         text_config=text_settings,
         vision_config=vision,

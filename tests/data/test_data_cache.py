@@ -35,6 +35,7 @@ from helpers import (
     make_tokenizer,
     max_diff,
     reference_training,
+    skrull_planner,
 )
 
 from lightning_skrull import SkrullDataModule
@@ -46,7 +47,7 @@ from lightning_skrull.data.cache import (
     default_cache_dir,
     default_num_proc,
 )
-from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader
+from lightning_skrull.data.loader import GlobalBatchStream, SkrullDataLoader
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.runtime.launch import spawn
 
@@ -297,19 +298,9 @@ def test_data_module_caches_files_only(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------ resume
 def _loader(dataset: SFTDataset) -> SkrullDataLoader:
-    from lightning_skrull.data.batch import RankPlanner
-    from lightning_skrull.scheduling import CostModel
 
     sampler = GlobalBatchSampler(len(dataset), 8, shuffle=True, seed=3)
-    planner = RankPlanner(
-        dp_size=2,
-        cp_size=2,
-        dp_rank=1,
-        cp_rank=0,
-        bucket_size=50,
-        policy="skrull",
-        cost_model=CostModel(),
-    )
+    planner = skrull_planner(dp_rank=1, bucket_size=50)
     return SkrullDataLoader(GlobalBatchStream(dataset, sampler, planner))
 
 

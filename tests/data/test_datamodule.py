@@ -25,6 +25,7 @@ from helpers import (
     max_diff,
     reference_loss,
     reference_training,
+    skrull_planner,
 )
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from lightning.fabric.utilities.types import _Stateful
@@ -34,9 +35,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from lightning_skrull import DataConfig, SkrullBatch, SkrullDataModule, SkrullStrategy
 from lightning_skrull.config import AUTO_BUCKET
 from lightning_skrull.data import GlobalBatchSampler, load_sft_data
-from lightning_skrull.data.batch import CostModelSchedule, RankPlanner, plan_stats
-from lightning_skrull.data.datamodule import GlobalBatchStream, SkrullDataLoader, split_dataset
-from lightning_skrull.scheduling import DISTRIBUTED, CostModel, plan_global_batch
+from lightning_skrull.data.batch import plan_stats
+from lightning_skrull.data.dataset import split_dataset
+from lightning_skrull.data.loader import GlobalBatchStream, SkrullDataLoader
+from lightning_skrull.scheduling import DISTRIBUTED, CostModel, CostModelSchedule, plan_global_batch
 
 
 def make_samples(n: int = 30, seed: int = 0) -> list[dict[str, list[int]]]:
@@ -66,14 +68,12 @@ def loader(
 ) -> SkrullDataLoader:
     dataset = load_sft_data(make_samples(n))
     sampler = GlobalBatchSampler(len(dataset), global_batch_size, shuffle=shuffle, seed=5)
-    planner = RankPlanner(
+    planner = skrull_planner(
         dp_size=dp_size,
         cp_size=cp_size,
         dp_rank=dp_rank,
         cp_rank=cp_rank,
         bucket_size=bucket_size,
-        policy="skrull",
-        cost_model=CostModel(),
         equal_micro_batches=equal,
     )
     return SkrullDataLoader(
@@ -441,7 +441,7 @@ def _truncated(samples: list[dict[str, list[int]]], n: int) -> list[dict[str, li
 def test_named_sets_are_checked_against_the_layout_and_need_dataloader_idx(
     world_of_one: None,
 ) -> None:
-    from lightning_skrull.cli import SkrullCausalLM
+    from lightning_skrull.causal_lm import SkrullCausalLM
 
     short = make_data(5, seed=1, longest=30)
     long = make_samples(4, seed=3)  # 2..89 tokens, two of them over 40

@@ -7,10 +7,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from helpers import skrull_planner
 
 import lightning_skrull.viz as viz
 from lightning_skrull.callbacks import DEFAULT_SUBDIR, PlanPictureCallback
-from lightning_skrull.data.batch import RankPlanner, SkrullBatch
+from lightning_skrull.data.batch import SkrullBatch
 from lightning_skrull.data.sources import load_sft_data
 from lightning_skrull.scheduling import CostModel
 
@@ -23,15 +24,7 @@ def _dataset() -> Any:
 
 
 def _batch(dataset: Any, indices: list[int], index: int) -> SkrullBatch:
-    planner = RankPlanner(
-        dp_size=2,
-        cp_size=2,
-        dp_rank=0,
-        cp_rank=0,
-        bucket_size=32,
-        policy="skrull",
-        cost_model=COST_MODEL,
-    )
+    planner = skrull_planner(bucket_size=32, cost_model=COST_MODEL)
     return planner([dataset[i] for i in indices], indices, 0, index)
 
 

@@ -56,6 +56,8 @@ from helpers import (
     BatchRecorder,
     PlainLM,
     cpu_trainer,
+    generated,
+    greedy_generation,
     make_data,
     make_samples,
     max_diff,
@@ -130,16 +132,8 @@ class SampleGenerations(L.Callback):
                     except (ValueError, RuntimeError) as err:
                         self.record["raised"] = f"{type(err).__name__}: {err}"
                     self.record["raised_seconds"] = time.perf_counter() - start
-                out = model.generate(
-                    prompt,
-                    max_new_tokens=_new_tokens(rank),
-                    do_sample=False,
-                    pad_token_id=0,
-                    return_dict_in_generate=True,
-                    output_logits=True,
-                )
-            self.record["tokens"] = out.sequences[0].tolist()
-            self.record["logits"] = torch.stack(out.logits).float().numpy()
+                out = greedy_generation(model, prompt, _new_tokens(rank))
+            self.record.update(generated(out))
             self.record["cache"] = output_cache(out) is not None
         self.record["after"] = {
             "attention": module.model.config._attn_implementation,

@@ -62,6 +62,8 @@ from helpers import (
     BatchRecorder,
     built_cli,
     cpu_trainer,
+    generated,
+    greedy_generation,
     make_data,
     mean_token_loss,
     reference_loss_and_grads,
@@ -286,16 +288,8 @@ class SampleGenerations(L.Callback):
         self.record["params"] = full_params(module.model)
         with trainer.strategy.generating() as model:
             self.record["attention"] = model.config._attn_implementation
-            out = model.generate(
-                torch.tensor([PROMPT]),
-                max_new_tokens=NEW_TOKENS,
-                do_sample=False,
-                pad_token_id=0,
-                return_dict_in_generate=True,
-                output_logits=True,
-            )
-        self.record["tokens"] = out.sequences[0].tolist()
-        self.record["logits"] = torch.stack(out.logits).float().numpy()
+            out = greedy_generation(model, torch.tensor([PROMPT]), NEW_TOKENS)
+        self.record.update(generated(out))
         self.record["attention_after"] = module.model.base_model.model.config._attn_implementation
 
 

@@ -10,12 +10,13 @@ Time: about 1 s per ``lint-imports`` run (it parses the imports, it imports noth
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
 import sysconfig
 from pathlib import Path
+
+from helpers import run_python_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACTS = 7
@@ -28,15 +29,8 @@ def _lint_imports(root: Path) -> subprocess.CompletedProcess[str]:
     exe = scripts / "lint-imports"
     if not exe.exists():  # a venv whose scripts sit next to the interpreter
         exe = Path(sys.executable).parent / "lint-imports"
-    env = {**os.environ, "PYTHONPATH": str(root)}
-    return subprocess.run(
-        [str(exe), "--no-cache", str(root / "setup.cfg")],
-        cwd=root,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
+    return run_python_tool(
+        [str(exe), "--no-cache", str(root / "setup.cfg")], cwd=root, pythonpath=str(root)
     )
 
 

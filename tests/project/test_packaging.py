@@ -17,7 +17,6 @@ Time: about 10 s (the wheel build, then one process importing every module).
 from __future__ import annotations
 
 import configparser
-import os
 import shutil
 import subprocess
 import sys
@@ -25,6 +24,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import run_python_tool
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ("lightning_skrull", "setup.cfg", "pyproject.toml", "README.md")
@@ -110,16 +110,7 @@ def test_every_module_imports_from_the_unpacked_wheel(wheel: Path, tmp_path: Pat
         "for name in names: importlib.import_module(name)\n"
         "print(len(names), len(load_bundled_dataset('mixed_tiny')))\n"
     )
-    env = {**os.environ, "PYTHONPATH": str(site)}
-    result = subprocess.run(
-        [sys.executable, "-c", probe],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = run_python_tool([sys.executable, "-c", probe], cwd=tmp_path, pythonpath=str(site))
     assert result.returncode == 0, result.stderr
     peft, location, counts = result.stdout.strip().splitlines()[-3:]
     assert peft == "False"  # the [peft] extra is optional: the package and its CLI work without

@@ -36,11 +36,12 @@ from helpers import (
     BatchRecorder,
     PlainLM,
     cpu_trainer,
+    global_batches,
     make_data,
     max_diff,
     predicted_seconds,
     reference_model,
-    token_loss_sum,
+    sgd_steps,
 )
 
 from lightning_skrull.runtime.launch import spawn
@@ -63,15 +64,9 @@ def _reference(n: int, steps: int) -> dict[str, np.ndarray]:
     batches = len(data) // GLOBAL_BATCH
     model = reference_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    for step in range(steps):
-        k = step % batches
-        total, tokens = torch.zeros(()), 0
-        for sample in data[k * GLOBAL_BATCH : (k + 1) * GLOBAL_BATCH]:
-            loss, count = token_loss_sum(model, sample)
-            total, tokens = total + loss, tokens + count
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
+    cycled = global_batches(data, batches)
+    for _ in sgd_steps(model, optimizer, [cycled[step % batches] for step in range(steps)]):
+        pass
     return {k: v.detach().numpy() for k, v in model.state_dict().items()}
 
 

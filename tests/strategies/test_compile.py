@@ -33,7 +33,14 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
-from helpers import VOCAB, cpu_trainer, reference_model, tiny_qwen2, token_loss_sum
+from helpers import (
+    cpu_trainer,
+    global_batches,
+    prompted_samples,
+    reference_model,
+    sgd_steps,
+    tiny_qwen2,
+)
 from precision_rule import FLOOR, RATIO, relative_distance, update
 
 from lightning_skrull.runtime.launch import spawn
@@ -70,14 +77,7 @@ PARAM_ATOL = 1e-5
 def make_data() -> list[dict[str, list[int]]]:
     """The global batches of :data:`LENGTHS`; the long samples start with a 5-token
     unsupervised prompt."""
-    g = torch.Generator().manual_seed(0)
-    out = []
-    for lengths in LENGTHS:
-        for length in lengths:
-            ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
-            prompt = 5 if length > 10 else 0
-            out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return out
+    return prompted_samples([length for lengths in LENGTHS for length in lengths], seed=0)
 
 
 class CompiledLM(L.LightningModule):
@@ -167,15 +167,8 @@ def reference(autocast: bool = False) -> dict[str, np.ndarray]:
     model = reference_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     size = len(LENGTHS[0])
-    for step in range(STEPS):
-        total, tokens = torch.zeros(()), 0
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-            for sample in data[step * size : (step + 1) * size]:
-                loss, n = token_loss_sum(model, sample)
-                total, tokens = total + loss, tokens + n
-        optimizer.zero_grad()
-        (total / tokens).backward()
-        optimizer.step()
+    for _ in sgd_steps(model, optimizer, global_batches(data, STEPS, size), autocast=autocast):
+        pass
     return {k: v.detach().double().numpy().copy() for k, v in model.state_dict().items()}
 
 

@@ -45,6 +45,7 @@ from helpers import (
     cpu_trainer,
     model_flops,
     one_thread,
+    prompted_samples,
     reference_logits,
     reference_model,
     skrull_strategy,
@@ -120,14 +121,7 @@ RESUME_ATOL = 1e-7
 def make_data(num_batches: int, seed: int) -> list[dict[str, list[int]]]:
     """``num_batches`` global batches of :data:`LENGTHS`; the first few tokens of the long
     samples are an unsupervised prompt."""
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(num_batches):
-        for length in LENGTHS:
-            ids = torch.randint(0, VOCAB, (length,), generator=g).tolist()
-            prompt = 5 if length > 10 else 0
-            out.append({"input_ids": ids, "labels": [-100] * prompt + ids[prompt:]})
-    return out
+    return prompted_samples(LENGTHS * num_batches, seed)
 
 
 class HabitsLM(L.LightningModule):

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness import fit_record
 from helpers import (
     BUCKET,
     CHAT_VOCAB,
@@ -302,12 +303,7 @@ def _fit_chat() -> dict[str, Any]:
         shuffle=False,
     )
     trainer.fit(module, data)
-    return {
-        "before": recorder.before,
-        "after": float64_params(module.model),
-        "dtype": str(next(module.model.parameters()).dtype),
-        "steps": recorder.steps,
-    }
+    return fit_record(recorder, module.model)
 
 
 def _matrix(rank: int, world_size: int, checkpoint: str) -> dict[Any, dict[str, Any]]:

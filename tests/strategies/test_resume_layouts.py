@@ -48,6 +48,7 @@ from helpers import (
     momentum_training,
     one_thread,
     reference_model,
+    skrull_planner,
     skrull_strategy,
     trained_params,
 )
@@ -387,23 +388,19 @@ def _loader(
     dp_rank: int, cp_rank: int, dp_size: int, cp_size: int, *, max_tokens: int | None = None
 ) -> Any:
     from lightning_skrull.data import GlobalBatchSampler, load_sft_data
-    from lightning_skrull.data.batch import RankPlanner
     from lightning_skrull.data.loader import GlobalBatchStream, SkrullDataLoader
-    from lightning_skrull.scheduling import CostModel
 
     dataset = load_sft_data(make_data())
     if max_tokens is not None:
         with pytest.warns(UserWarning, match="Truncated"):
             dataset.validate(max_tokens=max_tokens, truncate=True)
     sampler = GlobalBatchSampler(len(dataset), GLOBAL_BATCH, shuffle=True, seed=SEED)
-    planner = RankPlanner(
+    planner = skrull_planner(
         dp_size=dp_size,
         cp_size=cp_size,
         dp_rank=dp_rank,
         cp_rank=cp_rank,
         bucket_size=BUCKET * 2 // cp_size,
-        policy="skrull",
-        cost_model=CostModel(),
     )
     return SkrullDataLoader(GlobalBatchStream(dataset, sampler, planner))
 

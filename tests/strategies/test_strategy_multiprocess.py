@@ -61,6 +61,7 @@ from helpers import (
     StartRecorder,
     WarmupLM,
     bf16_policy_training,
+    check_warmup_cells,
     cpu_trainer,
     float32_arrays,
     hooked_reference_training,
@@ -73,7 +74,6 @@ from helpers import (
     sgd_training,
     skrull_strategy,
     tiny_model,
-    warmup_factor,
 )
 from precision_rule import FLOOR, RATIO, relative_distance, update
 
@@ -920,11 +920,7 @@ def test_lr_scheduler_steps_once_per_global_batch(
     assert max_diff(ref, constant) > 100 * PARAM_ATOL
     case = f"warmup_{strategy}"
     _check_hook_plans(four_ranks, case)
-    for out in four_ranks:
-        cell = out[case]
-        assert cell["last_epoch"] == cell["global_step"] == HOOK_STEPS
-        assert cell["lrs"] == pytest.approx([LR * warmup_factor(s) for s in range(HOOK_STEPS)])
-        assert max_diff(cell["params"], ref) < PARAM_ATOL
+    check_warmup_cells([out[case] for out in four_ranks], ref, HOOK_STEPS, PARAM_ATOL, "params")
 
 
 @pytest.mark.multiprocess

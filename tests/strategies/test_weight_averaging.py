@@ -45,11 +45,13 @@ from helpers import (
     PlainLM,
     cpu_trainer,
     float64_params,
+    global_batches,
     make_data,
     max_diff,
     one_thread,
     reference_loss,
     reference_model,
+    sgd_steps,
     token_loss_sum,
 )
 from lightning.pytorch.callbacks import (
@@ -315,15 +317,8 @@ def reference_weights(*, autocast: bool, bf16_start: bool) -> list[dict[str, np.
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
     weights = [float64_params(model)]
     with one_thread():
-        for step in range(STEPS):
-            total, tokens = torch.zeros(()), 0
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
-                for sample in data[step * GLOBAL_BATCH : (step + 1) * GLOBAL_BATCH]:
-                    loss, n = token_loss_sum(model, sample)
-                    total, tokens = total + loss, tokens + n
-            optimizer.zero_grad()
-            (total / tokens).backward()
-            optimizer.step()
+        batches = global_batches(data, STEPS)
+        for _ in sgd_steps(model, optimizer, batches, autocast=autocast):
             weights.append(float64_params(model))
     return weights
 
