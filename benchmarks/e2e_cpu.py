@@ -78,7 +78,7 @@ BEGIN, END = "<!-- e2e_cpu:begin -->", "<!-- e2e_cpu:end -->"
 ONLINE_BEGIN, ONLINE_END = "<!-- e2e_calibration:begin -->", "<!-- e2e_calibration:end -->"
 CALIBRATED_FROM = 4
 """First global batch of a run that a refitted model can plan: the first refit follows step 3
-(batch 2) and takes effect two batches later (strategies/calibration.py)."""
+(batch 2) and takes effect two batches later (strategies/step_timing.py)."""
 
 DDP = "ddp (no CP)"
 LENGTH_SCALE = 16

@@ -24,18 +24,47 @@ from lightning_skrull.data.plan_batch import BatchPlanning, plan_rank_batch
 from lightning_skrull.scheduling import (
     DISTRIBUTED,
     CostModel,
+    CostModelSchedule,
     GlobalBatchPlan,
     Policy,
     dp_rank_seconds,
 )
 
 
+@dataclass(frozen=True, kw_only=True)
+class PlanSettings:
+    """What a Skrull strategy's setup resolved for the data module: the config with its
+    bucket known (``bucket_size="auto"`` measured) and what the data is checked against in the
+    model the strategy trains. Published as :attr:`SkrullTrainingStrategy.plan_settings`."""
+
+    config: SkrullConfig
+    """The strategy's config, its ``bucket_size`` a number of tokens or ``None`` (never
+    ``"auto"``): :meth:`SkrullConfig.resolve_bucket_size` gives the bucket to plan with."""
+    vocab_size: int | None
+    """The trained model's vocabulary size (token ids and labels must be below it)."""
+    image_token_id: int | None
+    """The image placeholder of a vision-language model trained on text (no input id may be
+    it); ``None`` for a text model."""
+
+
 class SkrullTrainingStrategy(Protocol):
     """What the data module reads from the training strategy (every Skrull strategy has it).
 
     The rank properties are known once the Trainer set up the process group, the cost model
-    once the strategy found the model: the data module reads them from its loader hooks.
+    once the strategy found the model, the plan settings once its setup resolved them: the
+    data module reads them from its loader hooks and when a loader's iteration starts.
     """
+
+    @property
+    def plan_settings(self) -> PlanSettings | None:
+        """The resolved settings the data is planned with; ``None`` until the strategy found
+        the model and knows the bucket (a ``bucket_size="auto"`` is measured late in setup)."""
+        ...
+
+    @property
+    def cost_model_schedule(self) -> CostModelSchedule | None:
+        """Which cost model plans which training batch (``None`` without online calibration)."""
+        ...
 
     @property
     def skrull_config(self) -> SkrullConfig:
@@ -74,6 +103,8 @@ class SkrullTrainingStrategy(Protocol):
 
 
 _STRATEGY_MEMBERS = (
+    "plan_settings",
+    "cost_model_schedule",
     "skrull_config",
     "cp_size",
     "dp_size",
@@ -231,7 +262,7 @@ class SkrullBatch:
         """Model FLOPs of the global batch over the ranks, for ``ThroughputMonitor``'s MFU.
 
         Each sequence counts its exact causal forward FLOPs
-        (:meth:`~lightning_skrull.scheduling.cost_model.ModelShape.forward_flops`: every matmul
+        (:meth:`~lightning_skrull.scheduling.shapes.ModelShape.forward_flops`: every matmul
         of the decoder and the LM head, attention over ``s (s + 1) / 2`` pairs), for the shape
         of the cost model the plan was made with (the model's own config unless a cost model
         was given), times 3 with ``backward`` (forward + backward, the usual MFU convention:

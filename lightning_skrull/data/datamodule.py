@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from functools import partial
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_skrull.config import AUTO_BUCKET, DataConfig, check_bools
+from lightning_skrull.config import DataConfig, check_bools
 from lightning_skrull.data.batch import (
     LOSS_KEYS,
+    PlanSettings,
     RankPlanner,
     SkrullTrainingStrategy,
     is_skrull_training_strategy,
@@ -35,12 +37,6 @@ from lightning_skrull.data.formats import RAW_COLUMNS
 from lightning_skrull.data.loader import GlobalBatchStream, SkrullDataLoader
 from lightning_skrull.data.sampler import GlobalBatchSampler
 from lightning_skrull.data.sources import SFTData, load_sft_data
-from lightning_skrull.models.families.vision_language import (
-    image_token_id,
-    is_multimodal,
-    text_config,
-)
-from lightning_skrull.models.patching import find_hf_model
 
 BUNDLED_PREFIX = "bundled:"
 """``train_data="bundled:mixed_tiny"`` loads a dataset shipped with the package."""
@@ -236,7 +232,6 @@ class SkrullDataModule(pl.LightningDataModule):
         self.test_dataset: SFTDataset | None = None
         self.val_datasets: dict[str, SFTDataset] = {}
         self.test_datasets: dict[str, SFTDataset] = {}
-        self._bucket_size: int | None = None
 
     @property
     def val_set_names(self) -> tuple[str, ...]:
@@ -426,31 +421,42 @@ class SkrullDataModule(pl.LightningDataModule):
             )
         return strategy
 
-    def _resolve_bucket_size(self, strategy: SkrullTrainingStrategy) -> int:
-        if self._bucket_size is None:
+    def _resolve_bucket_size(self, settings: PlanSettings) -> int:
+        """The bucket to plan with: the strategy's, or (``bucket_size=None``) the smallest that
+        holds the longest sequence of every set of the data module."""
+        longest = 0
+        if settings.config.bucket_size is None:
             datasets = [self.train_dataset, self.val_dataset, self.test_dataset]
             datasets += [*self.val_datasets.values(), *self.test_datasets.values()]
             longest = max(max(d.lengths) for d in datasets if d is not None)
-            self._bucket_size = strategy.skrull_config.resolve_bucket_size(longest)
-        return self._bucket_size
+        return settings.config.resolve_bucket_size(longest)
 
     def _validate(
-        self, dataset: SFTDataset | SampleView, strategy: SkrullTrainingStrategy, bucket: int
+        self, stream: GlobalBatchStream, strategy: SkrullTrainingStrategy, hook: str
     ) -> None:
-        vocab_size = image = None
-        module = self.trainer.lightning_module if self.trainer is not None else None
-        if module is not None:
-            # the model the strategy trains: the same lookup as the strategy's own
-            hf_model = find_hf_model(module, attribute=strategy.skrull_config.model_attribute)
-            vocab_size = getattr(text_config(hf_model.config), "vocab_size", None)
-            if is_multimodal(hf_model.config):  # trained on text only: no image placeholder
-                image = image_token_id(hf_model.config)
-        dataset.validate(
-            max_tokens=strategy.cp_size * bucket,
-            vocab_size=vocab_size,
-            truncate=self.truncate,
-            image_token_id=image,
-        )
+        """Check the stream's samples against the strategy's published
+        :attr:`~lightning_skrull.data.batch.SkrullTrainingStrategy.plan_settings` and give it
+        its planner, once they are published (a ``bucket_size="auto"`` is measured late in
+        the strategy's setup: then when an iteration starts); a training stream follows the
+        strategy's cost-model schedule."""
+        settings = strategy.plan_settings
+        if stream.planner is None and settings is not None:
+            bucket = self._resolve_bucket_size(settings)
+            try:
+                stream.dataset.validate(
+                    max_tokens=strategy.cp_size * bucket,
+                    vocab_size=settings.vocab_size,
+                    truncate=self.truncate,
+                    image_token_id=settings.image_token_id,
+                )
+            except (ValueError, TypeError) as err:
+                if stream.name is None:
+                    raise
+                argument = "val_data" if hook == "val_dataloader" else "test_data"
+                _raise_in_set(f"{argument}[{stream.name!r}]", err)
+            stream.planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
+        if hook == "train_dataloader":
+            stream.schedule = strategy.cost_model_schedule
 
     def _loader(
         self,
@@ -469,32 +475,12 @@ class SkrullDataModule(pl.LightningDataModule):
                 "better), or use fewer processes or a larger cp_size."
             )
         stream = GlobalBatchStream(dataset, sampler, None, None, name)
-
-        def plan_with_the_strategy() -> None:
-            if stream.planner is None:
-                bucket = self._resolve_bucket_size(strategy)
-                try:
-                    self._validate(dataset, strategy, bucket)
-                except (ValueError, TypeError) as err:
-                    if name is None:
-                        raise
-                    argument = "val_data" if hook == "val_dataloader" else "test_data"
-                    _raise_in_set(f"{argument}[{name!r}]", err)
-                stream.planner = RankPlanner.for_strategy(strategy, bucket_size=bucket)
-            if hook == "train_dataloader":
-                stream.schedule = getattr(strategy, "cost_model_schedule", None)
-
-        # Lightning builds the training loader in the middle of the strategy's setup when
-        # configure_optimizers reads trainer.estimated_stepping_batches (as learning-rate
-        # schedules do), before a bucket_size="auto" is measured and online calibration starts:
-        # what the stream plans with is then settled when an iteration starts
-        if strategy.skrull_config.bucket_size != AUTO_BUCKET:
-            plan_with_the_strategy()  # refuse samples that do not fit now
+        self._validate(stream, strategy, hook)  # refuse samples that do not fit now, when known
         trainer = self.trainer if hook == "train_dataloader" else None
         return SkrullDataLoader(
             stream,
             num_workers=self.config.num_workers,
             persistent_workers=self.config.persistent_workers,
             trainer=trainer,
-            prepare=plan_with_the_strategy,
+            prepare=partial(self._validate, stream, strategy, hook),
         )

@@ -310,3 +310,63 @@ class ProbeStep:
             p.grad = None
         if self.optimizer is not None:
             self.optimizer.state.clear()
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutoBucket:
+    """The outcome of :func:`measure_auto_bucket`: the bucket every rank plans with."""
+
+    bucket_size: int
+    """Tokens per rank: the smallest choice over the world."""
+    fit: MemoryFit
+    """This rank's fitted memory model."""
+    capacity_bytes: float
+    """Device memory this process may use (free plus what the caching allocator holds)."""
+
+    def describe(self) -> str:
+        """One log line: the fitted line, its error, the capacity and the chosen bucket."""
+        return describe_fit(self.fit, self.bucket_size, self.capacity_bytes, AUTO_PROBE_TOKENS)
+
+    def nonlinear_warning(self) -> str | None:
+        """Why the chosen bucket may not fit, when the fit is off by more than
+        :data:`NONLINEAR_FIT_ERROR` at a probe point; ``None`` otherwise."""
+        if self.fit.max_relative_error <= NONLINEAR_FIT_ERROR:
+            return None
+        return (
+            f"bucket_size='auto': the linear memory fit is off by "
+            f"{100 * self.fit.max_relative_error:.1f}% at a probe point (more than "
+            f"{100 * NONLINEAR_FIT_ERROR:.0f}%): memory grows faster than linearly in tokens, "
+            "so the chosen bucket may not fit. Give bucket_size explicitly (margin "
+            f"{100 * AUTO_SAFETY_MARGIN:.0f}%)."
+        )
+
+
+def measure_auto_bucket(
+    probe: ProbeStep, world_group: ProcessGroup | None, world_size: int
+) -> AutoBucket:
+    """Resolve ``bucket_size="auto"`` from probe steps on this CUDA device.
+
+    Every rank probes (its CP group together), fits ``peak = alpha * tokens + beta`` and
+    chooses a bucket (:func:`auto_bucket_size`); the smallest over the world is kept (one
+    all-reduce), so every rank plans alike. The probes leave the model and the optimizer as
+    they were (:meth:`ProbeStep.restore`).
+
+    Args:
+        probe: this rank's probe step (the prepared model, the optimizer, the precision's
+            autocast).
+        world_group: the group of every rank.
+        world_size: ranks in it (no collective with one).
+    """
+    device = probe.device
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    capacity = free + torch.cuda.memory_reserved(device)
+    try:
+        bucket, fit = auto_bucket_size(probe, capacity)
+    finally:
+        probe.restore()
+        torch.cuda.empty_cache()
+    chosen = torch.tensor([bucket], dtype=torch.int64, device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(chosen, op=torch.distributed.ReduceOp.MIN, group=world_group)
+    return AutoBucket(bucket_size=int(chosen), fit=fit, capacity_bytes=capacity)

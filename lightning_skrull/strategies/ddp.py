@@ -27,8 +27,8 @@ from typing_extensions import override
 
 from lightning_skrull.attention.backends import AttentionBackend
 from lightning_skrull.config import Calibration, SkrullConfig
+from lightning_skrull.models.families.vision_language import text_only_unused_parameters
 from lightning_skrull.models.modes import cast_trainable_parameters
-from lightning_skrull.models.multimodal import text_only_unused_parameters
 from lightning_skrull.scheduling import Policy
 from lightning_skrull.strategies.base import SkrullStrategyMixin
 from lightning_skrull.strategies.trainable import TrainableChange

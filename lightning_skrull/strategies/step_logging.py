@@ -29,18 +29,30 @@ every rank, ``W`` the DP x CP world size):
 Each combined value is logged with ``batch_size=T`` (or the sum of the user's batch sizes), so
 Lightning's epoch-level weighted mean is a token mean too, and Lightning never has to infer a
 batch size from a Skrull batch.
+
+:class:`StepLogger` is the strategy's side: it opens and closes a step's :class:`StepLogs`,
+logs the exact loss of each global batch, the plan statistics and the throughput.
 """
 
 from __future__ import annotations
 
 import inspect
 import numbers
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
+from torch.utils.hooks import RemovableHandle
+
+from lightning_skrull.data.batch import LOSS_KEYS, PlanStats
+from lightning_skrull.data.collate import RankBatch
+from lightning_skrull.models.token_loss import observe_token_mean_losses
+
+if TYPE_CHECKING:
+    from lightning_skrull.strategies.base import SkrullStrategyMixin
 
 _LOG_PARAMETERS: tuple[str, ...] = (
     "name",
@@ -280,3 +292,181 @@ def combine_outputs(outputs: list[Any], is_model_loss: Callable[[Any], bool]) ->
         keys = list(dict.fromkeys(k for o in outputs for k in o))
         return {k: combine_outputs([o.get(k) for o in outputs], is_model_loss) for k in keys}
     return list(outputs)
+
+
+class StepLogger:
+    """The strategy's logging of each step: a :class:`StepLogs` while the micro-batches run, the
+    exact loss of the global batch, the plan statistics and the throughput.
+
+    Args:
+        strategy: the strategy whose LightningModule logs (read live: the module is attached
+            and the model found at setup).
+    """
+
+    def __init__(self, strategy: SkrullStrategyMixin) -> None:
+        self._strategy = strategy
+        self._loss_hook: RemovableHandle | None = None
+        self._token_loss_hook: RemovableHandle | None = None
+        self.in_micro_batches = False
+        """Whether a step's micro-batches are running (between :meth:`open` and :meth:`close`)."""
+        self._step_start: float | None = None
+        self._step_tokens = 0
+
+    def refuse_collective(self, collective: str) -> None:
+        """Refuse a collective (``strategy.reduce``, ...) while a step's micro-batches run.
+
+        Raises:
+            RuntimeError: inside the micro-batches; the message names the fix.
+        """
+        if self.in_micro_batches:
+            raise RuntimeError(
+                f"{collective} was called while {type(self._strategy).__name__} runs a step's "
+                "micro-batches (the LightningModule's training/validation/test_step runs once "
+                "per micro-batch, and DP ranks run different numbers of them), so the collective "
+                "would not pair up across ranks and the run would hang. Log with "
+                "self.log(..., sync_dist=True) instead (synced once per step), or gather in "
+                "on_train_batch_end / on_validation_batch_end / an on_*_epoch_end hook."
+            )
+
+    def start_step(self) -> None:
+        """Note the training step's start (its throughput is logged after the optimizer step)."""
+        self._step_start = time.perf_counter()
+
+    def open(self, rank_batch: RankBatch) -> StepLogs:
+        """Stand in for the module's ``self.log`` while this step's micro-batches run, note the
+        model's loss of each micro-batch, and refuse collectives from user code meanwhile."""
+        module = self._strategy._attached_module
+        logs = StepLogs(
+            module.log,
+            world_size=rank_batch.world_size,
+            global_tokens=rank_batch.num_supervised_tokens,
+        )
+
+        def note_loss(_: torch.nn.Module, __: Any, output: Any) -> None:
+            loss = getattr(output, "loss", None)
+            if isinstance(loss, Tensor):
+                logs.add_model_loss(loss)
+
+        model = self._strategy._hf_model
+        self._loss_hook = None if model is None else model.register_forward_hook(note_loss)
+        self._token_loss_hook = observe_token_mean_losses(logs.add_model_loss)
+        # an instance attribute shadows the method until closed
+        module.__dict__["log"] = logs.record
+        self.in_micro_batches = True
+        return logs
+
+    def close(self) -> None:
+        """Give the module its ``self.log`` back and remove the loss hooks."""
+        self.in_micro_batches = False
+        for hook in (self._loss_hook, self._token_loss_hook):
+            if hook is not None:
+                hook.remove()
+        self._loss_hook = self._token_loss_hook = None
+        module = self._strategy.lightning_module
+        if module is not None and "log" in module.__dict__:
+            del module.__dict__["log"]
+
+    def log_step(
+        self,
+        rank_batch: RankBatch,
+        stats: PlanStats | None,
+        share: Tensor,
+        stage: str,
+        user_names: tuple[str, ...] = (),
+        *,
+        dataset_name: str | None = None,
+    ) -> None:
+        """Log the exact loss of the global batch and, in training, the plan statistics.
+
+        ``share`` is this rank's sum of micro-batch losses, i.e. its token-loss sum over
+        ``T / W``; its mean over the ``W`` ranks is the global token mean. Logged with
+        ``batch_size = T``, Lightning's epoch-level weighted mean over batches and ranks is the
+        token mean over the whole epoch. A name the module logged itself in this step
+        (``user_names``) is left to the module's value.
+
+        A batch of a named validation or test set (``dataset_name``) logs ``val_loss/<name>``
+        (``test_loss/<name>``) without Lightning's ``/dataloader_idx_N``; an unnamed one logs
+        ``val_loss``, to which Lightning adds ``/dataloader_idx_N`` under several loaders.
+        """
+        strategy = self._strategy
+        if not strategy.skrull_config.log_stats:
+            return
+        module = strategy.lightning_module
+        if module is None or module._trainer is None or module._trainer.barebones:
+            return
+        on_step = stage == "train"
+        key = LOSS_KEYS[stage] if dataset_name is None else f"{LOSS_KEYS[stage]}/{dataset_name}"
+        if key in user_names:
+            return
+        module.log(
+            key,
+            share.float(),
+            on_step=on_step,
+            on_epoch=not on_step,
+            prog_bar=True,
+            # one process: its share is the loss; a step value needs no collective, an epoch
+            # value is marked synced all the same (Lightning warns about unsynced epoch values
+            # whenever a process group exists, and syncs once at the epoch's end)
+            sync_dist=strategy.world_size > 1 or not on_step,
+            add_dataloader_idx=dataset_name is None,
+            batch_size=max(rank_batch.num_supervised_tokens, 1),
+        )
+        if stage != "train" or stats is None:
+            return
+        self._step_tokens = stats.num_tokens
+        values = {
+            "skrull/supervised_tokens": float(stats.num_supervised_tokens),
+            "skrull/tokens": float(stats.num_tokens),
+            "skrull/distributed_share": stats.distributed_share,
+            "skrull/plan_imbalance": stats.imbalance,
+            "skrull/est_step_s": stats.estimated_seconds,
+            "skrull/micro_batches_max": float(stats.max_micro_batches),
+            "skrull/micro_batches_min": float(stats.min_micro_batches),
+            "skrull/micro_batches_rank": float(rank_batch.num_planned_micro_batches),
+        }
+        self.log_values(values)
+
+    def log_values(self, values: dict[str, float]) -> None:
+        """Log per-step values (plan statistics, calibration) unless ``log_stats`` is off.
+
+        Only on the steps whose on-step values Lightning writes to its loggers (every
+        ``log_every_n_steps``, and under ``fast_dev_run``), the rule Lightning's own
+        ``LearningRateMonitor`` follows: the loggers see the same values as when logging every
+        step, and the other steps skip about 0.5 ms of ``self.log`` per value, which a step of
+        a few short sequences notices (docs/benchmarks.md, per-sequence overhead).
+        """
+        if not values or not self.logs_stats_this_step():
+            return
+        module = self._strategy.lightning_module
+        assert module is not None
+        for key, value in values.items():
+            module.log(key, value, on_step=True, on_epoch=False, batch_size=1)
+
+    def logs_stats_this_step(self) -> bool:
+        """Whether :meth:`log_values` logs in this training step (see there)."""
+        module = self._strategy.lightning_module
+        if not self._strategy.skrull_config.log_stats or module is None:
+            return False
+        trainer = module._trainer
+        if trainer is None or trainer.barebones:
+            return False
+        fast_dev_run = getattr(trainer, "fast_dev_run", False)  # set by the Trainer's debug flags
+        return bool(fast_dev_run) or trainer._logger_connector.should_update_logs
+
+    def log_throughput(self) -> None:
+        """Log ``tokens_per_s`` of the step since :meth:`start_step` (once per step)."""
+        if self._step_start is None or not self._strategy.skrull_config.log_stats:
+            return
+        module = self._strategy.lightning_module
+        elapsed = time.perf_counter() - self._step_start
+        self._step_start = None
+        if module is None or module._trainer is None or elapsed <= 0 or not self._step_tokens:
+            return
+        module.log(
+            "tokens_per_s",
+            self._step_tokens / elapsed,
+            on_step=True,
+            on_epoch=False,
+            prog_bar=True,
+            batch_size=1,
+        )

@@ -14,7 +14,7 @@
    same model; the per-step plan-hash check proves it.
 3. **Hand-over.** An adopted model takes effect :data:`EFFECT_LAG` global batches after the one
    just trained (the loader has already handed out the next one), through the loader's
-   :class:`~lightning_skrull.data.batch.CostModelSchedule`. Batches that DataLoader workers
+   :class:`~lightning_skrull.scheduling.CostModelSchedule`. Batches that DataLoader workers
    planned ahead with an older model are planned again in the main process.
 4. **Checkpoints.** The schedule (with the current model) is saved in checkpoints and restored
    on resume.
@@ -31,9 +31,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
-from lightning_skrull.data.batch import CostModelSchedule, SkrullBatch
+from lightning_skrull.data.batch import SkrullBatch
 from lightning_skrull.runtime.process_groups import ParallelLayout
-from lightning_skrull.scheduling import CostModel, GlobalBatchPlan, OnlineCalibrator
+from lightning_skrull.scheduling import (
+    CostModel,
+    CostModelSchedule,
+    GlobalBatchPlan,
+    OnlineCalibrator,
+)
 
 EFFECT_LAG = 2
 """Global batches between the one whose step adopted a model and the first planned with it
@@ -272,3 +277,50 @@ class StepCalibration:
         self.interval = int(state.get("interval", FIRST_INTERVAL))
         self.calibrator = OnlineCalibrator(self.schedule.latest)
         self._pending = []
+
+
+class OnlineCalibration:
+    """A strategy's online calibration over its fits: a :class:`StepCalibration` started at
+    each fit's setup, its state written into checkpoints and applied from a resumed one.
+
+    Args:
+        enabled: ``calibration="online"`` (otherwise nothing starts and nothing is saved).
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.running: StepCalibration | None = None
+        """The calibration of the current (or last) fit; ``None`` before one started."""
+        self._restored: dict[str, Any] | None = None
+
+    def start(
+        self,
+        cost_model: CostModel,
+        layout: ParallelLayout,
+        device: torch.device,
+        module: torch.nn.Module,
+    ) -> None:
+        """Start timing this fit's steps from ``cost_model`` (last in setup, after the model and
+        the bucket are final); apply a state restored from a checkpoint."""
+        self.running = StepCalibration(cost_model, layout, device)
+        self.running.attach(module)
+        if self._restored is not None:
+            self.running.load_state_dict(self._restored)
+
+    def save(self, checkpoint: dict[str, Any]) -> None:
+        """Write the running calibration's state into ``checkpoint``."""
+        if self.running is not None:
+            checkpoint[CHECKPOINT_KEY] = self.running.state_dict()
+
+    def load(self, checkpoint: dict[str, Any]) -> None:
+        """Keep a checkpoint's calibration state, applied at setup (or now, when running)."""
+        state = checkpoint.get(CHECKPOINT_KEY)
+        if state is not None and self.enabled:
+            self._restored = state
+            if self.running is not None:
+                self.running.load_state_dict(state)
+
+    def stop(self) -> None:
+        """Remove the running calibration's hooks (teardown); its models stay readable."""
+        if self.running is not None:
+            self.running.detach()
