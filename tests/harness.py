@@ -255,13 +255,17 @@ def fit_family(
     return fit_record(recorder, module.model)
 
 
-def fit_record(recorder: Any, model: nn.Module) -> dict[str, Any]:
+def fit_record(
+    recorder: Any,
+    model: nn.Module,
+    weights: Callable[[nn.Module], dict[str, np.ndarray]] = full_params,
+) -> dict[str, Any]:
     """What a parity fit returns: the parameters ``"before"`` (``recorder.before``) and
-    ``"after"`` (:func:`full_params` of ``model``), the model's ``"dtype"``, and the
-    ``"steps"`` the :class:`~helpers.BatchRecorder` saw."""
+    ``"after"`` (``weights(model)``: :func:`full_params`, or :func:`full_state`), the model's
+    ``"dtype"``, and the ``"steps"`` the :class:`~helpers.BatchRecorder` saw."""
     return {
         "before": recorder.before,
-        "after": full_params(model),
+        "after": weights(model),
         "dtype": str(next(model.parameters()).dtype),
         "steps": recorder.steps,
     }

@@ -54,7 +54,7 @@ import lightning.pytorch as L
 import numpy as np
 import pytest
 import torch
-from harness import full_state
+from harness import fit_record, full_state
 from helpers import (
     BUCKET,
     GLOBAL_BATCH,
@@ -503,23 +503,15 @@ def _cases(rank: int, world_size: int, tmp: str) -> dict[str, Any]:
 
     for shard in BF16_SHARDS:
         module, _, recorder = _fit(STEPS, precision="bf16-mixed", shard=shard)
-        out[("bf16", shard)] = {
-            "before": recorder.before,
-            "after": full_state(module.model),
-            "dtype": str(next(module.model.parameters()).dtype),
-            "steps": recorder.steps,
-        }
+        out[("bf16", shard)] = fit_record(recorder, module.model, full_state)
     # bf16-true: the module cast to bf16 before sharding (parameters, buffers, gradients, their
     # reductions and SGD in bf16)
     started = time.perf_counter()
     for shard in BF16_SHARDS:
         module, _, recorder = _fit(STEPS, precision="bf16-true", shard=shard)
         out[("bf16-true", shard)] = {
-            "before": recorder.before,
-            "after": full_state(module.model),
-            "dtype": str(next(module.model.parameters()).dtype),
+            **fit_record(recorder, module.model, full_state),
             "buffer_dtypes": sorted({str(b.dtype) for b in module.model.buffers()}),
-            "steps": recorder.steps,
         }
     # a LightningModule.backward override, once per micro-batch (the DP ranks' counts differ)
     scaled = ScaledBackwardLM()

@@ -147,15 +147,12 @@ def _fit_cell(
         trainer.fit(module, data)
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {
-        "before": recorder.before,
-        "after": float64_params(module.model),
-        "dtype": str(next(module.model.parameters()).dtype),
+        **fit_record(recorder, module.model),
         "loaded_dtype": loaded_dtype,
         "layer_calls": counter.calls,
         "micro_batches": counter.micro_batches,
         "training_at_start": counter.training_at_start,
         "buffer_dtypes": sorted({str(b.dtype) for b in module.model.buffers()}),
-        "steps": recorder.steps,
         "exchanged_dtypes": sorted(str(d) for d in exchanged.dtypes),
         "scale": None if scaler is None else scaler.get_scale(),
     }
