@@ -11,22 +11,30 @@ for the ``with`` block and puts them back on exit, even when the block raises:
   signature to decide whether to pass ``attention_mask``, ``position_ids`` and
   ``logits_to_keep``, and the wrapper's ``(*args, **kwargs)`` would hide them (a left-padded
   batch would then attend to its padding);
-- every module is put in eval mode and the block runs under ``torch.no_grad``.
+- every module is put in eval mode and the block runs under ``torch.no_grad``;
+- a model sharded by FSDP2 in a world of several processes calls ``generate`` with
+  ``synced_gpus=True``: each forward all-gathers parameters, so a rank whose sequences have
+  ended keeps running forwards until every rank's have (transformers turns this on by itself
+  only for models it sharded itself); on exit the parameters FSDP2 left gathered are freed, or
+  the next step's gradients of the root module's parameters would be wrong.
 
 The buffers (a dynamic RoPE's ``inv_freq``) and training flags are restored as they were, and
 so are the instance's own ``forward`` and ``generate``: what a strategy sets inside the block
-(``SkrullFSDPStrategy.generating`` sets a ``generate`` with ``synced_gpus=True``) is taken off
-on exit.
+(``SkrullFSDPStrategy.generating`` wraps ``generate`` to meet the other ranks) is taken off on
+exit.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_skrull.attention.backends import ATTENTION_NAME
 from lightning_skrull.attention.context import has_attention_context
@@ -94,11 +102,15 @@ def plain_attention(
     attributes = vars(model)  # the instance's own forward / generate, put back on exit
     saved: dict[str, Any] = {n: attributes[n] for n in ("forward", "generate") if n in attributes}
     chunked = uses_chunked_loss(model)
+    sharded = isinstance(model, FSDPModule)
+    synced = sharded and dist.is_initialized() and dist.get_world_size() > 1
     try:
         if target != before:
             model.set_attn_implementation(target)
         if chunked:
             del attributes["forward"]
+        if synced:
+            attributes["generate"] = synced_generate(cast(Any, model).generate)
         model.eval()
         with torch.no_grad():
             yield model
@@ -111,6 +123,8 @@ def plain_attention(
         for m, flag in training:
             m.training = flag
         _restore_buffers(buffers)
+        if sharded:
+            reshard(model)
 
 
 def _restore_buffers(buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Tensor]]) -> None:
@@ -122,3 +136,33 @@ def _restore_buffers(buffers: list[tuple[nn.Module, str, torch.Tensor, torch.Ten
                 m._buffers[name] = tensor
             if not torch.equal(tensor, values):
                 tensor.copy_(values)
+
+
+def synced_generate(generate: Callable[..., Any]) -> Callable[..., Any]:
+    """``generate`` with ``synced_gpus=True``; ``synced_gpus=False`` is refused."""
+
+    @functools.wraps(generate)
+    def synced(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("synced_gpus", True) is False:
+            raise ValueError(
+                "generate(synced_gpus=False) on a model sharded by FSDP: every forward "
+                "all-gathers parameters, so a rank whose sequences end early would stop joining "
+                "them and the other ranks would hang. Leave synced_gpus unset (it is True here)."
+            )
+        kwargs["synced_gpus"] = True
+        return generate(*args, **kwargs)
+
+    return synced
+
+
+def reshard(model: nn.Module) -> None:
+    """Free the parameters FSDP2 gathered for the forwards of a generation (a local operation).
+
+    FSDP2 keeps the root module's parameters (embeddings, final norm, LM head) gathered after a
+    forward, for the backward it expects. Measured on CPU (gloo, HSDP): after one forward of
+    the block without this, the next training step updated those parameters wrongly (the
+    embeddings off by 1.7e-2 after one SGD step); with it, the step is exact.
+    """
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()

@@ -64,7 +64,7 @@ from lightning_skrull.strategies.fsdp_checkpoint import (
     consolidate_checkpoint,
     refuse_weights_only_resume,
 )
-from lightning_skrull.strategies.fsdp_generation import GenerationMeetings, reshard
+from lightning_skrull.strategies.fsdp_generation import GenerationMeetings
 from lightning_skrull.strategies.fsdp_precision import FSDPPrecision, as_fsdp_precision
 from lightning_skrull.strategies.fsdp_sharding import refuse_parameters_outside, shard_decoder
 from lightning_skrull.strategies.trainable import TrainableChange
@@ -441,15 +441,12 @@ class SkrullFSDPStrategy(SkrullStrategyMixin, ModelParallelStrategy):
         meetings = self._generation_meetings
         if meetings is not None:
             meetings.enter()
-        with super().generating() as model:
-            try:
-                if meetings is None:
+        with super().generating() as model:  # plain_attention: synced generate, reshard on exit
+            if meetings is None:
+                yield model
+            else:
+                with meetings.around_calls(model, self._fall_out_of_step):
                     yield model
-                else:
-                    with meetings.around_calls(model, self._fall_out_of_step):
-                        yield model
-            finally:
-                reshard(model)
 
     def _fall_out_of_step(self, message: str, caught: bool) -> None:
         """A model call inside :meth:`generating` raised in the middle of its collectives:

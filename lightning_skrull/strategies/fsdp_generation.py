@@ -4,12 +4,9 @@ sharded model meet before each ``generate`` call's first collective, each forwar
 model directly and the block's exit, so a rank calling the model alone or once more than the
 others raises instead of hanging in an all-gather.
 
-Besides the meetings, a model sharded by FSDP2 in a world of several processes calls
-``generate`` with ``synced_gpus=True`` (:func:`synced_generate`): each forward all-gathers
-parameters, so a rank whose sequences have ended keeps running forwards until every rank's have
-(transformers turns this on by itself only for models it sharded itself). On exit the parameters
-FSDP2 left gathered are freed (:func:`reshard`), or the next step's gradients of the root
-module's parameters would be wrong.
+The rest of generating from a sharded model (``synced_gpus=True``, freeing the parameters FSDP2
+left gathered on exit) is :func:`~lightning_skrull.models.plain_attention`'s, which the block
+runs in, so a direct ``plain_attention(model)`` on a sharded model gets it too.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ from typing import Any, cast
 
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from lightning_skrull.runtime.process_groups import as_member, once_per_world
 
@@ -324,16 +320,17 @@ class GenerationMeetings:
     ) -> Iterator[None]:
         """Meet the other ranks at each call of ``model`` inside the block and at its exit.
 
-        ``model.generate`` becomes, on the instance, :func:`synced_generate` meeting the others
-        at its first collective; whoever set up the block takes the instance attribute off on
-        exit (:func:`~lightning_skrull.models.plain_attention` does). A call that raised on this
+        ``model.generate`` (:func:`~lightning_skrull.models.plain_attention`'s, with
+        ``synced_gpus=True``) becomes, on the instance, one that meets the others at its first
+        collective; whoever set up the block takes the instance attribute off on exit
+        (:func:`~lightning_skrull.models.plain_attention` does). A call that raised on this
         rank in the middle of its collectives is reported on exit to
         ``out_of_step(message, caught)``: ``message`` says why the rank may do nothing with
         collectives any more, ``caught`` whether the block itself ended normally (the error was
         caught inside it).
         """
         calls = _ModelCalls(self._group, self._timeout, self._rank, model)
-        vars(model)["generate"] = calls.wrap(synced_generate(cast(Any, model).generate))
+        vars(model)["generate"] = calls.wrap(cast(Any, model).generate)
         hooks = (
             model.register_forward_pre_hook(calls.before_forward, prepend=True),
             model.register_forward_hook(calls.after_forward),
@@ -349,33 +346,3 @@ class GenerationMeetings:
             if calls.out_of_step is not None:
                 message = _out_of_step_message(self._rank, calls.out_of_step)
                 out_of_step(message, leaving == _LEAVING)
-
-
-def synced_generate(generate: Callable[..., Any]) -> Callable[..., Any]:
-    """``generate`` with ``synced_gpus=True``; ``synced_gpus=False`` is refused."""
-
-    @functools.wraps(generate)
-    def synced(*args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("synced_gpus", True) is False:
-            raise ValueError(
-                "generate(synced_gpus=False) on a model sharded by FSDP: every forward "
-                "all-gathers parameters, so a rank whose sequences end early would stop joining "
-                "them and the other ranks would hang. Leave synced_gpus unset (it is True here)."
-            )
-        kwargs["synced_gpus"] = True
-        return generate(*args, **kwargs)
-
-    return synced
-
-
-def reshard(model: nn.Module) -> None:
-    """Free the parameters FSDP2 gathered for the forwards of a generation (a local operation).
-
-    FSDP2 keeps the root module's parameters (embeddings, final norm, LM head) gathered after a
-    forward, for the backward it expects. Measured on CPU (gloo, HSDP): after one forward of
-    the block without this, the next training step updated those parameters wrongly (the
-    embeddings off by 1.7e-2 after one SGD step); with it, the step is exact.
-    """
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
