@@ -3,7 +3,8 @@
 Both work on a :class:`~lightning_skrull.scheduling.dacp_greedy.CpGroupState`.
 :func:`improve` applies the best single move (transfer a sequence to another rank, shard one,
 bring one back whole) while the estimate drops; :func:`split_longest` builds a second
-placement that shards the ``k`` longest sequences and spreads the others whole. Where they
+placement that shards the ``k`` longest sequences and spreads the others whole, tried where
+:func:`shard_waste` (or the communication) is a large share of the first's estimate. Where they
 run is :func:`~lightning_skrull.scheduling.dacp.place_micro_batch`'s choice, switched by
 ``PlannerOptions.dacp_local_search`` and ``PlannerOptions.dacp_split``. :func:`split_bound`
 is also the quick estimate GDS compares DP splits with
