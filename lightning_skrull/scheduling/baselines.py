@@ -41,12 +41,14 @@ def pack_distributed(
     for sid in ids:
         shard = shard_tokens(lengths[sid], cp_size)
         if current and used + shard > bucket_size:
-            plans.append(MicroBatchPlan(tuple(current), (DISTRIBUTED,) * len(current)))
+            plans.append(
+                MicroBatchPlan(tuple(current), (DISTRIBUTED,) * len(current), cp_size=cp_size)
+            )
             current, used = [], 0
         current.append(sid)
         used += shard
     if current:
-        plans.append(MicroBatchPlan(tuple(current), (DISTRIBUTED,) * len(current)))
+        plans.append(MicroBatchPlan(tuple(current), (DISTRIBUTED,) * len(current), cp_size=cp_size))
     return plans
 
 
@@ -60,10 +62,12 @@ def plan_static(
     ]
 
 
-def plan_static_unpacked(lengths: Sequence[int], dp_size: int) -> list[list[MicroBatchPlan]]:
+def plan_static_unpacked(
+    lengths: Sequence[int], dp_size: int, cp_size: int = 0
+) -> list[list[MicroBatchPlan]]:
     """Static CP, one sequence per micro-batch (the paper's DeepSpeed baseline)."""
     return [
-        [MicroBatchPlan((sid,), (DISTRIBUTED,)) for sid in ids]
+        [MicroBatchPlan((sid,), (DISTRIBUTED,), cp_size=cp_size) for sid in ids]
         for ids in data_order_ranks(len(lengths), dp_size)
     ]
 
@@ -128,7 +132,7 @@ def split_data_order(
             if take == 1:  # pragma: no cover - a single sequence always fits
                 raise AssertionError(f"sequence {group[0]} does not fit alone")
             take -= 1
-        plans.append(MicroBatchPlan(tuple(group), placement))
+        plans.append(MicroBatchPlan(tuple(group), placement, cp_size=costs.cp_size))
         pending = pending[take:]
     return plans
 

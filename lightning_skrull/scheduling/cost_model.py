@@ -18,7 +18,15 @@ The model is deliberately simple and explicit, so that every number can be check
   gets exactly the full-attention numbers.
 * **Communication.** A distributed sequence's K/V are all-gathered over the CP group in the
   forward and their gradients reduce-scattered in the backward: one collective per layer and
-  direction, each ``comm_latency_s`` plus bytes over ``comm_bandwidth``.
+  direction, each ``comm_latency_s`` plus bytes over ``comm_bandwidth``. A sequence sharded
+  over a block of ``d`` ranks (``CpBlock``) is exchanged over its block only: each block rank
+  receives ``(d - 1) / d`` of the block's K/V, one collective per layer, direction and block
+  size in use.
+* **Topology.** With ``ranks_per_node`` set, an exchange whose ranks sit on more than one node
+  (:func:`~lightning_skrull.scheduling.topology.spans_nodes`) pays ``inter_node_latency_s`` and
+  ``inter_node_bandwidth`` for all its bytes (a ring or tree all-gather over nodes runs at the
+  pace of its slowest hop); one inside a node pays ``comm_latency_s`` and ``comm_bandwidth``.
+  ``ranks_per_node=None`` prices every exchange at the node's constants.
 * **Overhead.** A fixed ``micro_batch_overhead_s`` per micro-batch (launches, accumulation
   bookkeeping, data movement that does not scale with tokens), and a fixed
   ``per_sequence_seconds`` for every sequence a CP rank holds (a local sequence, or its chunks
@@ -40,6 +48,14 @@ runs while group ``g``'s distributed attention computes. With groups ``1..G`` of
 ``j`` becomes ``max(local_attention(j) + D, K)`` with ``D = sum(d)`` and
 ``K = max over g of (c_1 + ... + c_g) + (d_g + ... + d_G)`` (:func:`kv_pipeline_span`), the
 longest path of a two-stage pipeline; one group gives back the formula above.
+
+Blocks (a simple rule, :func:`block_rank_times`): every exchange of rank ``j`` (its blocks',
+one per block size, then the whole group's) runs on one communication stream, started before
+the local attention; rank ``j``'s blocks join the first K/V group. With ``B_j`` and ``b_j``
+the exchange and the attention of rank ``j``'s block sequences, the attention part is
+``max(local_attention(j), B_j + c_1) + b_j + D`` with one group, and the pipeline over
+``(B_j + c_1, c_2, ..)`` and ``(b_j + d_1, d_2, ..)`` with more. The linear work of a block
+sequence (``length / d`` tokens and the per-sequence cost) falls on its block's ranks only.
 """
 
 from __future__ import annotations
@@ -49,7 +65,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.plan import DISTRIBUTED, CpBlock, MicroBatchPlan
 from lightning_skrull.scheduling.shapes import QWEN2_5_0_5B, ModelShape
 from lightning_skrull.scheduling.tiles import (
     causal_tiles,
@@ -57,6 +73,7 @@ from lightning_skrull.scheduling.tiles import (
     zigzag_tiles,
     zigzag_window_tiles,
 )
+from lightning_skrull.scheduling.topology import check_ranks_per_node, spans_nodes
 
 
 def kv_pipeline_span(comm: Sequence[float], attention: Sequence[float]) -> tuple[float, int]:
@@ -87,6 +104,41 @@ def kv_pipeline_span(comm: Sequence[float], attention: Sequence[float]) -> tuple
     return best, arg
 
 
+def block_rank_times(
+    linear: Sequence[float],
+    attention: Sequence[float],
+    block_comm: Sequence[float],
+    block_attention: Sequence[float],
+    comm: Sequence[float],
+    dist_attention: Sequence[float],
+) -> list[float]:
+    """Seconds of every CP rank of a micro-batch with blocks, without the overhead and the
+    whole-group sequences' linear work (module docstring's rule for blocks).
+
+    Args:
+        linear: per rank, the linear work of its local and block sequences.
+        attention: per rank, the attention of its local sequences.
+        block_comm: per rank, the exchange seconds of its blocks (all block sizes).
+        block_attention: per rank, the attention of its block sequences.
+        comm: per K/V group of the whole-group sequences, its exchange seconds.
+        dist_attention: per K/V group, its distributed attention seconds.
+    """
+    total = sum(dist_attention)
+    if len(comm) <= 1:
+        first = comm[0] if comm else 0.0
+        return [
+            lin + max(b + first, a) + ba + total
+            for lin, a, b, ba in zip(linear, attention, block_comm, block_attention, strict=True)
+        ]
+    out = []
+    for lin, a, b, ba in zip(linear, attention, block_comm, block_attention, strict=True):
+        span, _ = kv_pipeline_span(
+            [b + comm[0], *comm[1:]], [ba + dist_attention[0], *dist_attention[1:]]
+        )
+        out.append(lin + max(a + ba + total, span))
+    return out
+
+
 @dataclass(frozen=True, kw_only=True)
 class CostModel:
     """Estimated seconds of micro-batches on one CP group. Every constant can be set or fitted.
@@ -107,6 +159,18 @@ class CostModel:
         tile_size: block size of the attention kernel, in tokens (128 for flash-attention on
             H100); 1 means exact pair counts.
         train_flops_factor: training FLOPs over forward FLOPs (forward + backward = 3x).
+        ranks_per_node: GPUs of one node, to price exchanges that cross nodes (see the module
+            docstring); ``None`` (default): the whole CP group shares one node's links. The
+            strategies fill it in from the launch unless it is set here.
+        inter_node_bandwidth: bytes per second one rank receives in an all-gather whose ranks
+            span nodes. Default 30 GB/s: InfiniBand NDR at 400 Gb/s per GPU is 50 GB/s peak,
+            and NCCL's all-gather over two or more such nodes reaches about 25-40 GB/s of bus
+            bandwidth at the megabyte messages of one layer's K/V (nccl-tests on DGX H100-class
+            nodes); 30 GB/s sits in that range, nearer its low end.
+        inter_node_latency_s: fixed seconds of one collective whose ranks span nodes. Default
+            20 us: a small-message all-gather across an InfiniBand switch takes about 10-20 us
+            more than inside a node (NIC, switch hop and NCCL's proxy thread); this is the top
+            of that range.
     """
 
     shape: ModelShape = QWEN2_5_0_5B
@@ -118,6 +182,9 @@ class CostModel:
     bytes_per_element: int = 2
     tile_size: int = 128
     train_flops_factor: float = 3.0
+    ranks_per_node: int | None = None
+    inter_node_bandwidth: float = 30e9
+    inter_node_latency_s: float = 20e-6
 
     def __post_init__(self) -> None:
         if not isinstance(self.shape, ModelShape):
@@ -125,14 +192,25 @@ class CostModel:
                 f"CostModel.shape must be a ModelShape, got {type(self.shape).__name__}; "
                 "build it with CostModel.from_hf_config(config)."
             )
-        positive = ("achieved_flops", "comm_bandwidth", "train_flops_factor")
+        positive = (
+            "achieved_flops",
+            "comm_bandwidth",
+            "train_flops_factor",
+            "inter_node_bandwidth",
+        )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or math.isinf(value):
                 raise ValueError(
                     f"CostModel.{name}={value!r} is invalid; give a finite number > 0."
                 )
-        for name in ("micro_batch_overhead_s", "per_sequence_seconds", "comm_latency_s"):
+        check_ranks_per_node(self.ranks_per_node)
+        for name in (
+            "micro_batch_overhead_s",
+            "per_sequence_seconds",
+            "comm_latency_s",
+            "inter_node_latency_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
                 raise ValueError(
@@ -251,18 +329,34 @@ class CostModel:
         """Collectives per micro-batch with at least one distributed sequence."""
         return 0 if cp_size == 1 else 2 * self.shape.num_layers
 
-    def comm_seconds(self, distributed_tokens: int, cp_size: int) -> float:
-        """Seconds of the K/V communication of a micro-batch (0 with nothing distributed)."""
-        if distributed_tokens == 0 or cp_size == 1:
+    def link(self, cp_ranks: range, cp_size: int) -> tuple[float, float]:
+        """``(latency_s, bandwidth)`` of an exchange over ``cp_ranks`` of a CP group of
+        ``cp_size``: the inter-node constants when those ranks span nodes, else the node's."""
+        if spans_nodes(cp_ranks, cp_size=cp_size, ranks_per_node=self.ranks_per_node):
+            return self.inter_node_latency_s, self.inter_node_bandwidth
+        return self.comm_latency_s, self.comm_bandwidth
+
+    def exchange_seconds(self, tokens: int, cp_ranks: range, cp_size: int) -> float:
+        """Seconds of the K/V exchange of sequences of ``tokens`` whole tokens sharded over
+        ``cp_ranks`` (a block, or the whole group) of a CP group of ``cp_size``: its
+        collectives' latency plus the bytes one of its ranks receives over the link's
+        bandwidth (0 with no tokens or one rank)."""
+        d = len(cp_ranks)
+        if tokens == 0 or d == 1:
             return 0.0
-        return (
-            self.num_collectives(cp_size) * self.comm_latency_s
-            + self.comm_bytes(distributed_tokens, cp_size) / self.comm_bandwidth
-        )
+        latency, bandwidth = self.link(cp_ranks, cp_size)
+        return self.num_collectives(d) * latency + self.comm_bytes(tokens, d) / bandwidth
+
+    def comm_seconds(self, distributed_tokens: int, cp_size: int) -> float:
+        """Seconds of the K/V communication of a micro-batch's whole-group sequences (0 with
+        nothing distributed)."""
+        return self.exchange_seconds(distributed_tokens, range(cp_size), cp_size)
 
     # ----------------------------------------------------------------- micro-batch time
     def rank_seconds(self, mb: MicroBatchPlan, lengths: Sequence[int], cp_size: int) -> list[float]:
         """Estimated seconds of every CP rank of one micro-batch (overhead included)."""
+        if mb.block_sizes():
+            return self._block_rank_seconds(mb, lengths, cp_size)
         linear = [0.0] * cp_size
         attn = [0.0] * cp_size
         dist: list[int] = []
@@ -295,3 +389,42 @@ class CostModel:
     ) -> float:
         """Estimated seconds of one micro-batch: its slowest CP rank."""
         return max(self.rank_seconds(mb, lengths, cp_size))
+
+    def _block_rank_seconds(
+        self, mb: MicroBatchPlan, lengths: Sequence[int], cp_size: int
+    ) -> list[float]:
+        """:meth:`rank_seconds` of a micro-batch with blocks (:func:`block_rank_times`)."""
+        linear, attn = [0.0] * cp_size, [0.0] * cp_size
+        block_attn = [0.0] * cp_size
+        block_tokens: dict[CpBlock, int] = {}
+        dist: list[int] = []
+        per_sequence = self.per_sequence_seconds
+        for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
+            s = lengths[sid]
+            if isinstance(where, CpBlock):
+                block_tokens[where] = block_tokens.get(where, 0) + s
+                lin = self.linear_seconds(s / where.size) + per_sequence
+                att = self.distributed_attention_seconds(s, where.size)
+                for j in where.ranks:
+                    linear[j] += lin
+                    block_attn[j] += att
+            elif where == DISTRIBUTED:
+                dist.append(s)
+            else:
+                linear[where] += self.linear_seconds(s) + per_sequence
+                attn[where] += self.local_attention_seconds(s)
+        block_comm = [0.0] * cp_size
+        for block, tokens in block_tokens.items():
+            seconds = self.exchange_seconds(tokens, block.ranks, cp_size)
+            for j in block.ranks:
+                block_comm[j] += seconds
+        ranges = mb.kv_group_ranges()
+        comm = [self.comm_seconds(sum(dist[a:b]), cp_size) for a, b in ranges]
+        dist_attn = [
+            sum(self.distributed_attention_seconds(s, cp_size) for s in dist[a:b])
+            for a, b in ranges
+        ]
+        base = self.micro_batch_overhead_s + self.linear_seconds(sum(dist) / cp_size)
+        base += per_sequence * len(dist)
+        times = block_rank_times(linear, attn, block_comm, block_attn, comm, dist_attn)
+        return [base + t for t in times]

@@ -25,6 +25,8 @@ Steps, for a micro-batch of sequences and a CP group of ``N`` ranks with ``C`` t
    one after it, paying their communication; kept if faster, then step 3.
 5. The same with the paper's rule in step 2 (shard only when memory forces it), kept if
    faster; skipped or abandoned when it cannot win (see :func:`place_micro_batch`).
+6. With ``PlannerOptions.dacp_blocks``: the sequences may also go to aligned blocks of the
+   CP group (:mod:`~lightning_skrull.scheduling.dacp_blocks`), kept if faster.
 
 The greedy pass of step 2 (and of the paper's Algorithm 1) and the corrected roll-back are
 :mod:`~lightning_skrull.scheduling.dacp_greedy`'s; steps 3 and 4 are
@@ -37,6 +39,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from lightning_skrull.scheduling.dacp_blocks import place_blocks
 from lightning_skrull.scheduling.dacp_greedy import CpGroupState, greedy, tail_seconds
 from lightning_skrull.scheduling.dacp_refinements import (
     improve,
@@ -45,6 +48,7 @@ from lightning_skrull.scheduling.dacp_refinements import (
     split_longest,
 )
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
+from lightning_skrull.scheduling.plan import Placement
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
 
 
@@ -53,7 +57,7 @@ def place_micro_batch(
     costs: SequenceCosts,
     bucket_size: int,
     options: PlannerOptions = DEFAULT_OPTIONS,
-) -> tuple[int, ...] | None:
+) -> tuple[Placement, ...] | None:
     """Place one micro-batch with cost-aware DACP.
 
     Args:
@@ -65,6 +69,23 @@ def place_micro_batch(
     Returns:
         One placement per id (same order), or ``None`` when the micro-batch cannot fit.
     """
+    placement = _place_whole(ids, costs, bucket_size, options)
+    if placement is None or not options.dacp_blocks:
+        return placement
+    return place_blocks(
+        ids,
+        placement,
+        costs,
+        bucket_size,
+        kv_groups=options.kv_groups,
+        min_gain=options.blocks_min_gain,
+    )
+
+
+def _place_whole(
+    ids: Sequence[int], costs: SequenceCosts, bucket_size: int, options: PlannerOptions
+) -> tuple[int, ...] | None:
+    """Steps 1-5 (module docstring): every sequence local or on the whole group."""
     if costs.cp_size == 1:  # one rank: nothing to shard, everything is local
         fits = sum(costs.lengths[i] for i in ids) <= bucket_size
         return (0,) * len(ids) if fits else None

@@ -56,11 +56,11 @@ from collections.abc import Callable, Sequence
 from lightning_skrull.scheduling.dacp import estimate_micro_batch
 from lightning_skrull.scheduling.kv_groups import choose_kv_groups, one_group
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
-from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan, Placement
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts, ascending, descending
 from lightning_skrull.scheduling.simulate import micro_batch_terms
 
-Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[int, ...] | None"]
+Placer = Callable[[Sequence[int], SequenceCosts, int], "tuple[Placement, ...] | None"]
 
 
 def balance_dp(ids: Sequence[int], dp_size: int, costs: SequenceCosts) -> list[list[int]]:
@@ -207,7 +207,7 @@ def _place_all(
         placement = place(group, costs, bucket_size)
         if placement is None:
             return None
-        plans.append(MicroBatchPlan(tuple(group), placement))
+        plans.append(MicroBatchPlan(tuple(group), placement, cp_size=costs.cp_size))
     return plans
 
 
@@ -260,7 +260,8 @@ def rows_if_faster(
     # A few operations per sequence (the exact time of the micro-batches took a tenth of the
     # planning budget at DP=64 x CP=16): the fullest micro-batch's tokens, then its communication
     # against the least it can take (overhead, communication and distributed compute), which
-    # bounds its exposed communication's share from above.
+    # bounds its exposed communication's share from above (the whole group's exchange; block
+    # sequences, which exchange over their blocks only, are left out).
     tokens = [sum(map(lengths.__getitem__, mb.sequence_ids)) for mb in plans]
     if not tokens or max(tokens) < options.rows_min_fill * n * bucket_size:
         return plans

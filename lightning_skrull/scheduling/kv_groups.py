@@ -12,7 +12,10 @@ are not always faster.
 :func:`choose_kv_groups` picks, for the distributed sequences in plan order, the contiguous
 groups with the least estimated micro-batch time, and among those the fewest groups (at most
 :data:`MAX_KV_GROUPS`). It changes no placement; a micro-batch keeps one group unless that
-makes it slower.
+makes it slower. Sequences on blocks (``CpBlock``) are in no K/V group: their per-rank work
+and exchange only change what the groups can hide, so a micro-batch with blocks keeps the
+chosen groups only where its time (:func:`~lightning_skrull.scheduling.simulate.
+micro_batch_terms`) is lower than with one group.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED, MicroBatchPlan
+from lightning_skrull.scheduling.plan import DISTRIBUTED, CpBlock, MicroBatchPlan
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.simulate import micro_batch_terms
 
 MAX_KV_GROUPS = 8
 """Most K/V groups of one micro-batch: each adds two collectives per layer."""
@@ -82,6 +86,20 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
     """
     if costs.cp_size == 1 or costs.comm_per_token == 0.0:
         return one_group(mb)
+    chosen = _choose(mb, costs)
+    if chosen.kv_groups and mb.block_sizes():
+        single = one_group(mb)
+        model = costs.cost_model
+        if (
+            micro_batch_terms(single, costs, model).seconds
+            <= micro_batch_terms(chosen, costs, model).seconds
+        ):
+            return single
+    return chosen
+
+
+def _choose(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan:
+    """:func:`choose_kv_groups` over the local and whole-group sequences."""
     n = costs.cp_size
     linear_t, attention_t = costs.linear_table, costs.local_attention_table
     dist: list[int] = []
@@ -90,6 +108,8 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
     for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
         if where == DISTRIBUTED:
             dist.append(sid)
+            continue
+        if isinstance(where, CpBlock):
             continue
         if not linear:
             linear, attn = [0.0] * n, [0.0] * n
@@ -134,11 +154,11 @@ def choose_kv_groups(mb: MicroBatchPlan, costs: SequenceCosts) -> MicroBatchPlan
     if len(best) == 1 or hi > one * (1 - SPAN_TOLERANCE):
         return one_group(mb)
     counts = tuple(end - start for start, end in zip([0, *best], best, strict=False))
-    return MicroBatchPlan(mb.sequence_ids, mb.placement, counts)
+    return MicroBatchPlan(mb.sequence_ids, mb.placement, counts, cp_size=mb.cp_size)
 
 
 def one_group(mb: MicroBatchPlan) -> MicroBatchPlan:
     """``mb`` with one K/V group (``kv_groups=()``)."""
     if not mb.kv_groups:
         return mb
-    return MicroBatchPlan(mb.sequence_ids, mb.placement)
+    return MicroBatchPlan(mb.sequence_ids, mb.placement, cp_size=mb.cp_size)

@@ -10,9 +10,10 @@ from dataclasses import dataclass
 class PlannerOptions:
     """Which steps beyond the paper's Algorithms 1 and 2 the planner runs (docs/scheduling.md).
 
-    The default runs every step; :meth:`paper` switches them all off, leaving the paper's GDS
+    The default runs every step but :attr:`dacp_blocks` (off until the attention and the
+    runtime run block plans); :meth:`paper` switches them all off, leaving the paper's GDS
     (LPT over DP ranks, strided micro-batches) and its DACP (Algorithm 1 with the corrected
-    roll-back). The flags are independent: each can be switched off alone.
+    roll-back). The flags are independent: each can be switched off (or on) alone.
     """
 
     dacp_cost_aware: bool = True
@@ -32,6 +33,16 @@ class PlannerOptions:
     split_waste_share: float = 0.1
     """... or when the sequences the greedy sharded by choice waste at least this share of it
     (tile waste and communication)."""
+
+    dacp_blocks: bool = False
+    """DACP step 6: shard a sequence over the smallest aligned block of the CP group that
+    serves it (a ``CpBlock``) where the estimate says so, inside a node where it can
+    (:mod:`~lightning_skrull.scheduling.dacp_blocks`). Off by default for now: with it off
+    the plans hold no blocks."""
+
+    blocks_min_gain: float = 0.05
+    """Step 6 runs only where the micro-batch's estimate is at least this share above its mean
+    rank's compute with every sequence whole (the most blocks could save)."""
 
     dacp_paper_rule: bool = True
     """DACP step 5: also try the longest-first greedy that shards only what memory forces."""
@@ -91,4 +102,5 @@ class PlannerOptions:
 
 
 DEFAULT_OPTIONS = PlannerOptions()
-"""Every step on: what :func:`~lightning_skrull.scheduling.plan_global_batch` runs by default."""
+"""Every step on but ``dacp_blocks``: what
+:func:`~lightning_skrull.scheduling.plan_global_batch` runs by default."""

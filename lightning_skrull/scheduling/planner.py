@@ -18,6 +18,7 @@ from lightning_skrull.scheduling.gds import plan_gds, with_kv_groups
 from lightning_skrull.scheduling.options import DEFAULT_OPTIONS, PlannerOptions
 from lightning_skrull.scheduling.plan import POLICIES, GlobalBatchPlan, MicroBatchPlan, Policy
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.topology import check_topology
 
 DEFAULT_COST_MODEL = CostModel()
 """Cost model used when none is given: Qwen2.5-0.5B shape, H100-class constants."""
@@ -99,7 +100,8 @@ def plan_global_batch(
         dp_size: data-parallel ranks.
         cp_size: ranks of one context-parallel group.
         bucket_size: tokens one CP rank may hold in one micro-batch; a local sequence costs its
-            rank its length, a distributed one ``ceil(length / cp_size)`` on every rank.
+            rank its length, a distributed one ``ceil(length / cp_size)`` on every rank (on a
+            block of ``d`` ranks, ``ceil(length / d)`` on each of them).
         cost_model: time estimate the cost-aware policies optimise; default
             :data:`DEFAULT_COST_MODEL`. Build one with ``CostModel.from_hf_config(config)``.
         policy: one of :data:`POLICIES`.
@@ -113,8 +115,9 @@ def plan_global_batch(
     Raises:
         TypeError: for a non-int size or length, or a cost model or options of the wrong type.
         ValueError: for a size below 1, a length below 1, a sequence longer than
-            ``cp_size * bucket_size`` (naming its index, length and the capacity), or an
-            unknown policy.
+            ``cp_size * bucket_size`` (naming its index, length and the capacity), an
+            unknown policy, or a cost model whose ``ranks_per_node`` does not fit the layout
+            (:func:`~lightning_skrull.scheduling.topology.check_topology`).
     """
     dp_size = _check_size("dp_size", dp_size)
     cp_size = _check_size("cp_size", cp_size)
@@ -128,6 +131,7 @@ def plan_global_batch(
             f"cost_model must be a CostModel or None, got {type(cost_model).__name__}; "
             "build one with CostModel.from_hf_config(config)."
         )
+    check_topology(cost_model.ranks_per_node, dp_size=dp_size, cp_size=cp_size)
     options = _check_options(options)
     checked = validate_lengths(lengths, cp_size, bucket_size)
     n = len(checked)

@@ -50,9 +50,10 @@ class SequenceCosts:
         self.cp_size = cp_size
         self.cost_model = cost_model
         self._linear_per_token = cost_model.linear_seconds(1)
-        self.comm_fixed = cost_model.num_collectives(cp_size) * cost_model.comm_latency_s
+        latency, bandwidth = cost_model.link(range(cp_size), cp_size)
+        self.comm_fixed = cost_model.num_collectives(cp_size) * latency
         """Seconds of the collectives' latency, paid once any sequence is distributed."""
-        self.comm_per_token = cost_model.comm_bytes(1, cp_size) / cost_model.comm_bandwidth
+        self.comm_per_token = cost_model.comm_bytes(1, cp_size) / bandwidth
         """Seconds per whole token of the distributed sequences: :meth:`comm` is
         ``comm_fixed + comm_per_token * tokens`` (0 without distributed tokens or with one rank)."""
         self._seconds_per_pair = cost_model.attention_pair_seconds()
@@ -85,9 +86,12 @@ class SequenceCosts:
         self._dist_attn: list[float | None] = [None] * len(lengths)
         # Distributed attention seconds per zigzag block on one rank, and linear per rank-token:
         # the same products CostModel.distributed_seconds forms, in the same order.
+        self._per_block, self._window_block = per_block, window_block
         self._dist_block = per_block / cp_size
         self._dist_window_block = window_block / cp_size
         self._dist_linear = lin / cp_size
+        self._at: dict[tuple[int, int], tuple[float, float]] = {}  # (sid, d) -> block costs
+        self._links: dict[tuple[int, int], tuple[float, float]] = {}  # (start, d) -> exchange
 
     def linear(self, sid: int) -> float:
         """Seconds of the sequence's non-attention matmuls (all ranks together), plus its fixed
@@ -189,3 +193,55 @@ class SequenceCosts:
         if distributed_tokens == 0 or self.cp_size == 1:
             return 0.0
         return self.comm_fixed + self.comm_per_token * distributed_tokens
+
+    # ------------------------------------------------------------------ blocks (CpBlock)
+    def shard_at(self, sid: int, size: int) -> int:
+        """Tokens the sequence takes on every rank of a block of ``size`` ranks (the ceiling)."""
+        return -(-self.lengths[sid] // size)
+
+    def block_costs(self, sid: int, size: int) -> tuple[float, float]:
+        """``(linear, attention)`` seconds of the sequence on each rank of a block of ``size``
+        ranks (``size == cp_size``: the whole group); the linear part holds the fixed
+        per-sequence cost."""
+        key = (sid, size)
+        found = self._at.get(key)
+        if found is None:
+            if size == self.cp_size:
+                att = self.distributed_attention(sid)
+                found = (self.distributed(sid) - att, att)
+            else:
+                found = self._block_costs(self.lengths[sid], size)
+            self._at[key] = found
+        return found
+
+    def _block_costs(self, s: int, size: int) -> tuple[float, float]:
+        t = self.cost_model.tile_size
+        attention = zigzag_tiles(s, size, t) * (self._per_block / size)
+        if self._window:
+            windowed = zigzag_window_tiles(s, size, t, self._window)
+            attention += windowed * (self._window_block / size)
+        return s * self._linear_per_token / size + self.per_sequence, attention
+
+    def exchange(self, tokens: int, start: int, size: int) -> float:
+        """Seconds of the K/V exchange of a block of ``size`` ranks from ``start`` holding
+        sequences of ``tokens`` whole tokens (its links by
+        :meth:`~lightning_skrull.scheduling.cost_model.CostModel.link`)."""
+        if tokens == 0:
+            return 0.0
+        fixed, per_token = self.exchange_constants(start, size)
+        return fixed + per_token * tokens
+
+    def exchange_constants(self, start: int, size: int) -> tuple[float, float]:
+        """``(fixed, per_token)`` seconds of a block's exchange: :meth:`exchange` is
+        ``fixed + per_token * tokens``."""
+        key = (start, size)
+        found = self._links.get(key)
+        if found is None:
+            model = self.cost_model
+            latency, bandwidth = model.link(range(start, start + size), self.cp_size)
+            found = (
+                model.num_collectives(size) * latency,
+                model.comm_bytes(1, size) / bandwidth,
+            )
+            self._links[key] = found
+        return found

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from lightning_skrull.scheduling.cost_model import CostModel, kv_pipeline_span
-from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling.bound_blocks import block_relaxation
+from lightning_skrull.scheduling.cost_model import CostModel, block_rank_times, kv_pipeline_span
+from lightning_skrull.scheduling.plan import (
+    DISTRIBUTED,
+    CpBlock,
+    GlobalBatchPlan,
+    MicroBatchPlan,
+    block_sizes_of,
+)
 from lightning_skrull.scheduling.sequence_costs import SequenceCosts
+from lightning_skrull.scheduling.topology import check_topology
 
 
 def _check_plan(plan: GlobalBatchPlan, lengths: Sequence[int]) -> None:
@@ -55,8 +63,12 @@ def micro_batch_terms(
 
     Communication counts as exposed when it is at least the attention that could hide it
     (ties included, so that a micro-batch with nothing to hide it behind exposes it even when
-    the model thinks it free: a fit can then see what it really costs).
+    the model thinks it free: a fit can then see what it really costs). A micro-batch with
+    blocks is timed by :func:`~lightning_skrull.scheduling.cost_model.block_rank_times`
+    (:func:`block_terms`).
     """
+    if mb.block_sizes():
+        return block_terms(mb, costs, cost_model)
     n = costs.cp_size
     linear = [0.0] * n
     attn = [0.0] * n
@@ -104,11 +116,61 @@ def micro_batch_terms(
     return MicroBatchTerms(seconds, compute, 0, 0, dist_tokens, held)
 
 
+def block_terms(mb: MicroBatchPlan, costs: SequenceCosts, cost_model: CostModel) -> MicroBatchTerms:
+    """:func:`micro_batch_terms` of a micro-batch with blocks. Its seconds are exact under the
+    model; where the exchange is exposed on the slowest rank, the exposed collectives and
+    tokens count the whole group's and that rank's blocks' together (one figure, though
+    blocks inside a node and across nodes differ in link constants)."""
+    n, lengths = costs.cp_size, costs.lengths
+    linear, attn, block_attn, count = [0.0] * n, [0.0] * n, [0.0] * n, [0] * n
+    block_tokens: dict[CpBlock, int] = {}
+    dist: list[int] = []
+    for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
+        if isinstance(where, CpBlock):
+            block_tokens[where] = block_tokens.get(where, 0) + lengths[sid]
+            lin, att = costs.block_costs(sid, where.size)
+            for j in where.ranks:
+                linear[j] += lin
+                block_attn[j] += att
+                count[j] += 1
+        elif where == DISTRIBUTED:
+            dist.append(sid)
+        else:
+            linear[where] += costs.linear(sid)
+            attn[where] += costs.local_attention(sid)
+            count[where] += 1
+    block_comm, block_held = [0.0] * n, [0] * n
+    for block, tokens in block_tokens.items():
+        seconds = costs.exchange(tokens, block.start, block.size)
+        for j in block.ranks:
+            block_comm[j] += seconds
+            block_held[j] += tokens
+    ranges = mb.kv_group_ranges()
+    tokens = [sum(lengths[sid] for sid in dist[a:b]) for a, b in ranges]
+    att = [sum(costs.distributed_attention(sid) for sid in dist[a:b]) for a, b in ranges]
+    dist_compute = sum(costs.distributed(sid) for sid in dist)
+    comm = [costs.comm(t) for t in tokens]
+    times = block_rank_times(linear, attn, block_comm, block_attn, comm, att)
+    j = max(range(n), key=times.__getitem__)
+    seconds = cost_model.micro_batch_overhead_s + times[j] + (dist_compute - sum(att))
+    held = count[j] + len(dist)
+    dist_tokens = sum(tokens)
+    first = block_comm[j] + (comm[0] if comm else 0.0)
+    compute = linear[j] + dist_compute + block_attn[j] - costs.per_sequence * held
+    if (block_comm[j] or comm) and first >= attn[j]:
+        collectives = cost_model.num_collectives(n) * (1 if dist else 0)
+        collectives += cost_model.num_collectives(2) * len(mb.block_sizes())
+        exposed = block_held[j] + (tokens[0] if tokens else 0)
+        return MicroBatchTerms(seconds, compute, collectives, exposed, dist_tokens, held)
+    return MicroBatchTerms(seconds, compute + attn[j], 0, 0, dist_tokens, held)
+
+
 def dp_rank_seconds(
     plan: GlobalBatchPlan, lengths: Sequence[int], cost_model: CostModel
 ) -> list[float]:
     """Estimated seconds of every DP rank: the sum of its micro-batch times."""
     _check_plan(plan, lengths)
+    check_topology(cost_model.ranks_per_node, dp_size=plan.dp_size, cp_size=plan.cp_size)
     costs = SequenceCosts(lengths, plan.cp_size, cost_model)
     return [
         sum(micro_batch_terms(mb, costs, cost_model).seconds for mb in mbs)
@@ -137,7 +199,13 @@ def simulate(plan: GlobalBatchPlan, lengths: Sequence[int], cost_model: CostMode
 
 
 def lower_bound(
-    lengths: Sequence[int], *, dp_size: int, cp_size: int, bucket_size: int, cost_model: CostModel
+    lengths: Sequence[int],
+    *,
+    dp_size: int,
+    cp_size: int,
+    bucket_size: int,
+    cost_model: CostModel,
+    blocks: bool = False,
 ) -> float:
     """Seconds no plan can beat under ``cost_model`` (for any policy).
 
@@ -180,14 +248,36 @@ def lower_bound(
         cp_size: ranks of one CP group.
         bucket_size: tokens per CP rank per micro-batch.
         cost_model: the estimate.
+        blocks: bound plans that shard sequences over blocks of the CP group too
+            (``PlannerOptions.dacp_blocks``; the relaxation of
+            :mod:`~lightning_skrull.scheduling.bound_blocks`). Without it the bound holds for
+            plans without blocks.
 
     Returns:
         The bound in seconds (0.0 for an empty batch).
     """
     if not lengths:
         return 0.0
+    check_topology(cost_model.ranks_per_node, dp_size=dp_size, cp_size=cp_size)
     costs = SequenceCosts(lengths, cp_size, cost_model)
-    overhead = cost_model.micro_batch_overhead_s
+    relax = block_relaxation if blocks and block_sizes_of(cp_size) else _relaxation
+    return _least_time(lengths, costs, relax, dp_size, bucket_size)
+
+
+Relaxation = Callable[[Sequence[int], SequenceCosts, Sequence[bool], int, int, float], float]
+"""A relaxation of :func:`lower_bound` given which sequences are forced off one rank."""
+
+
+def _least_time(
+    lengths: Sequence[int],
+    costs: SequenceCosts,
+    relax: Relaxation,
+    dp_size: int,
+    bucket_size: int,
+) -> float:
+    """The least iteration time ``T`` at least ``relax`` with the sequences whose local time
+    exceeds ``T`` forced off one rank (:func:`lower_bound`'s third fact)."""
+    overhead = costs.cost_model.micro_batch_overhead_s
     # A sequence kept local makes its CP rank last at least overhead + its local time; an
     # iteration shorter than that must distribute it. Sequences over the bucket always are.
     limits = [
@@ -201,7 +291,7 @@ def lower_bound(
         lo = cuts[k - 1] if k > 0 else 0.0
         hi = cuts[k] if k < len(cuts) else math.inf
         forced = [x >= hi for x in limits]
-        return lo, hi, _relaxation(lengths, costs, forced, dp_size, bucket_size, overhead)
+        return lo, hi, relax(lengths, costs, forced, dp_size, bucket_size, overhead)
 
     # No plan lasts T < relaxation(forced at T); the relaxation only falls as T grows, so
     # the iteration times a plan could have form [T*, inf). Bisect for the first interval
