@@ -14,14 +14,17 @@ from lightning_skrull.scheduling.options import PlannerOptions
 from lightning_skrull.scheduling.plan import (
     DISTRIBUTED,
     POLICIES,
+    CpBlock,
     GlobalBatchPlan,
     MicroBatchPlan,
     Policy,
+    degree_shares,
     shard_tokens,
 )
 from lightning_skrull.scheduling.planner import DEFAULT_COST_MODEL, plan_global_batch
 from lightning_skrull.scheduling.shapes import ModelShape
 from lightning_skrull.scheduling.simulate import dp_rank_seconds, lower_bound, simulate
+from lightning_skrull.scheduling.topology import spans_nodes
 
 __all__ = [
     "DEFAULT_COST_MODEL",
@@ -29,6 +32,7 @@ __all__ = [
     "POLICIES",
     "CostModel",
     "CostModelSchedule",
+    "CpBlock",
     "FitSample",
     "GlobalBatchPlan",
     "MicroBatchPlan",
@@ -36,10 +40,12 @@ __all__ = [
     "OnlineCalibrator",
     "PlannerOptions",
     "Policy",
+    "degree_shares",
     "dp_rank_seconds",
     "fit_cost_model",
     "lower_bound",
     "plan_global_batch",
     "shard_tokens",
     "simulate",
+    "spans_nodes",
 ]

@@ -70,11 +70,13 @@ def check_block(block: CpBlock, cp_size: int, owner: str = "") -> None:
     Raises:
         ValueError: naming the block (prefixed by ``owner``), the rule and the fix.
     """
-    if cp_size and (cp_size % block.size or block.size >= cp_size):
+    if cp_size and (
+        cp_size % block.size or block.size >= cp_size or block.start + block.size > cp_size
+    ):
         raise ValueError(
             f"{owner}{block!r} does not fit a CP group of {cp_size}: a block's size must divide "
-            f"cp_size and be below it (allowed: {block_sizes_of(cp_size)}); use DISTRIBUTED "
-            "for the whole group."
+            f"cp_size and be below it (allowed: {block_sizes_of(cp_size)}), and the block must "
+            "end within the group; use DISTRIBUTED for the whole group."
         )
 
 
@@ -260,3 +262,20 @@ class GlobalBatchPlan:
             for mb in mbs:
                 h.update(repr((dp_rank, mb.sequence_ids, mb.placement, mb.kv_groups)).encode())
         return h.hexdigest()
+
+
+def degree_shares(plan: GlobalBatchPlan, lengths: Sequence[int]) -> dict[int, float]:
+    """Share of the plan's tokens at each sharding degree: ``1`` = kept whole on one rank, each
+    block size, and ``plan.cp_size`` = sharded over the whole group; ascending degrees, only
+    those in use (the values sum to 1; ``{}`` for a plan without tokens)."""
+    tokens: dict[int, int] = {}
+    for mbs in plan.micro_batches:
+        for mb in mbs:
+            for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
+                if isinstance(where, CpBlock):
+                    degree = where.size
+                else:
+                    degree = plan.cp_size if where == DISTRIBUTED else 1
+                tokens[degree] = tokens.get(degree, 0) + lengths[sid]
+    total = sum(tokens.values())
+    return {d: tokens[d] / total for d in sorted(tokens)} if total else {}
