@@ -19,6 +19,7 @@ Run::
     python -m benchmarks.simulate_paper --batches 5 --no-write
     python -m benchmarks.simulate_paper --ablation   # each step beyond the paper off alone
     python -m benchmarks.simulate_paper --calibration-steps 0   # without the calibration table
+    python -m benchmarks.simulate_paper --topology-only   # only the CP-block topology table
 
 It writes ``docs/simulate_paper.md`` (the tables and the command) and
 ``docs/img/simulate_paper.png`` (a chart; needs matplotlib).
@@ -38,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from benchmarks import calibration_sim
+from benchmarks import calibration_sim, topology_table
 from benchmarks.lengths import DATASETS, SHORTEST, Dataset, sample_lengths
 from lightning_skrull.scheduling import (
     POLICIES,
@@ -737,9 +738,21 @@ def main(argv: list[str] | None = None) -> int:
         default=24,
         help="steps of the online calibration table's closed loop (0: no table)",
     )
+    parser.add_argument(
+        "--topology-only", action="store_true", help="print only the CP-block topology table"
+    )
     args = parser.parse_args(argv)
     if args.ablation:
         print(ablation(args.batches, args.seed))
+        return 0
+    topology = topology_table.topology_section(
+        settings(),
+        lambda s, d: setting_batches(s, d, args.batches, args.seed),
+        args.batches,
+        args.seed,
+    )
+    if args.topology_only:
+        print("\n".join(topology))
         return 0
 
     cluster, paper = plan_timers(args.cluster_batches, args.batches, args.seed)
@@ -785,6 +798,7 @@ def main(argv: list[str] | None = None) -> int:
         runs=cluster.runs,
         calibration=calibration,
     )
+    report += "\n".join(topology) + "\n"
     print(report)
     if not args.no_write:
         command = "python -m benchmarks.simulate_paper"

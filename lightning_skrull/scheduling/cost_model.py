@@ -366,6 +366,7 @@ class CostModel:
             if where == DISTRIBUTED:
                 dist.append(s)
             else:
+                assert isinstance(where, int)  # blocks took the other path
                 linear[where] += self.linear_seconds(s) + per_sequence
                 attn[where] += self.local_attention_seconds(s)
         dist_tokens = sum(dist)

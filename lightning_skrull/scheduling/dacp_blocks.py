@@ -151,7 +151,8 @@ class BlockBuilder:
         local_value, rank, local_mean = self._best_local(sid, times, total, free, rest)
         if rank is not None and local_value <= max(prefix[n], local_mean) + self.wg_compute:
             return rank
-        best_value, best_where = self._whole_group(sid, rest), DISTRIBUTED
+        best_value = self._whole_group(sid, rest)
+        best_where: Placement = DISTRIBUTED
         found: list[tuple[float, Placement | None]] = [(local_value, rank)]
         for d in self.sizes:
             found.append(self._best_block(sid, d, times, total, prefix, suffix, free, rest))

@@ -80,6 +80,7 @@ def micro_batch_terms(
             dist.append(sid)
             dist_compute += costs.distributed(sid)
         else:
+            assert isinstance(where, int)  # blocks took block_terms
             linear[where] += costs.linear(sid)
             attn[where] += costs.local_attention(sid)
             count[where] += 1
@@ -128,10 +129,10 @@ def block_terms(mb: MicroBatchPlan, costs: SequenceCosts, cost_model: CostModel)
     for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
         if isinstance(where, CpBlock):
             block_tokens[where] = block_tokens.get(where, 0) + lengths[sid]
-            lin, att = costs.block_costs(sid, where.size)
+            lin, share = costs.block_costs(sid, where.size)
             for j in where.ranks:
                 linear[j] += lin
-                block_attn[j] += att
+                block_attn[j] += share
                 count[j] += 1
         elif where == DISTRIBUTED:
             dist.append(sid)
@@ -140,11 +141,11 @@ def block_terms(mb: MicroBatchPlan, costs: SequenceCosts, cost_model: CostModel)
             attn[where] += costs.local_attention(sid)
             count[where] += 1
     block_comm, block_held = [0.0] * n, [0] * n
-    for block, tokens in block_tokens.items():
-        seconds = costs.exchange(tokens, block.start, block.size)
+    for block, held in block_tokens.items():
+        seconds = costs.exchange(held, block.start, block.size)
         for j in block.ranks:
             block_comm[j] += seconds
-            block_held[j] += tokens
+            block_held[j] += held
     ranges = mb.kv_group_ranges()
     tokens = [sum(lengths[sid] for sid in dist[a:b]) for a, b in ranges]
     att = [sum(costs.distributed_attention(sid) for sid in dist[a:b]) for a, b in ranges]
