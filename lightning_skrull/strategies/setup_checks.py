@@ -51,7 +51,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 SUPPORTED_ACCELERATORS = ("cpu", "cuda")
-"""Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen on CUDA)."""
+"""Device types the strategies run on (SDPA attention on CPU, SDPA or FlashAttention varlen
+on CUDA)."""
 
 
 def accumulation_message(strategy: str, factor: int) -> str:
@@ -211,8 +212,8 @@ def refuse_meta_tensors(
 
 def refuse_image_tokens(hf_model: nn.Module | None, batch: Any) -> None:
     """Refuse a vision-language model's image token in a batch still on the host, once per
-    batch (:func:`~lightning_skrull.models.families.vision_language.refuse_image_token`): the model's
-    forward pre-hook reads no tensor values, so the check costs no device sync."""
+    batch (:func:`~lightning_skrull.models.families.vision_language.refuse_image_token`): the
+    model's forward pre-hook reads no tensor values, so the check costs no device sync."""
     if hf_model is None or not isinstance(batch, (SkrullBatch, RankBatch)):
         return  # a batch of another type is refused by the step itself
     rank_batch = batch.rank_batch if isinstance(batch, SkrullBatch) else batch
