@@ -37,9 +37,8 @@ import torch
 
 from benchmarks.gpu_check import default_json, median_seconds, write_json
 from benchmarks.lengths import dataset, sample_lengths
-from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout
+from lightning_skrull.attention import SkrullAttentionContext, build_rank_layout, sdpa_calls
 from lightning_skrull.attention import flash as flash_backend
-from lightning_skrull.attention import sdpa as sdpa_backend
 from lightning_skrull.attention.backends import flash_kernel
 from lightning_skrull.attention.sdpa import sdpa_attention
 from lightning_skrull.scheduling import DISTRIBUTED
@@ -65,13 +64,13 @@ def _kernel_choice(shipped: bool, kernel: Any) -> Iterator[None]:
     if shipped:
         yield
         return
-    restrict = sdpa_backend._restrict_kernels
-    sdpa_backend._restrict_kernels = lambda t: False  # type: ignore[assignment]
+    restrict = sdpa_calls._restrict_kernels
+    sdpa_calls._restrict_kernels = lambda t: False  # type: ignore[assignment]
     try:
         with sdpa_kernel([kernel]) if kernel is not None else contextlib.nullcontext():
             yield
     finally:
-        sdpa_backend._restrict_kernels = restrict
+        sdpa_calls._restrict_kernels = restrict
 
 
 def _time_layer(

@@ -1,7 +1,7 @@
 """What the chunked loss's memory buys the planner: the paper's settings with a larger bucket.
 
 The activation memory per token with the dense and the chunked loss comes from
-:func:`lightning_skrull.models.memory_estimate.activation_bytes_per_token` (bf16; it matches the
+:func:`benchmarks.memory_estimate.activation_bytes_per_token` (bf16; it matches the
 H200's measured 3.13 MiB/token for Qwen2.5-0.5B to 4%). With the same device and the same fixed
 memory (parameters, optimizer), the bucket grows by ``alpha_dense / alpha_chunked``: the paper's
 26K tokens per rank for Qwen2.5-0.5B and 13K for 7B (H100 80GB) become the buckets below.
@@ -27,7 +27,7 @@ import statistics
 
 import benchmarks.simulate_paper as sp
 from benchmarks.lengths import DATASETS
-from lightning_skrull.models.memory_estimate import activation_bytes_per_token
+from benchmarks.memory_estimate import activation_bytes_per_token
 from lightning_skrull.scheduling import CostModel, plan_global_batch, simulate
 
 

@@ -467,11 +467,11 @@ def check_chunked_loss(s: Settings, device: torch.device, deadline: float) -> di
     loss), the same AdamW; each line is probed at ``bucket_size="auto"``'s token counts, fitted
     with :func:`~lightning_skrull.runtime.memory.fit_memory_model` and turned into the bucket
     ``"auto"`` would choose; the analytical per-token estimate of
-    :mod:`lightning_skrull.models.memory_estimate` stands beside each fitted slope.
+    :mod:`benchmarks.memory_estimate` stands beside each fitted slope.
     """
+    from benchmarks.memory_estimate import activation_bytes_per_token
     from lightning_skrull.models import prepare_model
-    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
-    from lightning_skrull.models.memory_estimate import activation_bytes_per_token
+    from lightning_skrull.models.loss_kernels import resolve_loss_kernel
     from lightning_skrull.runtime.engine import train_step
     from lightning_skrull.runtime.memory import (
         AUTO_PROBE_TOKENS,
@@ -727,14 +727,14 @@ def check_fsdp(s: Settings, device: torch.device, deadline: float) -> dict[str, 
     memory, and the analytical estimate of what the rank holds."""
     import lightning.pytorch as pl
 
-    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
-    from lightning_skrull.attention import resolve_backend
-    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
-    from lightning_skrull.models.memory_estimate import (
+    from benchmarks.memory_estimate import (
         activation_bytes_per_token,
         model_state_bytes,
         parameter_count,
     )
+    from lightning_skrull import SkrullDataModule, SkrullFSDPStrategy
+    from lightning_skrull.attention import resolve_backend
+    from lightning_skrull.models.loss_kernels import resolve_loss_kernel
     from lightning_skrull.scheduling import CostModel
 
     cuda = device.type == "cuda"
@@ -902,7 +902,7 @@ def _bf16_loss_and_grads(
     kernel: str, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor
 ) -> tuple[float, torch.Tensor, torch.Tensor]:
     """Loss and gradients of float32 leaves under ``autocast(bfloat16)``, as ``bf16-mixed``."""
-    from lightning_skrull.models.chunked_loss import linear_cross_entropy
+    from lightning_skrull.models.loss_kernels import linear_cross_entropy
 
     h, w = hidden.detach().requires_grad_(), weight.detach().requires_grad_()
     with torch.autocast(hidden.device.type, dtype=torch.bfloat16):
@@ -969,7 +969,7 @@ def check_fused_kernels(
     """
     import torch.nn.functional as F
 
-    from lightning_skrull.models.chunked_loss import (
+    from lightning_skrull.models.loss_kernels import (
         FUSED_KERNEL_MODULES,
         installed_fused_kernels,
         linear_cross_entropy,
@@ -1196,7 +1196,7 @@ def _host_overhead(s: Settings, device: torch.device, deadline: float) -> dict[s
     from lightning_skrull.attention import resolve_backend
     from lightning_skrull.data.collate import collate_rank
     from lightning_skrull.models import prepare_model
-    from lightning_skrull.models.chunked_loss import resolve_loss_kernel
+    from lightning_skrull.models.loss_kernels import resolve_loss_kernel
     from lightning_skrull.runtime.engine import forward_backward
     from lightning_skrull.scheduling import GlobalBatchPlan, MicroBatchPlan
 

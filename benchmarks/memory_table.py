@@ -1,13 +1,13 @@
 """Memory per GPU by model size and strategy, from the analytical model (docs/strategies.md).
 
 For Qwen2.5-7B, 14B, 32B and 72B and the Mixture-of-Experts Qwen3-30B-A3B and Mixtral-8x7B
-(:data:`~lightning_skrull.models.memory_estimate.LARGE_MODELS`, the values of their published
+(:data:`~benchmarks.memory_estimate.LARGE_MODELS`, the values of their published
 ``config.json``) under DDP, ZeRO-2, FSDP2 sharded over the CP group and FSDP2 sharded over the
 world, on 80 GB and 141 GB GPUs: the model states one GPU holds
-(:func:`lightning_skrull.models.memory_estimate.model_state_bytes`: parameters, gradients, AdamW
+(:func:`benchmarks.memory_estimate.model_state_bytes`: parameters, gradients, AdamW
 states, the strategy's working copies) and the largest ``bucket_size`` that fits next to them
 with 10% of the device kept free, without and with activation checkpointing
-(:func:`~lightning_skrull.models.memory_estimate.largest_bucket`, the chunked loss in bf16).
+(:func:`~benchmarks.memory_estimate.largest_bucket`, the chunked loss in bf16).
 Nothing runs on a device: it prints a Markdown table.
 
 Run::
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 
-from lightning_skrull.models.memory_estimate import (
+from benchmarks.memory_estimate import (
     LARGE_MODELS,
     MEMORY_STRATEGIES,
     MemoryStrategy,

@@ -53,7 +53,7 @@ cells = [
     nbf.v4.new_code_cell(
         "import lightning.pytorch as L\n"
         "from lightning_skrull import SkrullDataModule, SkrullStrategy\n"
-        "from lightning_skrull.cli import SkrullCausalLM\n"
+        "from lightning_skrull.causal_lm import SkrullCausalLM\n"
         "\n"
         "L.seed_everything(0)\n"
         "model = SkrullCausalLM(\n"

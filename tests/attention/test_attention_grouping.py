@@ -23,6 +23,7 @@ from lightning_skrull.attention import (
     pack,
     register_skrull_attention,
     sdpa_attention,
+    sdpa_calls,
     unpack,
 )
 from lightning_skrull.attention import sdpa as sdpa_backend
@@ -203,7 +204,7 @@ def test_sdpa_calls_per_layer_for_64_tiny_sequences(
         calls.append(kwargs.get("attn_mask") is not None)
         return real_sdpa(*args, **kwargs)
 
-    monkeypatch.setattr(sdpa_backend.F, "scaled_dot_product_attention", counting)
+    monkeypatch.setattr(sdpa_calls.F, "scaled_dot_product_attention", counting)
     model.set_attn_implementation("skrull")
     with attention_context(ctx):
         logits = model(input_ids=input_ids, position_ids=torch.tensor([ctx.layout.position_ids]))

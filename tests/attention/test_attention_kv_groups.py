@@ -29,6 +29,7 @@ from lightning_skrull.attention import (
     distributed_kv_bytes,
     pack,
     schedule,
+    sdpa_calls,
     skrull_attention_forward,
     unpack,
 )
@@ -285,7 +286,7 @@ def _varlen_via_sdpa(
     assert max_seqlen_q >= max(b - a for a, b in itertools.pairwise(cu_q))
     assert max_seqlen_k >= max(b - a for a, b in itertools.pairwise(cu_k))
     outs = [
-        sdpa_backend.causal_lower_right_attention(q[a:b], k[c:d], v[c:d], scale=softmax_scale)
+        sdpa_calls.causal_lower_right_attention(q[a:b], k[c:d], v[c:d], scale=softmax_scale)
         for (a, b), (c, d) in zip(itertools.pairwise(cu_q), itertools.pairwise(cu_k), strict=True)
     ]
     return torch.cat(outs)

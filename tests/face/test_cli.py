@@ -15,14 +15,8 @@ import yaml
 from helpers import built_cli
 
 from lightning_skrull import SkrullDataModule
-from lightning_skrull.cli import (
-    TINY_CPU_TRAINER,
-    TINY_QWEN2_5,
-    SkrullCausalLM,
-    SkrullCLI,
-    TokenPerplexity,
-    main,
-)
+from lightning_skrull.causal_lm import SkrullCausalLM, TokenPerplexity
+from lightning_skrull.cli import TINY_CPU_TRAINER, TINY_QWEN2_5, SkrullCLI, main
 
 CONFIGS = sorted((Path(__file__).parents[2] / "examples" / "configs").glob("*.yaml"))
 TINY_CPU = Path(__file__).parents[2] / "examples" / "configs" / "tiny_cpu.yaml"

@@ -3,7 +3,7 @@ analytical memory model's, they fit the GPU they name, and each one trains a tin
 family (gpt-oss's stored in MXFP4, as the released checkpoint is).
 
 The published ``config.json`` values of each checkpoint are written out below (no network
-here). The memory model (:mod:`lightning_skrull.models.memory_estimate`) reads each whole
+here). The memory model (:mod:`benchmarks.memory_estimate`) reads each whole
 config: the text decoder with its norms and head (Gemma 3's tied), and the vision tower and
 projector of the two vision-language checkpoints. Every figure in a
 recipe's header (GiB, KiB and K-token numbers) must be one computed here: a header that drifts
@@ -29,9 +29,7 @@ from helpers import (
     tiny_config,
 )
 
-from lightning_skrull import SkrullDataModule
-from lightning_skrull.cli import TINY_CPU_TRAINER, PlanStatsPrinter, SkrullCausalLM, SkrullCLI
-from lightning_skrull.models.memory_estimate import (
+from benchmarks.memory_estimate import (
     MemoryStrategy,
     activation_bytes_per_token,
     activation_bytes_per_token_checkpointed,
@@ -39,6 +37,9 @@ from lightning_skrull.models.memory_estimate import (
     model_state_bytes,
     parameter_count,
 )
+from lightning_skrull import SkrullDataModule
+from lightning_skrull.causal_lm import SkrullCausalLM
+from lightning_skrull.cli import TINY_CPU_TRAINER, PlanStatsPrinter, SkrullCLI
 from lightning_skrull.scheduling.shapes import ModelShape
 
 CONFIGS = Path(__file__).parents[2] / "examples" / "configs"

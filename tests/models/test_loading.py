@@ -28,7 +28,8 @@ from lightning_skrull import (
     SkrullStrategy,
     SkrullZero2Strategy,
 )
-from lightning_skrull.cli import SkrullCausalLM, is_fsdp_strategy
+from lightning_skrull.causal_lm import SkrullCausalLM
+from lightning_skrull.cli import is_fsdp_strategy
 from lightning_skrull.models import (
     from_pretrained_on_rank_zero,
     launched_as_rank_zero,

@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lightning_skrull.models import chunked_loss
-from lightning_skrull.models.chunked_loss import (
+from lightning_skrull.models import loss_kernels
+from lightning_skrull.models.chunked_loss import use_chunked_loss
+from lightning_skrull.models.loss_kernels import (
     check_loss_kernel,
     installed_fused_kernels,
     linear_cross_entropy,
     resolve_loss_kernel,
-    use_chunked_loss,
 )
 
 FP32_REL = 1e-6  # the same terms summed in another order (measured below 2e-7)
@@ -105,7 +105,7 @@ def test_fused_adapter_equals_the_dense_loss(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # the device check is the one thing a CPU run cannot pass: pin the decision to the kernel
-    monkeypatch.setattr(chunked_loss, "resolve_loss_kernel", lambda *a, **k: kernel)
+    monkeypatch.setattr(loss_kernels, "resolve_loss_kernel", lambda *a, **k: kernel)
     g = torch.Generator().manual_seed(3)
     hidden = torch.randn(2, 9, 16, generator=g, requires_grad=True)
     weight = (torch.randn(50, 16, generator=g) * 0.3).requires_grad_()
@@ -147,7 +147,7 @@ def test_an_older_liger_without_accum_dtype_is_called_without_it(
 
     module = sys.modules["liger_kernel.transformers.functional"]
     monkeypatch.setattr(module, "liger_fused_linear_cross_entropy", old_liger)
-    monkeypatch.setattr(chunked_loss, "resolve_loss_kernel", lambda *a, **k: "liger")
+    monkeypatch.setattr(loss_kernels, "resolve_loss_kernel", lambda *a, **k: "liger")
     hidden, weight = torch.randn(5, 8), torch.randn(20, 8)
     target = torch.randint(0, 20, (5,))
     loss = linear_cross_entropy(hidden, weight, target, kernel="liger")
@@ -159,7 +159,7 @@ def test_fused_adapter_runs_in_the_autocast_dtype_with_autocast_off(
     fake_kernels: dict[str, _Recorder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # as lm_head would under autocast: bf16 inputs, the float32 master weight cast once
-    monkeypatch.setattr(chunked_loss, "resolve_loss_kernel", lambda *a, **k: "liger")
+    monkeypatch.setattr(loss_kernels, "resolve_loss_kernel", lambda *a, **k: "liger")
     hidden = torch.randn(6, 8, requires_grad=True)
     weight = torch.randn(20, 8, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):

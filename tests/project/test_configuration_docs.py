@@ -30,7 +30,9 @@ from lightning_skrull.config import DataConfig, SkrullConfig
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = ROOT / "docs" / "configuration.md"
-FIX = "run `python tests/project/test_configuration_docs.py --write` and commit docs/configuration.md"
+FIX = (
+    "run `python tests/project/test_configuration_docs.py --write` and commit docs/configuration.md"
+)
 
 CLASSES: dict[str, type] = {
     "SkrullStrategy": lightning_skrull.SkrullStrategy,

@@ -118,7 +118,7 @@ def _assert_fused_kernels(report: dict, printed: str) -> None:
     """The fused-kernels section of a tiny CPU run: what is installed, what "auto" picks (the
     chunked path off CUDA), every fused kernel reported as needing CUDA, the chunked path
     against the float64 reference, and the dense and chunked paths timed."""
-    from lightning_skrull.models.chunked_loss import installed_fused_kernels
+    from lightning_skrull.models.loss_kernels import installed_fused_kernels
 
     f = report["fused_kernels"]
     assert f["ok"] is True
