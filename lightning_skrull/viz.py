@@ -9,7 +9,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, shard_tokens
+from lightning_skrull.scheduling.plan import (
+    DISTRIBUTED,
+    GlobalBatchPlan,
+    rank_or_group,
+    shard_tokens,
+)
 
 if TYPE_CHECKING:
     from lightning_skrull.scheduling.cost_model import CostModel
@@ -71,7 +76,8 @@ def plot_plan(
         for m, mb in enumerate(mbs):
             base = m * (n + 1)
             heights = [0.0] * n
-            for sid, where in zip(mb.sequence_ids, mb.placement):
+            for sid, placed in zip(mb.sequence_ids, mb.placement):
+                where = rank_or_group(placed)
                 color = cmap(sid % 20)
                 if where == DISTRIBUTED:
                     share = shard_tokens(lengths[sid], n)

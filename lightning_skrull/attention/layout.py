@@ -33,7 +33,13 @@ from typing import NamedTuple
 
 import torch
 
-from lightning_skrull.scheduling.plan import DISTRIBUTED, check_kv_groups, kv_group_ranges
+from lightning_skrull.scheduling.plan import (
+    DISTRIBUTED,
+    Placement,
+    check_kv_groups,
+    kv_group_ranges,
+    rank_or_group,
+)
 
 
 class Segment(NamedTuple):
@@ -195,7 +201,7 @@ class RankLayout:
 
 def _check_plan(
     sequence_ids: Sequence[int],
-    placement: Sequence[int],
+    placement: Sequence[Placement],
     lengths: Sequence[int],
     cp_rank: int,
     cp_size: int,
@@ -211,7 +217,8 @@ def _check_plan(
         )
     if len(set(sequence_ids)) != len(sequence_ids):
         raise ValueError(f"sequence_ids {tuple(sequence_ids)} contain duplicates; each once.")
-    for sid, where in zip(sequence_ids, placement, strict=True):
+    for sid, placed in zip(sequence_ids, placement, strict=True):
+        where = rank_or_group(placed)
         if not 0 <= sid < len(lengths):
             raise ValueError(
                 f"sequence id {sid} is out of range for {len(lengths)} lengths; sequence ids "
@@ -228,7 +235,7 @@ def _check_plan(
 
 def build_rank_layout(
     sequence_ids: Sequence[int],
-    placement: Sequence[int],
+    placement: Sequence[Placement],
     lengths: Sequence[int],
     *,
     cp_rank: int,
@@ -255,6 +262,7 @@ def build_rank_layout(
             placement, length < 1, bad rank, ``kv_groups`` not positive counts summing to the
             number of distributed sequences).
     """
+    placement = [rank_or_group(where) for where in placement]  # a CpBlock is refused
     _check_plan(sequence_ids, placement, lengths, cp_rank, cp_size)
     segments: list[Segment] = []
     local_ids: list[int] = []
@@ -344,7 +352,7 @@ def build_rank_layout(
 
 def build_rank_layouts(
     sequence_ids: Sequence[int],
-    placement: Sequence[int],
+    placement: Sequence[Placement],
     lengths: Sequence[int],
     *,
     cp_size: int,
@@ -352,6 +360,7 @@ def build_rank_layouts(
 ) -> list[RankLayout]:
     """The layouts of every CP rank of a micro-batch, indexed by CP rank (see
     :func:`build_rank_layout` for ``kv_groups``)."""
+    placement = [rank_or_group(where) for where in placement]  # a CpBlock is refused
     return [
         build_rank_layout(
             sequence_ids, placement, lengths, cp_rank=r, cp_size=cp_size, kv_groups=kv_groups

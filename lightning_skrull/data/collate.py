@@ -35,7 +35,12 @@ import torch
 
 from lightning_skrull.attention.layout import RankLayout, build_rank_layout, pack, zigzag_chunks
 from lightning_skrull.data.dataset import IGNORE_INDEX
-from lightning_skrull.scheduling.plan import DISTRIBUTED, GlobalBatchPlan, MicroBatchPlan
+from lightning_skrull.scheduling.plan import (
+    DISTRIBUTED,
+    GlobalBatchPlan,
+    MicroBatchPlan,
+    rank_or_group,
+)
 
 PLACEHOLDER_TOKEN_ID = 0
 """Input id of the placeholder token given to a CP rank that holds no token of a micro-batch."""
@@ -212,7 +217,8 @@ def count_supervised_tokens(samples: Sequence[Mapping[str, Any]]) -> int:
 def tokens_per_cp_rank(mb: MicroBatchPlan, lengths: Sequence[int], cp_size: int) -> list[int]:
     """Exact tokens each CP rank holds in a micro-batch (floor/ceil shares of distributed ones)."""
     tokens = [0] * cp_size
-    for sid, where in zip(mb.sequence_ids, mb.placement, strict=True):
+    for sid, placed in zip(mb.sequence_ids, mb.placement, strict=True):
+        where = rank_or_group(placed)
         if where == DISTRIBUTED:
             chunks = zigzag_chunks(lengths[sid], cp_size)
             for r in range(cp_size):

@@ -279,3 +279,21 @@ def degree_shares(plan: GlobalBatchPlan, lengths: Sequence[int]) -> dict[int, fl
                 tokens[degree] = tokens.get(degree, 0) + lengths[sid]
     total = sum(tokens.values())
     return {d: tokens[d] / total for d in sorted(tokens)} if total else {}
+
+
+def rank_or_group(where: Placement) -> int:
+    """``where`` as a local CP rank or :data:`DISTRIBUTED`, for the readers that run plans.
+
+    The attention layout, the collate and the plan pictures run whole-rank and whole-group
+    placements; CP blocks are planned (``PlannerOptions.dacp_blocks``) but not yet run.
+
+    Raises:
+        ValueError: ``where`` is a :class:`CpBlock`, naming it and the fix.
+    """
+    if isinstance(where, CpBlock):
+        raise ValueError(
+            f"placement {where!r} shards a sequence over a block of the CP group, which the "
+            "attention layout does not run yet; plan with PlannerOptions(dacp_blocks=False) "
+            "(the default)."
+        )
+    return where

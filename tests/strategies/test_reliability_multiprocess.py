@@ -253,6 +253,8 @@ def _spawn_cases(rank: int, world_size: int, killed_dir: str, out_dir: str) -> s
 def _launch_env(out_dir: Path, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env.update({"SKRULL_TEST_OUT": str(out_dir), "PYTHONUNBUFFERED": "1", **extra})
+    # the script imports the test support modules of tests/, one folder up
+    env["PYTHONPATH"] = os.pathsep.join([str(SCRIPT.parents[1]), env.get("PYTHONPATH", "")])
     return env
 
 
